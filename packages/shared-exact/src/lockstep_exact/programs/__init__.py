@@ -1,0 +1,178 @@
+"""Byte programs: named, versioned floating-point programs, and the one dispatch point.
+
+A program is the exact sequence of floating-point operations of one op: operand dtypes,
+accumulator dtype, reduction tree, rounding points. ``Program`` names one (with its
+parameters); ``CATALOG`` lists every program this release implements; the functions below
+are what both engines call. Each picks its backend from the device of its tensors and fails
+closed where a backend lacks the program: there is no fallback to a non-exact path.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import torch
+
+
+@dataclass(frozen=True)
+class Program:
+    """One byte program with its parameters: ``gemm.kblock@1{bk=32,out=bf16}``."""
+
+    name: str
+    version: int
+    params: tuple[tuple[str, object], ...] = field(default=())
+
+    @classmethod
+    def of(cls, name: str, **params) -> Program:
+        if name not in CATALOG:
+            raise KeyError(f"unknown byte program {name!r}; known: {', '.join(sorted(CATALOG))}")
+        version, defaults = CATALOG[name]
+        unknown = set(params) - set(defaults)
+        if unknown:
+            raise KeyError(f"program {name} has no parameter(s) {sorted(unknown)}")
+        merged = {**defaults, **params}
+        return cls(name, version, tuple(sorted(merged.items())))
+
+    @property
+    def ident(self) -> str:
+        inner = ",".join(f"{k}={v}" for k, v in self.params)
+        return f"{self.name}@{self.version}{{{inner}}}"
+
+    def param(self, key: str):
+        return dict(self.params)[key]
+
+    def __str__(self) -> str:
+        return self.ident
+
+
+# name -> (version, default parameters). A change that moves any output bit is a new version.
+CATALOG: dict[str, tuple[int, dict[str, object]]] = {
+    "embedding.gather": (1, {}),
+    "gemm.kblock": (1, {"bk": 32, "out": "bf16"}),
+    "rmsnorm.qwen3": (1, {"eps": 1e-6}),
+    "residual.add": (1, {}),
+    "swiglu": (1, {}),
+    "rope.neox": (1, {"base": 1000000.0}),
+    "attention.blocked": (1, {"block": 32}),
+    "softmax.tree": (1, {}),
+    "log_softmax.tree": (1, {}),
+    "router.softmax_topk": (1, {"k": 2, "normalize": True}),
+    "moe.fold": (1, {"acc": "bf16"}),
+    "lora.shrink": (1, {"bk": 32}),
+    "lora.expand": (1, {"bk": 32}),
+}
+
+BACKENDS = ("cpu", "cuda")
+
+
+class BackendUnavailable(RuntimeError):
+    """A program was asked for on a backend that does not implement it."""
+
+
+def backend_of(*tensors: torch.Tensor) -> str:
+    devices = {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
+    if len(devices) != 1:
+        raise ValueError(f"a byte program's tensors must share one device, got {sorted(devices)}")
+    (device,) = devices
+    if device not in BACKENDS:
+        raise BackendUnavailable(f"no byte-program backend for device type {device!r}")
+    return device
+
+
+def backend_module(backend: str) -> ModuleType:
+    try:
+        return importlib.import_module(f"lockstep_exact.programs.{backend}")
+    except ModuleNotFoundError as err:
+        raise BackendUnavailable(
+            f"the {backend!r} backend of the byte programs is not available here ({err}); "
+            "Lockstep never falls back to a non-exact path"
+        ) from err
+
+
+def _impl(fn_name: str, *tensors: torch.Tensor):
+    module = backend_module(backend_of(*tensors))
+    fn = getattr(module, fn_name, None)
+    if fn is None:
+        raise BackendUnavailable(f"{module.__name__} does not implement {fn_name}")
+    return fn
+
+
+def gemm(x, w, *, bk: int = 32, out_dtype=torch.bfloat16):
+    return _impl("gemm", x, w)(x, w, bk=bk, out_dtype=out_dtype)
+
+
+def rmsnorm(x, weight, eps: float):
+    return _impl("rmsnorm", x, weight)(x, weight, eps)
+
+
+def residual_add(a, b):
+    return _impl("residual_add", a, b)(a, b)
+
+
+def swiglu(gate, up):
+    return _impl("swiglu", gate, up)(gate, up)
+
+
+def rope(x, positions, base: float):
+    return _impl("rope", x)(x, positions, base)
+
+
+def attention(q, k, v, positions, *, scale=None, block: int = 32):
+    return _impl("attention", q, k, v)(q, k, v, positions, scale=scale, block=block)
+
+
+def softmax(x):
+    return _impl("softmax", x)(x)
+
+
+def log_softmax(x):
+    return _impl("log_softmax", x)(x)
+
+
+def router_topk(logits, k: int, *, normalize: bool = True):
+    return _impl("router_topk", logits)(logits, k, normalize=normalize)
+
+
+def moe_fold(expert_out, weights, *, acc: str = "bf16"):
+    if acc == "bf16":
+        return _impl("moe_fold", expert_out, weights)(expert_out, weights)
+    if acc == "fp32":
+        return _impl("moe_fold_fp32", expert_out, weights)(expert_out, weights)
+    raise ValueError(f"moe.fold: unknown accumulation {acc!r} (bf16 or fp32)")
+
+
+def lora_shrink(x, a, *, bk: int = 32):
+    return _impl("lora_shrink", x, a)(x, a, bk=bk)
+
+
+def lora_expand(base, t, b, scale: float, *, bk: int = 32):
+    return _impl("lora_expand", base, t, b)(base, t, b, scale, bk=bk)
+
+
+def round_bf16(x):
+    return _impl("round_bf16", x)(x)
+
+
+__all__ = [
+    "BACKENDS",
+    "CATALOG",
+    "BackendUnavailable",
+    "Program",
+    "attention",
+    "backend_of",
+    "backend_module",
+    "gemm",
+    "log_softmax",
+    "lora_expand",
+    "lora_shrink",
+    "moe_fold",
+    "residual_add",
+    "rmsnorm",
+    "rope",
+    "round_bf16",
+    "router_topk",
+    "softmax",
+    "swiglu",
+]

@@ -1,0 +1,101 @@
+"""attention.blocked: causal GQA over absolute-position-aligned KV blocks."""
+
+from __future__ import annotations
+
+import torch
+
+from .arith import BF16, F32, as_f32, exp, require, round_bf16, tree_sum
+
+_CHUNK_BYTES = 48 << 20
+
+
+def default_scale(head_dim: int) -> torch.Tensor:
+    """1 / sqrt(D) as float32, from IEEE sqrt and division."""
+    return 1.0 / torch.sqrt(torch.tensor(float(head_dim), dtype=F32))
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    scale: torch.Tensor | None = None,
+    block: int = 32,
+) -> torch.Tensor:
+    """Causal attention of the queries of ONE sequence.
+
+    q [T, Hq, D] bf16 at absolute ``positions`` [T]; k, v [S, Hkv, D] bf16 hold that
+    sequence's keys and values for positions 0..S-1 (S > max(positions)). Query t attends to
+    keys 0..t. Keys are visited in blocks [jB, (j+1)B) aligned to absolute positions, in
+    ascending j, with an online-softmax merge:
+
+      s = tree_sum_D(q*k) * scale           masked (key > t) -> -inf
+      m' = max(m, max_block(s)); a = exp(m - m'); p = exp(s - m')
+      l' = l*a + tree_sum_B(p);  acc' = acc*a + tree_sum_B(p*v)   (masked p*v -> +0)
+      out = bf16(acc / l)
+
+    A row's operation sequence depends on t and the key/value bytes only, so the output for
+    position t is the same in a prefill of T tokens, in any chunk of a chunked prefill, and as
+    one decode step over a cache.
+    """
+    require(q.dtype == BF16 and k.dtype == BF16 and v.dtype == BF16, "attention: bf16 q/k/v")
+    require(
+        q.dim() == 3 and k.dim() == 3 and v.shape == k.shape, "attention: q [T,Hq,D], k/v [S,Hkv,D]"
+    )
+    n_q, h_q, d = q.shape
+    s_len, h_kv, _ = k.shape
+    require(k.shape[-1] == d, "attention: q and k head dims differ")
+    require(h_q % h_kv == 0, f"attention: {h_q} query heads over {h_kv} kv heads")
+    require(positions.shape == (n_q,), "attention: one position per query")
+    require(block >= 1 and block & (block - 1) == 0, "attention: block must be a power of two")
+    if n_q == 0:
+        return q.clone()
+    require(int(positions.max()) < s_len, "attention: a query position has no key in k/v")
+    if scale is None:
+        scale = default_scale(d)
+    g = h_q // h_kv
+    pos = positions.to(torch.int64)
+    qf = as_f32(q).reshape(n_q, h_kv, g, d)
+    kf = as_f32(k)
+    vf = as_f32(v)
+    n_blocks = int(pos.max()) // block + 1
+    pad = n_blocks * block - s_len
+    if pad > 0:
+        kf = torch.nn.functional.pad(kf, (0, 0, 0, 0, 0, pad))
+        vf = torch.nn.functional.pad(vf, (0, 0, 0, 0, 0, pad))
+    out = torch.empty(n_q, h_kv, g, d, dtype=F32)
+    rows = max(1, _CHUNK_BYTES // max(1, h_q * block * d * 4))
+    for r0 in range(0, n_q, rows):
+        out[r0 : r0 + rows] = _rows(qf[r0 : r0 + rows], kf, vf, pos[r0 : r0 + rows], scale, block)
+    return round_bf16(out.reshape(n_q, h_q, d))
+
+
+def _rows(qf, kf, vf, pos, scale, block):
+    n_q, h_kv, g, d = qf.shape
+    neg_inf = torch.tensor(float("-inf"), dtype=F32)
+    m = torch.full((n_q, h_kv, g), float("-inf"), dtype=F32)
+    l_sum = torch.zeros(n_q, h_kv, g, dtype=F32)
+    acc = torch.zeros(n_q, h_kv, g, d, dtype=F32)
+    last = int(pos.max()) // block
+    for j in range(last + 1):
+        kb = kf[j * block : (j + 1) * block].permute(1, 0, 2)  # [Hkv, B, D]
+        vb = vf[j * block : (j + 1) * block].permute(1, 0, 2)
+        key_pos = torch.arange(j * block, (j + 1) * block)
+        valid = key_pos[None, :] <= pos[:, None]  # [T, B]
+        active = pos >= j * block  # the row has at least one valid key in this block
+        s = tree_sum(qf[:, :, :, None, :] * kb[None, :, None, :, :]) * scale  # [T,Hkv,G,B]
+        s = torch.where(valid[:, None, None, :], s, neg_inf)
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        m_safe = torch.where(active[:, None, None], m_new, torch.zeros_like(m_new))
+        alpha = exp(m - m_safe)
+        p = exp(s - m_safe[..., None])
+        pv = p[..., None] * vb[None, :, None, :, :]  # [T,Hkv,G,B,D]
+        pv = torch.where(valid[:, None, None, :, None], pv, torch.zeros_like(pv))
+        l_new = l_sum * alpha + tree_sum(p)
+        acc_new = acc * alpha[..., None] + tree_sum(pv, dim=-2)
+        keep = active[:, None, None]
+        m = torch.where(keep, m_new, m)
+        l_sum = torch.where(keep, l_new, l_sum)
+        acc = torch.where(keep[..., None], acc_new, acc)
+    return acc / l_sum[..., None]

@@ -1,0 +1,49 @@
+"""gemm.kblock: y[m, n] = sum_k x[m, k] * w[n, k], in fixed K blocks."""
+
+from __future__ import annotations
+
+import torch
+
+from .arith import F32, as_f32, require, round_bf16, tree_sum
+
+# Rows per chunk are chosen so one chunk's products stay near this many bytes; the chunking
+# changes no byte (each output element's operation sequence is fixed by K and bk alone).
+_CHUNK_BYTES = 48 << 20
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, *, bk: int = 32, out_dtype=torch.bfloat16):
+    """x [..., K] times w[N, K]^T.
+
+    Products are formed in fp32 (exact for bf16 operands). Inside each block of ``bk``
+    consecutive k the products are summed over the adjacent-pair tree; block sums are added
+    left to right into an fp32 accumulator that starts as block 0. A ragged last block is
+    padded with +0 products. One rounding to ``out_dtype`` (RNE) at the end.
+    """
+    require(x.shape[-1] == w.shape[-1], f"gemm: K mismatch {tuple(x.shape)} x {tuple(w.shape)}")
+    require(w.dim() == 2, "gemm: weight must be [N, K]")
+    require(bk >= 1 and bk & (bk - 1) == 0, f"gemm: bk must be a power of two, got {bk}")
+    require(out_dtype in (torch.bfloat16, F32), f"gemm: unsupported out_dtype {out_dtype}")
+    lead = x.shape[:-1]
+    k_dim = x.shape[-1]
+    n_dim = w.shape[0]
+    xf = as_f32(x).reshape(-1, k_dim)
+    wf = as_f32(w)
+    nblocks = max(1, -(-k_dim // bk))
+    pad = nblocks * bk - k_dim
+    if pad:
+        xf = torch.nn.functional.pad(xf, (0, pad))
+        wf = torch.nn.functional.pad(wf, (0, pad))
+    xb = xf.reshape(-1, nblocks, bk)
+    wb = wf.reshape(n_dim, nblocks, bk)
+    m_dim = xb.shape[0]
+    out = torch.empty(m_dim, n_dim, dtype=F32)
+    rows = max(1, _CHUNK_BYTES // max(1, n_dim * bk * 4))
+    for r0 in range(0, m_dim, rows):
+        xs = xb[r0 : r0 + rows]
+        acc = None
+        for b in range(nblocks):
+            part = tree_sum(xs[:, None, b, :] * wb[None, :, b, :])
+            acc = part if acc is None else acc + part
+        out[r0 : r0 + rows] = acc
+    out = out.reshape(*lead, n_dim)
+    return round_bf16(out) if out_dtype == torch.bfloat16 else out
