@@ -1,0 +1,170 @@
+"""Contracts: a lane's programs, geometry and environment pins, fingerprinted.
+
+Both halves compute the contract of the lane they run. ``admit`` compares two contracts and
+fails closed, naming the first op site (or geometry field, or pin) where they differ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from . import __version__
+from .programs import Program
+
+CONTRACT_FORMAT = "lockstep.contract/1"
+
+
+class ContractMismatch(RuntimeError):
+    """Two halves would not run the same byte programs."""
+
+
+def environment_pins(backend: str) -> dict[str, str]:
+    """What the bytes of ``backend`` depend on besides the programs themselves.
+
+    The cpu backend is built from IEEE-exact operations only, so its bytes depend on the
+    program definitions (pinned by the lockstep-exact version), not on torch or the CPU.
+    The cuda backend depends on the GPU architecture and the kernel compiler as well.
+    """
+    pins = {"lockstep_exact": __version__, "backend": backend}
+    if backend == "cuda":
+        major, minor = torch.cuda.get_device_capability()
+        pins["cuda_capability"] = f"{major}.{minor}"
+        pins["torch"] = torch.__version__.split("+")[0]
+        try:
+            import triton
+
+            pins["triton"] = triton.__version__
+        except ImportError:
+            pins["triton"] = "absent"
+    return pins
+
+
+@dataclass(frozen=True)
+class Contract:
+    lane: str
+    dtype: str
+    backend: str
+    layout: Mapping[str, int]
+    geometry: Mapping[str, object]
+    sites: Mapping[str, Program]
+    pins: Mapping[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "format": CONTRACT_FORMAT,
+            "lane": self.lane,
+            "dtype": self.dtype,
+            "backend": self.backend,
+            "layout": dict(sorted(self.layout.items())),
+            "geometry": dict(sorted(self.geometry.items())),
+            "sites": {k: self.sites[k].ident for k in sorted(self.sites)},
+            "pins": dict(sorted(self.pins.items())),
+        }
+
+    def canonical(self) -> bytes:
+        """Sorted keys, no whitespace, ASCII: the bytes that are fingerprinted."""
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")).encode("ascii")
+
+    @property
+    def fingerprint(self) -> str:
+        return "sha256:" + hashlib.sha256(self.canonical()).hexdigest()
+
+    @property
+    def short(self) -> str:
+        return self.fingerprint[len("sha256:") :][:12]
+
+
+def first_difference(local: Contract, remote: Contract) -> str | None:
+    """A sentence naming the first place two contracts differ, in a fixed order."""
+    a, b = local.to_json(), remote.to_json()
+    for key in ("format", "lane", "dtype", "backend"):
+        if a[key] != b[key]:
+            return f"{key}: local {a[key]!r} vs remote {b[key]!r}"
+    for section, what in (
+        ("sites", "op site"),
+        ("geometry", "geometry"),
+        ("layout", "layout"),
+        ("pins", "environment pin"),
+    ):
+        for k in sorted(set(a[section]) | set(b[section])):
+            va, vb = a[section].get(k, "<absent>"), b[section].get(k, "<absent>")
+            if va != vb:
+                return f"{what} {k!r}: local {va} vs remote {vb}"
+    return None
+
+
+def admit(local: Contract, remote: Contract | Mapping | str) -> None:
+    """Pass only if ``remote`` is the same contract; otherwise raise, naming the difference.
+
+    ``remote`` may be a Contract, its JSON form, or only a fingerprint string (then the
+    difference cannot be located, only detected).
+    """
+    if isinstance(remote, str):
+        if remote != local.fingerprint:
+            raise ContractMismatch(
+                f"contract fingerprint {remote} does not match this lane's {local.fingerprint} "
+                f"({local.lane}); run `lockstep contract show` on both halves to see where"
+            )
+        return
+    if isinstance(remote, Mapping):
+        remote = contract_from_json(remote)
+    where = first_difference(local, remote)
+    if where is not None:
+        raise ContractMismatch(f"contracts differ at {where}; the halves would not be exact")
+
+
+def contract_from_json(data: Mapping) -> Contract:
+    if data.get("format") != CONTRACT_FORMAT:
+        raise ContractMismatch(f"unknown contract format {data.get('format')!r}")
+    sites = {k: _parse_ident(v) for k, v in data["sites"].items()}
+    return Contract(
+        lane=data["lane"],
+        dtype=data["dtype"],
+        backend=data["backend"],
+        layout=dict(data["layout"]),
+        geometry=dict(data["geometry"]),
+        sites=sites,
+        pins=dict(data["pins"]),
+    )
+
+
+def _parse_ident(ident: str) -> Program:
+    name, rest = ident.split("@", 1)
+    version, inner = rest.split("{", 1)
+    params = []
+    for item in filter(None, inner.rstrip("}").split(",")):
+        k, v = item.split("=", 1)
+        params.append((k, _parse_value(v)))
+    return Program(name, int(version), tuple(params))
+
+
+def _parse_value(text: str):
+    if text in ("True", "False"):
+        return text == "True"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def lane_contract(model_dir, *, backend: str = "cpu", tp: int = 1, ep: int = 1) -> Contract:
+    """The contract of the Qwen3-family exact lane for an HF model directory."""
+    from .lanes import qwen3
+
+    geom = qwen3.Geometry.from_model_dir(model_dir)
+    return Contract(
+        lane=f"{geom.family}/bf16/{backend}/tp{tp}ep{ep}",
+        dtype="bf16",
+        backend=backend,
+        layout={"tp": tp, "ep": ep},
+        geometry=geom.as_dict(),
+        sites=qwen3.op_sites(geom),
+        pins=environment_pins(backend),
+    )

@@ -1,0 +1,80 @@
+"""The plain data passed through the hooks (no engine types cross this boundary)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    plugin: str
+    role: str  # "sampler" or "trainer"
+    engine: str
+    engine_version: str | None
+    plugin_version: str
+    backends: tuple[str, ...] = ("cpu",)
+    problem: str | None = None
+
+
+@dataclass(frozen=True)
+class CaptureRequest:
+    model_dir: Path
+    prompts: tuple[str, ...]
+    decisions: int
+    out_dir: Path | None = None
+    adapter_dir: Path | None = None
+    seed: int = 0
+    contract: str | None = None  # expected fingerprint; None: the lane's own
+    backend: str = "cpu"
+    batch: bool = True  # submit all prompts at once (False: one at a time)
+    options: dict = field(default_factory=dict)  # engine-specific knobs (chunked prefill, ...)
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    model_dir: Path
+    trace_dir: Path
+    adapter_dir: Path | None = None
+    backend: str = "cpu"
+    micro_batch: int = 3  # the trainer's own batching, deliberately unlike the sampler's
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    logprobs: object  # torch.float32 tensor, one per decision, trace order
+    engine: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class DumpRequest:
+    role: str
+    model_dir: Path
+    tokens: tuple[int, ...]
+    position: int
+    adapter_dir: Path | None = None
+    backend: str = "cpu"
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    model_dir: Path
+    trace_dir: Path
+    adapter_in: Path | None
+    adapter_out: Path
+    steps: int = 1
+    lr: float = 1e-3
+    rank: int = 8
+    alpha: float = 16.0
+    seed: int = 0
+    checkpoint_dir: Path | None = None
+    backend: str = "cpu"
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    losses: tuple[float, ...]
+    backbone_hash_before: str
+    backbone_hash_after: str
+    adapter_dir: Path
