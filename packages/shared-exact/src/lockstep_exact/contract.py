@@ -158,7 +158,15 @@ def lane_contract(model_dir, *, backend: str = "cpu", tp: int = 1, ep: int = 1) 
     """The contract of the Qwen3-family exact lane for an HF model directory."""
     from .lanes import qwen3
 
-    geom = qwen3.Geometry.from_model_dir(model_dir)
+    return geometry_contract(
+        qwen3.Geometry.from_model_dir(model_dir), backend=backend, tp=tp, ep=ep
+    )
+
+
+def geometry_contract(geom, *, backend: str = "cpu", tp: int = 1, ep: int = 1) -> Contract:
+    """The contract of the Qwen3-family exact lane for a ``lanes.qwen3.Geometry``."""
+    from .lanes import qwen3
+
     return Contract(
         lane=f"{geom.family}/bf16/{backend}/tp{tp}ep{ep}",
         dtype="bf16",

@@ -1,0 +1,244 @@
+"""The ``lockstep`` command line. It drives engine plugins through the pluggy hooks only."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from . import __version__
+
+
+def _cmd_tiny(args) -> int:
+    from .tiny import make_tiny
+
+    kw = {
+        k: getattr(args, k)
+        for k in (
+            "seed",
+            "hidden",
+            "layers",
+            "heads",
+            "kv_heads",
+            "head_dim",
+            "intermediate",
+            "vocab",
+            "experts",
+            "topk",
+            "moe_intermediate",
+        )
+        if getattr(args, k) is not None
+    }
+    out = make_tiny(args.out, arch=args.arch, **kw)
+    from .contract import lane_contract
+
+    print(f"wrote {args.arch} model to {out}")
+    print(f"contract {lane_contract(out).fingerprint}")
+    return 0
+
+
+def _cmd_contract_show(args) -> int:
+    from .contract import lane_contract
+
+    contract = lane_contract(args.model, backend=args.backend)
+    if args.json:
+        print(json.dumps(contract.to_json(), indent=2, sort_keys=True))
+        return 0
+    print(f"lane         {contract.lane}")
+    print(f"fingerprint  {contract.fingerprint}")
+    print(f"pins         {', '.join(f'{k}={v}' for k, v in sorted(contract.pins.items()))}")
+    geom = ", ".join(f"{k}={v}" for k, v in contract.geometry.items() if v not in (0, ""))
+    print(f"geometry     {geom}")
+    print("op sites")
+    width = max(map(len, contract.sites))
+    for site in sorted(contract.sites):
+        print(f"  {site:<{width}}  {contract.sites[site].ident}")
+    return 0
+
+
+def _cmd_doctor(args) -> int:
+    import torch
+
+    from .contract import lane_contract
+    from .plugins import manager
+
+    print(
+        f"lockstep-exact {__version__}  python {sys.version.split()[0]}  torch {torch.__version__}"
+    )
+    backends = ["cpu"]
+    if torch.cuda.is_available():
+        backends.append(f"cuda ({torch.cuda.get_device_name()})")
+    print(f"backends      {', '.join(backends)}")
+    pm = manager()
+    infos = [i for i in pm.hook.lockstep_engine_info() if i is not None]
+    roles = {}
+    if not infos:
+        print("plugins       none installed (install lockstep-serving and lockstep-megatron)")
+    for info in sorted(infos, key=lambda i: i.role):
+        roles[info.role] = info
+        state = "ok" if info.problem is None else f"UNUSABLE: {info.problem}"
+        print(
+            f"plugin        {info.plugin} ({info.role}): {info.engine} {info.engine_version}, "
+            f"plugin {info.plugin_version}, backends {','.join(info.backends)}: {state}"
+        )
+    for half in ("sampler", "trainer"):
+        if half not in roles:
+            print(f"missing       no {half} plugin is installed")
+    models = [Path(args.model)] if args.model else None
+    with tempfile.TemporaryDirectory() as tmp:
+        if models is None:
+            from .tiny import make_tiny
+
+            models = [make_tiny(Path(tmp) / a, arch=a) for a in ("qwen3", "qwen3-moe")]
+        for model in models:
+            contract = lane_contract(model)
+            line = f"contract      {contract.lane}: {contract.fingerprint}"
+            for name, hook in (
+                ("sampler", pm.hook.lockstep_sampler_contract),
+                ("trainer", pm.hook.lockstep_trainer_contract),
+            ):
+                if not hook.get_hookimpls():
+                    continue
+                theirs = hook(model_dir=model, adapter_dir=None, backend="cpu")
+                same = theirs is not None and theirs.fingerprint == contract.fingerprint
+                line += f"  {name}={'same' if same else 'DIFFERENT'}"
+            print(line)
+    problems = [i for i in infos if i.problem] or len(roles) < 2
+    return 1 if problems else 0
+
+
+def _cmd_capture(args) -> int:
+    from .plugins import manager, require_hook
+    from .requests import CaptureRequest
+    from .tiny import default_prompts
+
+    prompts = (
+        tuple(Path(args.prompts).read_text().splitlines())
+        if args.prompts
+        else tuple(default_prompts(8))
+    )
+    prompts = tuple(p for p in prompts if p.strip())
+    hook = require_hook(manager(), "lockstep_capture", "sampler", "lockstep-serving")
+    trace = hook(
+        request=CaptureRequest(
+            model_dir=Path(args.model),
+            adapter_dir=Path(args.adapter) if args.adapter else None,
+            prompts=prompts,
+            decisions=args.decisions,
+            out_dir=Path(args.out),
+            seed=args.seed,
+        )
+    )
+    print(f"captured {trace.num_decisions} decisions from {len(prompts)} prompts -> {args.out}")
+    return 0
+
+
+def _cmd_replay(args) -> int:
+    import torch
+
+    from .k3 import compare
+    from .plugins import manager, require_hook
+    from .requests import ReplayRequest
+    from .trace import Trace
+
+    trace = Trace.load(args.trace)
+    hook = require_hook(manager(), "lockstep_replay", "trainer", "lockstep-megatron")
+    result = hook(
+        request=ReplayRequest(
+            model_dir=Path(args.model),
+            trace_dir=Path(args.trace),
+            adapter_dir=Path(args.adapter) if args.adapter else None,
+        )
+    )
+    cmp = compare(torch.as_tensor(trace.logprobs), result.logprobs)
+    report = {
+        "trace": str(args.trace),
+        "decisions": cmp.n,
+        "byte_equal": cmp.byte_equal,
+        "first_difference": cmp.first_diff,
+        "k3_max": cmp.k3_max,
+        "k3_mean": cmp.k3_mean,
+        "max_ulp": cmp.max_ulp,
+        "trainer": result.engine,
+        "seconds": result.seconds,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    verdict = "EXACT" if cmp.byte_equal == cmp.n else "NOT EXACT"
+    print(
+        f"{verdict}: {cmp.byte_equal}/{cmp.n} decisions byte-equal, K3 max {cmp.k3_max:.3g}"
+        + ("" if cmp.first_diff is None else f", first difference at decision {cmp.first_diff}")
+    )
+    return 0 if cmp.byte_equal == cmp.n else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lockstep",
+        description="Bit-exact trainer/sampler log-probabilities: make, check and replay lanes.",
+    )
+    parser.add_argument("--version", action="version", version=f"lockstep {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tiny = sub.add_parser("tiny", help="write a tiny HF-format Qwen3 / Qwen3-MoE model")
+    tiny.add_argument("--arch", choices=("qwen3", "qwen3-moe"), default="qwen3-moe")
+    tiny.add_argument("--out", required=True)
+    for name in (
+        "seed",
+        "hidden",
+        "layers",
+        "heads",
+        "kv-heads",
+        "head-dim",
+        "intermediate",
+        "vocab",
+        "experts",
+        "topk",
+        "moe-intermediate",
+    ):
+        tiny.add_argument(f"--{name}", type=int, dest=name.replace("-", "_"))
+    tiny.set_defaults(func=_cmd_tiny)
+
+    doctor = sub.add_parser("doctor", help="installed plugins, engines, backends, contracts")
+    doctor.add_argument("--model", help="model directory (default: tiny models made on the fly)")
+    doctor.set_defaults(func=_cmd_doctor)
+
+    contract = sub.add_parser("contract", help="contract commands")
+    csub = contract.add_subparsers(dest="contract_command", required=True)
+    show = csub.add_parser("show", help="print a model's lane contract and fingerprint")
+    show.add_argument("--model", required=True)
+    show.add_argument("--backend", default="cpu", choices=("cpu", "cuda"))
+    show.add_argument("--json", action="store_true", help="print the canonical JSON")
+    show.set_defaults(func=_cmd_contract_show)
+
+    cap = sub.add_parser("capture", help="sample with the serving plugin and write a trace")
+    cap.add_argument("--model", required=True)
+    cap.add_argument("--adapter")
+    cap.add_argument("--prompts", help="a file with one prompt per line (default: 8 built in)")
+    cap.add_argument("--decisions", type=int, default=8, help="sampled tokens per prompt")
+    cap.add_argument("--seed", type=int, default=0)
+    cap.add_argument("--out", required=True)
+    cap.set_defaults(func=_cmd_capture)
+
+    rep = sub.add_parser("replay", help="recompute a trace's decisions in the trainer")
+    rep.add_argument("--model", required=True)
+    rep.add_argument("--adapter")
+    rep.add_argument("--trace", required=True)
+    rep.add_argument("--out", help="write the report as JSON here")
+    rep.set_defaults(func=_cmd_replay)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError, KeyError, FileNotFoundError) as err:
+        print(f"lockstep {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Golden inputs and cases: fixed inputs for every program, for the contract lock.
+
+Inputs come from integer arithmetic (a 64-bit LCG hash of the element index), not from a
+torch random generator, so they are the same bytes under every torch version and device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from . import programs as P
+
+_MUL = 6364136223846793005
+_INC = 1442695040888963407
+
+
+def golden(
+    shape: tuple[int, ...], seed: int, scale: float = 1.0, dtype=torch.bfloat16, device: str = "cpu"
+) -> torch.Tensor:
+    """Deterministic values, roughly N(0, scale^2): a sum of 4 hashed uniforms per element."""
+    n = 1
+    for s in shape:
+        n *= s
+    idx = torch.arange(n * 4, dtype=torch.int64)
+    h = idx * _MUL + (seed * 2654435761 + _INC)
+    h = h ^ (h >> 29)
+    h = h * _MUL
+    u = ((h >> 40) & 0xFFFFFF).to(torch.float64) / float(1 << 24) - 0.5  # [-0.5, 0.5)
+    x = u.view(n, 4).sum(-1) * (3.0**0.5)  # variance 1
+    return (x * scale).view(*shape).to(dtype).to(device)
+
+
+def _cases() -> dict[str, list[tuple[str, Callable[[str], torch.Tensor]]]]:
+    g = golden
+    pos = lambda t, dev: torch.arange(t, device=dev)  # noqa: E731
+    return {
+        "gemm.kblock": [
+            ("m1_k128_n96", lambda d: P.gemm(g((1, 128), 1, device=d), g((96, 128), 2, device=d))),
+            (
+                "m67_k100_n33",
+                lambda d: P.gemm(g((67, 100), 3, device=d), g((33, 100), 4, device=d)),
+            ),
+            (
+                "m5_k96_n1000_fp32",
+                lambda d: P.gemm(
+                    g((5, 96), 5, device=d), g((1000, 96), 6, device=d), out_dtype=torch.float32
+                ),
+            ),
+        ],
+        "rmsnorm.qwen3": [
+            (
+                "t9_h96",
+                lambda d: P.rmsnorm(
+                    g((9, 96), 7, 3.0, device=d), g((96,), 8, 0.1, device=d) + 1, 1e-6
+                ),
+            ),
+        ],
+        "residual.add": [
+            ("t9_h96", lambda d: P.residual_add(g((9, 96), 9, device=d), g((9, 96), 10, device=d)))
+        ],
+        "swiglu": [
+            (
+                "t9_f288",
+                lambda d: P.swiglu(g((9, 288), 11, 4.0, device=d), g((9, 288), 12, device=d)),
+            )
+        ],
+        "rope.neox": [
+            (
+                "t7_h3_d32",
+                lambda d: P.rope(
+                    g((7, 3, 32), 13, device=d),
+                    torch.tensor([0, 1, 2, 31, 32, 1000, 4095], device=d),
+                    1e6,
+                ),
+            ),
+        ],
+        "attention.blocked": [
+            (
+                "t45_hq3_hkv1_d32",
+                lambda d: P.attention(
+                    g((45, 3, 32), 14, device=d),
+                    g((45, 1, 32), 15, device=d),
+                    g((45, 1, 32), 16, device=d),
+                    pos(45, d),
+                ),
+            ),
+        ],
+        "softmax.tree": [
+            ("t3_v1000", lambda d: P.softmax(g((3, 1000), 17, 4.0, torch.float32, d)))
+        ],
+        "log_softmax.tree": [
+            ("t3_v1000", lambda d: P.log_softmax(g((3, 1000), 18, 4.0, torch.float32, d)))
+        ],
+        "router.softmax_topk": [
+            ("t11_e8_k2", lambda d: P.router_topk(g((11, 8), 19, 2.0, device=d), 2)[1]),
+        ],
+        "moe.fold": [
+            (
+                "t5_k3_h96",
+                lambda d: P.moe_fold(g((5, 3, 96), 20, device=d), g((5, 3), 21, device=d)),
+            )
+        ],
+        "lora.shrink": [
+            (
+                "t5_k96_r8",
+                lambda d: P.lora_shrink(g((5, 96), 22, device=d), g((8, 96), 23, 0.1, device=d)),
+            )
+        ],
+        "lora.expand": [
+            (
+                "t5_r8_n64",
+                lambda d: P.lora_expand(
+                    g((5, 64), 24, device=d),
+                    g((5, 8), 25, device=d),
+                    g((64, 8), 26, 0.1, device=d),
+                    2.0,
+                ),
+            ),
+        ],
+        "embedding.gather": [
+            ("v50_h16", lambda d: g((50, 16), 27, device=d)[torch.tensor([3, 49, 0, 3], device=d)]),
+        ],
+    }
+
+
+CASES = _cases()
+
+
+def case_hashes(device: str = "cpu") -> dict[str, dict[str, str]]:
+    """{program: {case: sha256 of the output's raw bytes}} for every golden case."""
+    from .parity import bytes_sha256
+
+    return {
+        name: {case: bytes_sha256(fn(device).cpu()) for case, fn in cases}
+        for name, cases in CASES.items()
+    }

@@ -1,0 +1,125 @@
+"""The contract lock: golden output hashes per program version, and lane fingerprints.
+
+A kernel change that moves one output bit must come with a new program version, and a new
+version must come with a regenerated lock. ``check`` says which program broke which rule.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+LOCK_FORMAT = "lockstep.contracts-lock/1"
+
+# The lanes whose fingerprints the lock pins: the geometries ``lockstep tiny`` makes by default.
+LOCKED_LANES = {
+    "tiny-qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 1024,
+        "intermediate_size": 384,
+    },
+    "tiny-qwen3-moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 1024,
+        "intermediate_size": 384,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+    },
+}
+
+
+def build(backend: str = "cpu") -> dict:
+    from .contract import geometry_contract
+    from .golden import case_hashes
+    from .lanes.qwen3 import Geometry
+    from .programs import CATALOG
+
+    hashes = case_hashes(backend)
+    programs = {}
+    for name, (version, params) in sorted(CATALOG.items()):
+        programs[name] = {
+            "version": version,
+            "params": params,
+            "golden": {backend: hashes.get(name, {})},
+        }
+    lanes = {
+        name: geometry_contract(Geometry.from_hf_config(cfg), backend=backend).fingerprint
+        for name, cfg in LOCKED_LANES.items()
+    }
+    return {"format": LOCK_FORMAT, "programs": programs, "lanes": {backend: lanes}}
+
+
+def check(lock: dict, backend: str = "cpu") -> list[str]:
+    """Every way the code disagrees with the lock, one sentence each naming the program."""
+    if lock.get("format") != LOCK_FORMAT:
+        return [f"lock format is {lock.get('format')!r}, expected {LOCK_FORMAT!r}"]
+    now = build(backend)
+    problems = []
+    for name in sorted(set(lock["programs"]) | set(now["programs"])):
+        old, new = lock["programs"].get(name), now["programs"].get(name)
+        if old is None:
+            problems.append(f"program {name} is not in the lock: regenerate it")
+            continue
+        if new is None:
+            problems.append(f"program {name} is in the lock but no longer in the catalog")
+            continue
+        if old["version"] != new["version"] or old["params"] != new["params"]:
+            problems.append(
+                f"program {name} is {name}@{new['version']} {new['params']} but the lock has "
+                f"@{old['version']} {old['params']}: regenerate the lock "
+                "(python tools/contract_lock.py --update)"
+            )
+            continue
+        locked = old["golden"].get(backend)
+        if locked is None:
+            continue  # this backend's hashes are checked where it runs
+        for case in sorted(set(locked) | set(new["golden"][backend])):
+            if locked.get(case) != new["golden"][backend].get(case):
+                problems.append(
+                    f"program {name}@{new['version']} changed its output bytes on golden case "
+                    f"{case!r} ({backend}) without a version bump: bump its version in "
+                    "programs.CATALOG and regenerate the lock"
+                )
+    locked_lanes = lock.get("lanes", {}).get(backend)
+    if locked_lanes is not None:
+        for lane, fp in sorted(now["lanes"][backend].items()):
+            if locked_lanes.get(lane) != fp:
+                problems.append(
+                    f"lane {lane} fingerprint is {fp} but the lock has "
+                    f"{locked_lanes.get(lane)}: regenerate the lock"
+                )
+    return problems
+
+
+def merge(lock: dict | None, fresh: dict, backend: str) -> dict:
+    """``fresh`` for ``backend``, keeping other backends' hashes for unchanged programs."""
+    if not lock:
+        return fresh
+    out = json.loads(json.dumps(fresh))
+    for name, entry in out["programs"].items():
+        old = lock.get("programs", {}).get(name)
+        if old and old["version"] == entry["version"] and old["params"] == entry["params"]:
+            for other, hashes in old["golden"].items():
+                entry["golden"].setdefault(other, hashes)
+    for other, lanes in lock.get("lanes", {}).items():
+        out["lanes"].setdefault(other, lanes)
+    return out
+
+
+def read(path: str | Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def write(path: str | Path, lock: dict) -> None:
+    Path(path).write_text(json.dumps(lock, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,49 @@
+"""The contract lock catches a changed rounding without a version bump, naming the program."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lockstep_exact import lock
+from lockstep_exact import programs as P
+from lockstep_exact.golden import golden
+from lockstep_exact.parity import bytes_sha256
+
+LOCK_PATH = Path(__file__).resolve().parents[3] / "tools" / "contracts.lock"
+
+
+def test_committed_lock_matches_the_cpu_programs():
+    assert lock.check(lock.read(LOCK_PATH), "cpu") == []
+
+
+def test_changed_rounding_without_a_version_bump_fails_naming_the_program(monkeypatch):
+    from lockstep_exact.programs.cpu.arith import round_bf16, tree_sum
+
+    def truncating_rmsnorm(x, w, eps):  # the last rounding truncates instead of RNE
+        xf = x.float()
+        inv = 1.0 / torch.sqrt(tree_sum(xf * xf) / float(x.shape[-1]) + torch.tensor(eps))
+        prod = round_bf16(xf * inv[..., None]).float() * w.float()
+        return (prod.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+
+    monkeypatch.setattr(P.cpu, "rmsnorm", truncating_rmsnorm)
+    problems = lock.check(lock.read(LOCK_PATH), "cpu")
+    assert problems, "the lock check did not notice a changed rounding"
+    assert all("rmsnorm.qwen3" in p for p in problems)
+    assert "without a version bump" in problems[0]
+
+
+def test_version_bump_without_a_lock_update_fails_naming_the_program(monkeypatch):
+    version, params = P.CATALOG["moe.fold"]
+    monkeypatch.setitem(P.CATALOG, "moe.fold", (version + 1, params))
+    problems = lock.check(lock.read(LOCK_PATH), "cpu")
+    assert any(p.startswith("program moe.fold is moe.fold@2") for p in problems)
+    assert any("regenerate the lock" in p for p in problems)
+
+
+def test_golden_inputs_do_not_depend_on_the_torch_random_generator():
+    torch.manual_seed(12345)
+    pinned = "9e1748d691ea51cca3bda60b535c88f571d5fe6c9d8b3aa683d8b81345039d01"
+    assert bytes_sha256(golden((4, 8), seed=1)) == pinned
+    assert bytes_sha256(golden((4, 8), seed=2)) != pinned
