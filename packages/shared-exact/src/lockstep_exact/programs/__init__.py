@@ -15,6 +15,8 @@ from types import ModuleType
 
 import torch
 
+from . import cpu  # noqa: F401  (the always-present backend; tests reach it as P.cpu)
+
 
 @dataclass(frozen=True)
 class Program:

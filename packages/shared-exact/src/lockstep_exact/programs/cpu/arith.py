@@ -30,12 +30,12 @@ def round_bf16(x: torch.Tensor) -> torch.Tensor:
     which conversion path a library takes (vector, scalar, or a DAZ instruction).
     """
     require(x.dtype == F32, f"round_bf16 takes float32, got {x.dtype}")
-    bits = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    lsb = (bits >> 16) & 1
-    upper = ((bits + 0x7FFF + lsb) >> 16) & 0xFFFF
+    bits = x.contiguous().view(torch.int32)
+    # int32 cannot overflow here except for NaN patterns, which are replaced below; the
+    # arithmetic shift leaves the signed upper half, which fits int16 exactly.
+    upper = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).to(torch.int16)
     upper = torch.where(torch.isnan(x), torch.full_like(upper, 0x7FC0), upper)
-    upper = torch.where(upper >= 0x8000, upper - 0x10000, upper)
-    return upper.to(torch.int16).view(BF16)
+    return upper.view(BF16)
 
 
 def as_f32(x: torch.Tensor) -> torch.Tensor:

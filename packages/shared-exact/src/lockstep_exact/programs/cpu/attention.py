@@ -51,6 +51,7 @@ def attention(
     require(block >= 1 and block & (block - 1) == 0, "attention: block must be a power of two")
     if n_q == 0:
         return q.clone()
+    require(int(positions.min()) >= 0, "attention: negative position")
     require(int(positions.max()) < s_len, "attention: a query position has no key in k/v")
     if scale is None:
         scale = default_scale(d)

@@ -26,4 +26,5 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def residual_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The residual stream stays bf16: bf16(fp32(a) + fp32(b))."""
     require(a.dtype == BF16 and b.dtype == BF16, "residual_add: bf16 operands required")
+    require(a.shape == b.shape, f"residual_add: shapes {tuple(a.shape)} and {tuple(b.shape)}")
     return round_bf16(as_f32(a) + as_f32(b))

@@ -36,6 +36,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
     """
     require(x.dtype == BF16, "rope: bf16 input required")
     require(x.dim() == 3 and positions.shape == (x.shape[0],), "rope: x [T, H, D], positions [T]")
+    require(len(positions) == 0 or int(positions.min()) >= 0, "rope: negative position")
     half = x.shape[-1] // 2
     cos_t, sin_t = rope_tables(
         base, x.shape[-1], int(positions.max().item()) + 1 if len(positions) else 1
