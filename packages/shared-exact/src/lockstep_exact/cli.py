@@ -174,6 +174,65 @@ def _cmd_replay(args) -> int:
     return 0 if cmp.byte_equal == cmp.n else 1
 
 
+def _cmd_qualify(args) -> int:
+    import time
+
+    from . import report as report_mod
+    from .plugins import manager
+    from .qualify import Ladder
+
+    out = Path(args.out)
+    t0 = time.perf_counter()
+
+    def say(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
+
+    if args.model:
+        model = Path(args.model)
+    else:
+        from .tiny import make_tiny
+
+        model = out / f"tiny-{args.tiny}"
+        say(f"making tiny {args.tiny} model in {model}")
+        make_tiny(model, arch=args.tiny, seed=args.seed)
+    pm = manager()
+    engines = [vars(i) for i in pm.hook.lockstep_engine_info() if i is not None]
+    ladder = Ladder(
+        pm,
+        model,
+        out,
+        decisions=args.decisions,
+        adapter_dir=Path(args.adapter) if args.adapter else None,
+        progress=say,
+    )
+    rep = ladder.run(engines)
+    jpath, hpath = report_mod.write(rep, out)
+    print()
+    print(report_mod.table(rep))
+    print(f"report: {hpath} (and {jpath.name})")
+    return 0 if rep.passed else 1
+
+
+def _cmd_bisect(args) -> int:
+    from .bisect import bisect
+    from .plugins import manager
+
+    div, missing = bisect(
+        manager(),
+        Path(args.trace),
+        args.decision,
+        Path(args.model),
+        Path(args.adapter) if args.adapter else None,
+    )
+    for site in missing:
+        print(f"site present on one side only: {site}")
+    if div is None:
+        print(f"decision {args.decision}: every op site is byte-equal on both halves")
+        return 0
+    print(f"decision {args.decision}: {div}")
+    return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lockstep",
@@ -228,6 +287,23 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--trace", required=True)
     rep.add_argument("--out", help="write the report as JSON here")
     rep.set_defaults(func=_cmd_replay)
+
+    qual = sub.add_parser("qualify", help="run the qualification ladder (the main job)")
+    src = qual.add_mutually_exclusive_group()
+    src.add_argument("--model", help="HF model directory (default: a tiny model made now)")
+    src.add_argument("--tiny", choices=("qwen3", "qwen3-moe"), default="qwen3-moe")
+    qual.add_argument("--adapter", help="qualify this adapter (runs the base ruler on it)")
+    qual.add_argument("--decisions", type=int, default=64)
+    qual.add_argument("--seed", type=int, default=0, help="seed of the tiny model")
+    qual.add_argument("--out", default="lockstep-qualify", help="report and traces go here")
+    qual.set_defaults(func=_cmd_qualify)
+
+    bis = sub.add_parser("bisect", help="name the first op site whose bytes differ")
+    bis.add_argument("--model", required=True)
+    bis.add_argument("--adapter")
+    bis.add_argument("--trace", required=True)
+    bis.add_argument("--decision", type=int, required=True)
+    bis.set_defaults(func=_cmd_bisect)
     return parser
 
 

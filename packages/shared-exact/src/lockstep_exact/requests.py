@@ -38,6 +38,9 @@ class ReplayRequest:
     adapter_dir: Path | None = None
     backend: str = "cpu"
     micro_batch: int = 3  # the trainer's own batching, deliberately unlike the sampler's
+    # Negative controls only: replay on an adapter other than the trace's (the adapter-hash
+    # admission is skipped; the contract is still admitted). Reports record it.
+    control: bool = False
 
 
 @dataclass(frozen=True)

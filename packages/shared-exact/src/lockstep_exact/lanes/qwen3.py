@@ -16,6 +16,7 @@ import torch
 
 from .. import programs as P
 from ..programs import Program
+from ..sites import record
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3-moe"}
 
@@ -189,7 +190,12 @@ class Layer:
         self.lora = adapters or {}
 
     def proj(self, x, name):
-        return linear(x, self.w[name], self.lora.get(name))
+        out = linear(x, self.w[name], self.lora.get(name))
+        return record(f"{self.site}.{name.removesuffix('.weight')}", out)
+
+    @property
+    def site(self) -> str:
+        return f"layers.{self.index}"
 
     def attention(self, h, positions, attend: Attend):
         g = self.geom
@@ -197,21 +203,28 @@ class Layer:
         q = self.proj(h, "self_attn.q_proj.weight").view(t, g.heads, g.head_dim)
         k = self.proj(h, "self_attn.k_proj.weight").view(t, g.kv_heads, g.head_dim)
         v = self.proj(h, "self_attn.v_proj.weight").view(t, g.kv_heads, g.head_dim)
-        q = P.rmsnorm(q, self.w["self_attn.q_norm.weight"], g.eps)
-        k = P.rmsnorm(k, self.w["self_attn.k_norm.weight"], g.eps)
-        q = P.rope(q, positions, g.rope_theta)
-        k = P.rope(k, positions, g.rope_theta)
-        o = attend(self.index, q, k, v)
+        q = record(
+            f"{self.site}.self_attn.q_norm", P.rmsnorm(q, self.w["self_attn.q_norm.weight"], g.eps)
+        )
+        k = record(
+            f"{self.site}.self_attn.k_norm", P.rmsnorm(k, self.w["self_attn.k_norm.weight"], g.eps)
+        )
+        q = record(f"{self.site}.self_attn.q_rope", P.rope(q, positions, g.rope_theta))
+        k = record(f"{self.site}.self_attn.k_rope", P.rope(k, positions, g.rope_theta))
+        o = record(f"{self.site}.self_attn.core", attend(self.index, q, k, v))
         return self.proj(o.reshape(t, g.heads * g.head_dim), "self_attn.o_proj.weight")
 
     def mlp(self, h):
         if not self.geom.is_moe:
             gate = self.proj(h, "mlp.gate_proj.weight")
             up = self.proj(h, "mlp.up_proj.weight")
-            return self.proj(P.swiglu(gate, up), "mlp.down_proj.weight")
+            act = record(f"{self.site}.mlp.act", P.swiglu(gate, up))
+            return self.proj(act, "mlp.down_proj.weight")
         g = self.geom
-        logits = P.gemm(h, self.w["mlp.gate.weight"])
+        logits = record(f"{self.site}.mlp.gate", P.gemm(h, self.w["mlp.gate.weight"]))
         ids, weights = P.router_topk(logits, g.topk, normalize=g.norm_topk)
+        record(f"{self.site}.mlp.router_ids", ids)
+        record(f"{self.site}.mlp.router_weights", weights)
         out = torch.empty(h.shape[0], g.topk, g.hidden, dtype=h.dtype, device=h.device)
         for e in torch.unique(ids).tolist():
             rows, slot = (ids == e).nonzero(as_tuple=True)
@@ -220,15 +233,21 @@ class Layer:
             act = P.swiglu(
                 self.proj(x, pre + "gate_proj.weight"), self.proj(x, pre + "up_proj.weight")
             )
+            record(f"{self.site}.{pre}act", act)
             out[rows, slot] = self.proj(act, pre + "down_proj.weight")
-        return P.moe_fold(out, weights)
+        return record(f"{self.site}.mlp.fold", P.moe_fold(out, weights))
 
     def __call__(self, h, positions, attend: Attend):
         g = self.geom
-        a = self.attention(P.rmsnorm(h, self.w["input_layernorm.weight"], g.eps), positions, attend)
-        h = P.residual_add(h, a)
-        m = self.mlp(P.rmsnorm(h, self.w["post_attention_layernorm.weight"], g.eps))
-        return P.residual_add(h, m)
+        x = record(
+            f"{self.site}.input_layernorm", P.rmsnorm(h, self.w["input_layernorm.weight"], g.eps)
+        )
+        h = record(
+            f"{self.site}.residual_attn", P.residual_add(h, self.attention(x, positions, attend))
+        )
+        x = P.rmsnorm(h, self.w["post_attention_layernorm.weight"], g.eps)
+        m = self.mlp(record(f"{self.site}.post_attention_layernorm", x))
+        return record(f"{self.site}.residual_mlp", P.residual_add(h, m))
 
 
 def split_layers(
@@ -244,11 +263,12 @@ def split_layers(
 
 def final_logprobs(h, weights: Mapping[str, torch.Tensor], geom: Geometry) -> torch.Tensor:
     """final norm, fp32 LM head, log_softmax: [T, V] float32 log-probabilities."""
-    hn = P.rmsnorm(h, weights["model.norm.weight"], geom.eps)
+    hn = record("norm", P.rmsnorm(h, weights["model.norm.weight"], geom.eps))
     head = (
         weights["model.embed_tokens.weight"] if geom.tie_embeddings else weights["lm_head.weight"]
     )
-    return P.log_softmax(P.gemm(hn, head, out_dtype=torch.float32))
+    logits = record("lm_head", P.gemm(hn, head, out_dtype=torch.float32))
+    return record("logprobs", P.log_softmax(logits))
 
 
 def forward_logprobs(
@@ -262,7 +282,7 @@ def forward_logprobs(
     Row t is the distribution of token t+1 given tokens 0..t.
     """
     positions = torch.arange(tokens.shape[0])
-    h = weights["model.embed_tokens.weight"][tokens]
+    h = record("embed_tokens", weights["model.embed_tokens.weight"][tokens])
     for i, lw in enumerate(split_layers(weights, geom)):
         prefix = f"model.layers.{i}."
         layer_ad = {

@@ -1,0 +1,401 @@
+"""The qualification ladder: gates that prove, or disprove, that a trainer/sampler pair is exact.
+
+Each gate captures with the serving plugin and replays with the trainer plugin through the
+hooks, compares the raw FP32 bytes decision by decision, and stops the ladder at the first
+failure (after a first-divergence search when both halves can dump their op sites).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .adapters import load_adapter, make_adapter, perturb_adapter
+from .contract import admit, lane_contract
+from .k3 import compare, k3
+from .lanes.qwen3 import Geometry
+from .parity import same_bytes
+from .plugins import MissingHalf, require_hook
+from .requests import CaptureRequest, ReplayRequest, TrainRequest
+from .tiny import default_prompts
+from .trace import Trace
+
+
+@dataclass
+class Check:
+    what: str
+    passed: bool
+    decisions: int = 0
+    byte_equal: int = 0
+    k3_max: float = 0.0
+    first_difference: int | None = None
+    max_ulp: int = 0
+    k3: list[float] = field(default_factory=list)
+    expect_exact: bool = True  # False for negative controls, which must differ
+    note: str = ""
+    trace: str | None = None  # the trace directory the sampler side came from
+    adapter: str | None = None
+
+
+@dataclass
+class Gate:
+    name: str
+    passed: bool = False
+    seconds: float = 0.0
+    checks: list[Check] = field(default_factory=list)
+    bisect: dict | None = None
+    error: str | None = None
+
+
+@dataclass
+class Report:
+    model: str
+    adapter: str | None
+    contract: str
+    lane: str
+    engines: list[dict]
+    lockstep_exact: str = __version__
+    gates: list[Gate] = field(default_factory=list)
+    passed: bool = False
+    seconds: float = 0.0
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+class GateFailed(Exception):
+    pass
+
+
+class Ladder:
+    """Runs the gates in order. ``progress(message)`` is told what is happening."""
+
+    def __init__(
+        self,
+        pm,
+        model_dir: Path,
+        out_dir: Path,
+        *,
+        decisions: int = 64,
+        adapter_dir: Path | None = None,
+        prompts: tuple[str, ...] | None = None,
+        progress: Callable[[str], None] = print,
+        rank: int = 8,
+    ):
+        self.pm = pm
+        self.model = Path(model_dir)
+        self.out = Path(out_dir)
+        self.decisions = decisions
+        self.user_adapter = Path(adapter_dir) if adapter_dir else None
+        self.prompts = tuple(prompts or default_prompts(8))
+        self.say = progress
+        self.rank = rank
+        self.geom = Geometry.from_model_dir(self.model)
+        self.contract = lane_contract(self.model)
+        self._capture = require_hook(pm, "lockstep_capture", "sampler", "lockstep-serving")
+        self._replay = require_hook(pm, "lockstep_replay", "trainer", "lockstep-megatron")
+        self._traces = 0
+
+    # --- primitives --------------------------------------------------------------------------
+    def admit_halves(self) -> None:
+        for half, hook in (
+            ("sampler", self.pm.hook.lockstep_sampler_contract),
+            ("trainer", self.pm.hook.lockstep_trainer_contract),
+        ):
+            theirs = hook(model_dir=self.model, adapter_dir=None, backend="cpu")
+            if theirs is None:
+                raise MissingHalf(f"no installed plugin states the {half} contract")
+            admit(self.contract, theirs)
+
+    def capture(
+        self, tag: str, *, adapter: Path | None, n_prompts: int, per_prompt: int, seed: int = 0
+    ) -> tuple[Path, Trace]:
+        self._traces += 1
+        out = self.out / "traces" / f"{self._traces:02d}-{tag}"
+        self.say(f"capture {tag}: {n_prompts} prompts x {per_prompt} decisions")
+        trace = self._capture(
+            request=CaptureRequest(
+                model_dir=self.model,
+                adapter_dir=adapter,
+                prompts=self.prompts[:n_prompts],
+                decisions=per_prompt,
+                out_dir=out,
+                seed=seed,
+                contract=self.contract.fingerprint,
+            )
+        )
+        if not (out / "manifest.json").exists():
+            trace.save(out)
+        return out, Trace.load(out)
+
+    def replay(self, trace_dir: Path, *, adapter: Path | None, control: bool = False):
+        self.say(f"replay {trace_dir.name}" + (" (negative control)" if control else ""))
+        return self._replay(
+            request=ReplayRequest(
+                model_dir=self.model, trace_dir=trace_dir, adapter_dir=adapter, control=control
+            )
+        ).logprobs
+
+    @staticmethod
+    def check(
+        what: str, sampler: torch.Tensor, trainer: torch.Tensor, *, expect_exact: bool = True
+    ) -> Check:
+        cmp = compare(sampler, trainer)
+        exact = cmp.exact
+        return Check(
+            what=what,
+            passed=exact if expect_exact else not exact,
+            decisions=cmp.n,
+            byte_equal=cmp.byte_equal,
+            k3_max=cmp.k3_max,
+            first_difference=cmp.first_diff,
+            max_ulp=cmp.max_ulp,
+            k3=[float(v) for v in k3(sampler, trainer)],
+            expect_exact=expect_exact,
+        )
+
+    def stable(self, what: str, traces: list[Trace]) -> Check:
+        first = traces[0]
+        ok = all(
+            torch.equal(t.sampled_tokens, first.sampled_tokens)
+            and same_bytes(t.logprobs, first.logprobs)
+            for t in traces[1:]
+        )
+        return Check(
+            what=what,
+            passed=ok,
+            decisions=first.num_decisions,
+            byte_equal=first.num_decisions if ok else 0,
+            note=f"{len(traces)} captures, tokens and logprob bytes "
+            + ("identical" if ok else "DIFFER"),
+        )
+
+    def replay_check(self, what: str, trace_dir: Path, trace: Trace, adapter: Path | None) -> Check:
+        c = self.check(what, trace.logprobs, self.replay(trace_dir, adapter=adapter))
+        c.trace, c.adapter = str(trace_dir), str(adapter) if adapter else None
+        return c
+
+    # --- gates ---------------------------------------------------------------------------------
+    def base_ruler(self, gate: Gate) -> None:
+        d4, t4 = self.capture("base-4", adapter=self.user_adapter, n_prompts=4, per_prompt=1)
+        gate.checks.append(
+            self.replay_check("trainer replays 4 decisions", d4, t4, self.user_adapter)
+        )
+        self._gate_ok(gate)
+        per = max(1, self.decisions // len(self.prompts))
+        runs = [
+            self.capture(
+                f"base-{per * len(self.prompts)}-r{i}",
+                adapter=self.user_adapter,
+                n_prompts=len(self.prompts),
+                per_prompt=per,
+            )
+            for i in range(3)
+        ]
+        gate.checks.append(
+            self.stable("sampler bytes stable over 3 captures", [t for _, t in runs])
+        )
+        self._gate_ok(gate)
+        self.base = runs[0]
+        gate.checks.append(
+            self.replay_check(
+                f"trainer replays {runs[0][1].num_decisions} decisions", *runs[0], self.user_adapter
+            )
+        )
+
+    def adapter_a(self, gate: Gate) -> None:
+        adir = self.out / "adapters"
+        zero = make_adapter(self.model, adir / "zero", rank=self.rank, zero_b=True, seed=1)
+        a = make_adapter(self.model, adir / "A", rank=self.rank, seed=2)
+        self.adapter_a_dir = a
+        per = max(1, self.decisions // len(self.prompts))
+        n = len(self.prompts)
+        base_dir, base = self.base
+        zd, zt = self.capture("zero-adapter", adapter=zero, n_prompts=n, per_prompt=per)
+        same = torch.equal(zt.sampled_tokens, base.sampled_tokens)
+        c = self.check("sampler: zero adapter gives the base bytes", base.logprobs, zt.logprobs)
+        c.passed = c.passed and same
+        gate.checks.append(c)
+        gate.checks.append(self.replay_check("trainer: zero adapter replays exactly", zd, zt, zero))
+        self._gate_ok(gate)
+        ad, at = self.capture("adapter-A", adapter=a, n_prompts=n, per_prompt=per)
+        gate.checks.append(self.replay_check("trainer replays adapter A", ad, at, a))
+        self._gate_ok(gate)
+        key = self._control_key()
+        pert = perturb_adapter(a, adir / "A-perturbed", key)
+        pd, pt = self.capture("adapter-A-perturbed", adapter=pert, n_prompts=n, per_prompt=per)
+        gate.checks.append(
+            self.check(
+                f"control: sampler on A + 2^-9 ({key.split('model.', 2)[-1]}) vs trainer on A",
+                pt.logprobs,
+                self.replay(pd, adapter=a, control=True),
+                expect_exact=False,
+            )
+        )
+        gate.checks.append(
+            self.check(
+                "control: sampler on A vs trainer on A + 2^-9",
+                at.logprobs,
+                self.replay(ad, adapter=pert, control=True),
+                expect_exact=False,
+            )
+        )
+        self.adapter_a_trace = ad
+
+    def _control_key(self) -> str:
+        module = (
+            "model.layers.0.mlp.experts.0.down_proj"
+            if self.geom.is_moe
+            else "model.layers.0.mlp.down_proj"
+        )
+        return f"base_model.model.{module}.lora_B.weight"
+
+    def training(self, gate: Gate) -> None:
+        hook = require_hook(self.pm, "lockstep_train_step", "trainer", "lockstep-megatron")
+        outs = []
+        for i in range(2):
+            self.say(f"train step (run {i + 1} of 2)")
+            outs.append(
+                hook(
+                    request=TrainRequest(
+                        model_dir=self.model,
+                        trace_dir=self.adapter_a_trace,
+                        adapter_in=self.adapter_a_dir,
+                        adapter_out=self.out / "adapters" / f"B-run{i}",
+                        steps=1,
+                        rank=self.rank,
+                        seed=0,
+                    )
+                )
+            )
+        a = load_adapter(self.adapter_a_dir, self.geom)
+        b = [load_adapter(o.adapter_dir, self.geom) for o in outs]
+        moved = sum(
+            not same_bytes(b[0].modules[k][i], a.modules[k][i]) for k in a.modules for i in (0, 1)
+        )
+        total = 2 * len(a.modules)
+        gate.checks.append(
+            Check(
+                "adapter factors moved",
+                moved > 0,
+                total,
+                total - moved,
+                note=f"{moved} of {total} factors changed",
+            )
+        )
+        repeat = all(
+            same_bytes(b[0].modules[k][i], b[1].modules[k][i]) for k in b[0].modules for i in (0, 1)
+        )
+        gate.checks.append(
+            Check(
+                "trainer is byte-repeatable",
+                repeat,
+                total,
+                total if repeat else 0,
+                note="two runs, same adapter bytes",
+            )
+        )
+        frozen = all(o.backbone_hash_before == o.backbone_hash_after for o in outs)
+        gate.checks.append(
+            Check("backbone hash unchanged", frozen, note=outs[0].backbone_hash_before)
+        )
+        self.adapter_b = outs[0].adapter_dir
+
+    def adapter_b_join(self, gate: Gate) -> None:
+        n, per = len(self.prompts), max(1, self.decisions // len(self.prompts))
+        runs = [
+            self.capture(f"adapter-B-r{i}", adapter=self.adapter_b, n_prompts=n, per_prompt=per)
+            for i in range(3)
+        ]
+        gate.checks.append(
+            self.stable("sampler bytes stable over 3 captures (B)", [t for _, t in runs])
+        )
+        self._gate_ok(gate)
+        gate.checks.append(self.replay_check("trainer replays adapter B", *runs[0], self.adapter_b))
+
+    def promotion(self, gate: Gate) -> None:
+        n, per = len(self.prompts), max(1, self.decisions // len(self.prompts))
+        d, t = self.capture(
+            "promotion", adapter=self.adapter_b, n_prompts=n, per_prompt=per, seed=1234
+        )
+        c = self.replay_check(
+            f"promotion: {t.num_decisions} fresh decisions, K3 = 0", d, t, self.adapter_b
+        )
+        c.passed = c.passed and c.k3_max == 0.0
+        gate.checks.append(c)
+
+    @staticmethod
+    def _gate_ok(gate: Gate) -> None:
+        if not all(c.passed for c in gate.checks):
+            raise GateFailed()
+
+    def first_failure(self, gate: Gate) -> Check | None:
+        return next((c for c in gate.checks if not c.passed), None)
+
+    def run(self, engines: list[dict]) -> Report:
+        t0 = time.perf_counter()
+        self.out.mkdir(parents=True, exist_ok=True)
+        report = Report(
+            model=str(self.model),
+            adapter=str(self.user_adapter or "") or None,
+            contract=self.contract.fingerprint,
+            lane=self.contract.lane,
+            engines=engines,
+        )
+        self.admit_halves()
+        plan = [("base ruler", self.base_ruler)]
+        if self.user_adapter is None:
+            plan += [
+                ("adapter A join", self.adapter_a),
+                ("training gate", self.training),
+                ("adapter B join", self.adapter_b_join),
+                ("promotion", self.promotion),
+            ]
+        for name, step in plan:
+            gate = Gate(name)
+            report.gates.append(gate)
+            self.say(f"== gate: {name}")
+            g0 = time.perf_counter()
+            try:
+                step(gate)
+                gate.passed = all(c.passed for c in gate.checks)
+            except GateFailed:
+                gate.passed = False
+            except Exception as err:  # a hook's refusal is a failed gate, reported by name
+                gate.passed = False
+                gate.error = f"{type(err).__name__}: {err}"
+            gate.seconds = time.perf_counter() - g0
+            if not gate.passed:
+                self._bisect(gate)
+                break
+        report.passed = all(g.passed for g in report.gates) and len(report.gates) == len(plan)
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def _bisect(self, gate: Gate) -> None:
+        failed = self.first_failure(gate)
+        if failed is None or failed.first_difference is None or not failed.expect_exact:
+            return
+        traces = sorted((self.out / "traces").iterdir())
+        if not traces:
+            return
+        from .bisect import bisect
+
+        try:
+            self.say(f"bisect decision {failed.first_difference} of {traces[-1].name}")
+            div, missing = bisect(
+                self.pm, traces[-1], failed.first_difference, self.model, self.user_adapter
+            )
+            gate.bisect = {
+                "trace": traces[-1].name,
+                "decision": failed.first_difference,
+                "divergence": div.as_dict() if div else None,
+                "one_sided_sites": missing,
+            }
+        except Exception as err:
+            gate.bisect = {"error": f"{type(err).__name__}: {err}"}
