@@ -1,0 +1,76 @@
+"""The lockstep CLI: tiny, contract show, and refusals that name what is missing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lockstep_exact.cli import main
+from lockstep_exact.plugins import MissingHalf, manager
+from lockstep_exact.qualify import Ladder
+
+
+def test_tiny_writes_a_model_and_prints_its_contract(tmp_path, capsys):
+    out = tmp_path / "m"
+    assert (
+        main(
+            [
+                "tiny",
+                "--arch",
+                "qwen3-moe",
+                "--out",
+                str(out),
+                "--hidden",
+                "96",
+                "--vocab",
+                "1000",
+                "--heads",
+                "3",
+                "--kv-heads",
+                "1",
+            ]
+        )
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "contract sha256:" in printed
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["hidden_size"] == 96 and cfg["vocab_size"] == 1000
+
+
+def test_contract_show_lists_every_op_site(tmp_path, capsys):
+    out = tmp_path / "m"
+    main(["tiny", "--arch", "qwen3", "--out", str(out)])
+    capsys.readouterr()
+    assert main(["contract", "show", "--model", str(out), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["sites"]["layers.attn.core"] == "attention.blocked@1{block=32}"
+    assert data["sites"]["lm_head"] == "gemm.kblock@1{bk=32,out=fp32}"
+
+
+def test_bad_input_exits_2_with_a_message(tmp_path, capsys):
+    assert main(["contract", "show", "--model", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "tiny",
+                "--arch",
+                "qwen3",
+                "--out",
+                str(tmp_path / "x"),
+                "--heads",
+                "3",
+                "--kv-heads",
+                "2",
+            ]
+        )
+        == 2
+    )
+
+
+def test_qualify_without_plugins_names_the_missing_half(tmp_path):
+    main(["tiny", "--arch", "qwen3", "--out", str(tmp_path / "m")])
+    with pytest.raises(MissingHalf, match="sampler half.*lockstep-serving"):
+        Ladder(manager(load_entry_points=False), tmp_path / "m", tmp_path / "q")
