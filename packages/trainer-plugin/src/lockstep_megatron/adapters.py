@@ -1,0 +1,94 @@
+"""LoRA on the exact lane: where adapters sit, their HF/PEFT names, and the frozen backbone.
+
+Adapters cover the attention and MLP projections (q, k, v, o, gate, up, down) of every
+layer; in a MoE layer every expert's gate/up/down gets its own adapter of rank ``r // topk``
+(so the rank a token passes through, summed over its k experts, is ``r``). Every adapter has
+PEFT's scale ``lora_alpha / its rank`` (``lockstep_exact.adapters``, shared with the sampler).
+Master weights are fp32; the forward (and the export) sees them rounded to bf16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from lockstep_exact.adapters import module_rank
+from lockstep_exact.hashing import tensor_sha256
+
+from .spec import ExactLinear, LockstepGPT
+
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Site:
+    """One adapted projection: its HF module name and where it lives in the Megatron model."""
+
+    hf_module: str  # model.layers.N.self_attn.q_proj
+    linear: ExactLinear
+    part: str
+    is_expert: bool
+
+
+def sites(model: LockstepGPT) -> Iterator[Site]:
+    for i, layer in enumerate(model.gpt.decoder.layers):
+        p = f"model.layers.{i}."
+        att = layer.self_attention
+        for part in ATTN[:3]:
+            yield Site(f"{p}self_attn.{part}", att.linear_qkv, part, False)
+        yield Site(f"{p}self_attn.o_proj", att.linear_proj, "o_proj", False)
+        if model.geom.is_moe:
+            for e, ex in enumerate(layer.mlp.experts.local_experts):
+                for part, fc in zip(MLP, ("linear_fc1", "linear_fc1", "linear_fc2"), strict=True):
+                    yield Site(f"{p}mlp.experts.{e}.{part}", getattr(ex, fc), part, True)
+        else:
+            for part, fc in zip(MLP, ("linear_fc1", "linear_fc1", "linear_fc2"), strict=True):
+                yield Site(f"{p}mlp.{part}", getattr(layer.mlp, fc), part, False)
+
+
+def rank_of(model: LockstepGPT, site: Site, rank: int) -> int:
+    return module_rank(model.geom, site.hf_module, rank)
+
+
+def attach(model: LockstepGPT, rank: int, alpha: float, seed: int = 0) -> LockstepGPT:
+    """Add fresh adapters (A random, B = 0: the model's bytes do not change)."""
+    g = torch.Generator().manual_seed(seed)
+    for s in sites(model):
+        s.linear.add_lora(s.part, rank_of(model, s, rank), alpha, g)
+    model.lora_config = {"r": rank, "alpha": float(alpha)}
+    return model
+
+
+def adapter_parameters(model: LockstepGPT) -> list[torch.nn.Parameter]:
+    return [p for n, p in model.named_parameters() if ".lora." in n]
+
+
+def backbone_hash(model: LockstepGPT) -> str:
+    """sha256 over every non-adapter tensor of the model, by name (frozen means unchanged)."""
+    import hashlib
+
+    h = hashlib.sha256(b"lockstep.backbone.v1\0")
+    for name, t in sorted(model.gpt.state_dict().items()):
+        if ".lora." in name or name.endswith("_extra_state"):
+            continue
+        h.update(name.encode() + b"\0" + tensor_sha256(t).encode() + b"\0")
+    return h.hexdigest()
+
+
+def bf16_adapters(model: LockstepGPT) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """``{hf_module.weight: (A, B, scale)}`` in bf16: the reference forward's ``adapters``."""
+    from lockstep_exact import programs as P
+
+    out = {}
+    for s in sites(model):
+        if s.part in s.linear.lora:
+            ad = s.linear.lora[s.part]
+            out[s.hf_module + ".weight"] = (
+                P.round_bf16(ad.A.detach()),
+                P.round_bf16(ad.B.detach()),
+                ad.scale,
+            )
+    return out

@@ -1,0 +1,111 @@
+"""HF safetensors (the files the server loads) -> the Megatron exact-lane model's state.
+
+Names map one to one except the fused weights, which are assembled from the HF projections
+by the column layout the modules themselves declare (``ExactLinear.parts``): one source of
+truth for where q/k/v and gate/up rows live.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from lockstep_exact.lanes.qwen3 import Geometry
+
+from .spec import ExactLinear, LockstepGPT
+
+
+class ConversionError(ValueError):
+    """The HF checkpoint does not fill the Megatron model exactly (missing, extra, dtype)."""
+
+
+def load_hf_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ConversionError(f"{model_dir} holds no *.safetensors")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    bad = sorted(k for k, t in weights.items() if t.dtype != torch.bfloat16)
+    if bad:
+        raise ConversionError(f"the exact lane loads bf16 weights; not bf16: {bad[:3]}")
+    return weights
+
+
+def _fuse(linear: ExactLinear, hf: dict[str, torch.Tensor], prefix: str, used: set[str]):
+    fused = torch.empty_like(linear.weight)
+    for part, cols in linear.parts.items():
+        key = f"{prefix}{part}.weight"
+        if key not in hf:
+            raise ConversionError(f"missing HF weight {key}")
+        fused[cols] = hf[key]
+        used.add(key)
+    return fused
+
+
+def megatron_state(model: LockstepGPT, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The GPTModel state dict (names as ``model.gpt.state_dict()``) built from HF weights."""
+    g: Geometry = model.geom
+    gpt = model.gpt
+    used: set[str] = set()
+    state: dict[str, torch.Tensor] = {}
+
+    def take(src: str, dst: str):
+        if src not in hf:
+            raise ConversionError(f"missing HF weight {src}")
+        used.add(src)
+        state[dst] = hf[src]
+
+    take("model.embed_tokens.weight", "embedding.word_embeddings.weight")
+    take("model.norm.weight", "decoder.final_layernorm.weight")
+    if not g.tie_embeddings:
+        take("lm_head.weight", "output_layer.weight")
+    for i, layer in enumerate(gpt.decoder.layers):
+        hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
+        att = layer.self_attention
+        take(hp + "input_layernorm.weight", mp + "input_layernorm.weight")
+        take(hp + "post_attention_layernorm.weight", mp + "pre_mlp_layernorm.weight")
+        take(hp + "self_attn.q_norm.weight", mp + "self_attention.q_layernorm.weight")
+        take(hp + "self_attn.k_norm.weight", mp + "self_attention.k_layernorm.weight")
+        state[mp + "self_attention.linear_qkv.weight"] = _fuse(
+            att.linear_qkv, hf, hp + "self_attn.", used
+        )
+        state[mp + "self_attention.linear_proj.weight"] = _fuse(
+            att.linear_proj, hf, hp + "self_attn.", used
+        )
+        if g.is_moe:
+            take(hp + "mlp.gate.weight", mp + "mlp.router.weight")
+            for e, expert in enumerate(layer.mlp.experts.local_experts):
+                for fc in ("linear_fc1", "linear_fc2"):
+                    state[f"{mp}mlp.experts.local_experts.{e}.{fc}.weight"] = _fuse(
+                        getattr(expert, fc), hf, f"{hp}mlp.experts.{e}.", used
+                    )
+        else:
+            for fc in ("linear_fc1", "linear_fc2"):
+                state[f"{mp}mlp.{fc}.weight"] = _fuse(getattr(layer.mlp, fc), hf, hp + "mlp.", used)
+    extra = sorted(set(hf) - used)
+    if extra:
+        raise ConversionError(f"HF weights the exact lane does not place: {extra[:5]}")
+    return state
+
+
+def load_into(model: LockstepGPT, model_dir: str | Path) -> LockstepGPT:
+    """Fill every backbone tensor of ``model`` from ``model_dir``; strict on both sides."""
+    state = megatron_state(model, load_hf_weights(model_dir))
+    own = {k: v for k, v in model.gpt.state_dict().items() if not k.endswith("_extra_state")}
+    own = {k: v for k, v in own.items() if ".lora." not in k}
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise ConversionError(f"state mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for k, t in state.items():
+            own[k].copy_(t)
+    return model
+
+
+def build(model_dir: str | Path) -> LockstepGPT:
+    """The exact-lane Megatron model of an HF Qwen3 / Qwen3-MoE directory, weights loaded."""
+    geom = Geometry.from_model_dir(model_dir)
+    return load_into(LockstepGPT(geom), model_dir)

@@ -1,0 +1,79 @@
+"""PEFT export of the trained adapter and its loader, through ``lockstep_exact.adapters``.
+
+The format (bf16 factors under PEFT names, the contract fingerprint and a payload sha256 in
+the safetensors metadata, experts at rank ``r // topk``, scale ``alpha / rank``) and every
+refusal (fp32, corrupted, another contract, wrong shape, uncovered module) are the shared
+module's, so the trainer writes and reads exactly what the sampler reads and writes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lockstep_exact import programs as P
+from lockstep_exact.adapters import PREFIX, Adapter, AdapterError, load_adapter, write_adapter
+from lockstep_exact.contract import lane_contract
+from lockstep_exact.lanes.qwen3 import Geometry
+
+from . import adapters as AD
+from .spec import LockstepGPT
+
+__all__ = ["AdapterError", "adapter_hash", "export_peft", "load_into", "read_adapter"]
+
+
+def peft_tensors(model: LockstepGPT) -> dict[str, torch.Tensor]:
+    """The bf16 factors the trainer's forward used, under PEFT names."""
+    out = {}
+    for s in AD.sites(model):
+        if s.part in s.linear.lora:
+            ad = s.linear.lora[s.part]
+            out[f"{PREFIX}{s.hf_module}.lora_A.weight"] = P.round_bf16(ad.A.detach()).contiguous()
+            out[f"{PREFIX}{s.hf_module}.lora_B.weight"] = P.round_bf16(ad.B.detach()).contiguous()
+    return out
+
+
+def export_peft(model: LockstepGPT, out_dir: str | Path, model_dir: str | Path) -> Path:
+    cfg = model.lora_config
+    return write_adapter(
+        out_dir,
+        peft_tensors(model),
+        rank=cfg["r"],
+        alpha=cfg["alpha"],
+        contract=lane_contract(model_dir).fingerprint,
+        geom=model.geom,
+        base_model=str(model_dir),
+    )
+
+
+def read_adapter(adapter_dir: str | Path, model_dir: str | Path) -> Adapter:
+    """The validated adapter for this lane, or ``AdapterError`` naming the problem."""
+    geom = Geometry.from_model_dir(model_dir)
+    return load_adapter(adapter_dir, geom, contract=lane_contract(model_dir).fingerprint)
+
+
+def adapter_hash(adapter_dir: str | Path, model_dir: str | Path) -> str:
+    return read_adapter(adapter_dir, model_dir).sha256
+
+
+def load_into(model: LockstepGPT, adapter_dir: str | Path, model_dir: str | Path) -> str:
+    """Attach the adapter in ``adapter_dir`` to ``model`` (fp32 masters holding the bf16
+    values exactly); returns the adapter hash."""
+    adapter = read_adapter(adapter_dir, model_dir)
+    AD.attach(model, adapter.rank, adapter.alpha)
+    seen = set()
+    for s in AD.sites(model):
+        key = s.hf_module + ".weight"
+        ad = s.linear.lora[s.part]
+        if key not in adapter.modules:
+            raise AdapterError(f"adapter lacks {s.hf_module}; the trainer adapts every projection")
+        a, b, scale = adapter.modules[key]
+        if scale != ad.scale:
+            raise AdapterError(f"{s.hf_module}: scale {scale} vs the lane's {ad.scale}")
+        with torch.no_grad():
+            ad.A.copy_(a.to(torch.float32))
+            ad.B.copy_(b.to(torch.float32))
+        seen.add(key)
+    assert seen == set(adapter.modules)  # load_adapter refused modules the lane lacks
+    return adapter.sha256

@@ -1,0 +1,100 @@
+"""The trainer half's answers to the lockstep hooks (entry point ``lockstep: megatron``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lockstep_exact import hookimpl
+from lockstep_exact.contract import lane_contract
+from lockstep_exact.requests import EngineInfo, ReplayResult, TrainResult
+
+from . import __version__
+
+ROLE = "trainer"
+
+
+@hookimpl
+def lockstep_engine_info():
+    try:
+        import megatron.core
+
+        version, problem = megatron.core.__version__, None
+    except ImportError as err:
+        version, problem = None, f"megatron-core is not importable: {err}"
+    return EngineInfo(
+        plugin="lockstep-megatron",
+        role=ROLE,
+        engine="megatron-core",
+        engine_version=version,
+        plugin_version=__version__,
+        backends=("cpu",),
+        problem=problem,
+    )
+
+
+@hookimpl
+def lockstep_trainer_contract(model_dir, adapter_dir, backend):
+    contract = lane_contract(model_dir, backend=backend)
+    if adapter_dir is not None:
+        from .export import read_adapter
+
+        read_adapter(adapter_dir, model_dir)
+    return contract
+
+
+@hookimpl
+def lockstep_replay(request):
+    from .replay import replay
+
+    lps, seconds = replay(
+        Path(request.model_dir),
+        Path(request.trace_dir),
+        Path(request.adapter_dir) if request.adapter_dir else None,
+        backend=request.backend,
+        micro_batch=request.micro_batch,
+        control=getattr(request, "control", False),
+    )
+    return ReplayResult(
+        logprobs=lps, engine=f"megatron-core {_megatron_version()}", seconds=seconds
+    )
+
+
+@hookimpl
+def lockstep_dump_sites(request):
+    if request.role != ROLE:
+        return None
+    from .sites import dump_sites
+
+    return dump_sites(
+        Path(request.model_dir),
+        torch.tensor(request.tokens, dtype=torch.long),
+        request.position,
+        Path(request.adapter_dir) if request.adapter_dir else None,
+    )
+
+
+@hookimpl
+def lockstep_train_step(request):
+    from .run import train
+
+    return train(request)
+
+
+@hookimpl
+def lockstep_load_adapter(adapter_dir, model_dir, role):
+    if role != ROLE:
+        return None
+    from .export import read_adapter
+
+    return read_adapter(adapter_dir, model_dir).sha256
+
+
+def _megatron_version() -> str:
+    import megatron.core
+
+    return megatron.core.__version__
+
+
+__all__ = ["TrainResult"]

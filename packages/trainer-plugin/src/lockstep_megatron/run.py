@@ -1,0 +1,63 @@
+"""One training job as the ladder runs it: admit, build, (resume), train, checkpoint, export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lockstep_exact.requests import TrainRequest, TrainResult
+from lockstep_exact.trace import Trace
+
+from . import adapters as AD
+from . import export
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .convert import build
+from .replay import admit_trace
+from .train import TrainConfig, Trainer
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = sorted(
+        (p for p in root.glob("step-*") if (p / "manifest.json").is_file()),
+        key=lambda p: int(p.name.split("-")[1]),
+    )
+    return found[-1] if found else None
+
+
+def train(request: TrainRequest) -> TrainResult:
+    model_dir = Path(request.model_dir)
+    adapter_in = Path(request.adapter_in) if request.adapter_in else None
+    trace = Trace.load(request.trace_dir)
+    admit_trace(trace, model_dir, adapter_in, request.backend)
+    model = build(model_dir)
+    if adapter_in is not None:
+        export.load_into(model, adapter_in, model_dir)
+    before = AD.backbone_hash(model)
+    trainer = Trainer(
+        model,
+        trace,
+        TrainConfig(rank=request.rank, alpha=request.alpha, lr=request.lr, seed=request.seed),
+    )
+    identity = {
+        "contract": trace.contract_fingerprint,
+        "model_hash": trace.model_hash,
+        "adapter_in": trace.adapter_hash,
+    }
+    ckpt_root = Path(request.checkpoint_dir) if request.checkpoint_dir else None
+    if ckpt_root is not None and (last := latest_checkpoint(ckpt_root)) is not None:
+        state = load_checkpoint(last)
+        for key, want in identity.items():
+            if state["identity"].get(key) != want:
+                raise CheckpointError(
+                    f"{last} was trained with {key} {state['identity'].get(key)}, "
+                    f"this job has {want}; refusing to resume"
+                )
+        trainer.load_state(state)
+    losses = tuple(trainer.step() for _ in range(request.steps))
+    if ckpt_root is not None:
+        state = {**trainer.state(), "identity": identity}
+        save_checkpoint(state, ckpt_root / f"step-{trainer.position}")
+    after = AD.backbone_hash(model)
+    out = export.export_peft(model, request.adapter_out, model_dir)
+    return TrainResult(
+        losses=losses, backbone_hash_before=before, backbone_hash_after=after, adapter_dir=out
+    )

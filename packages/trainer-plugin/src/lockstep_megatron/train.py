@@ -1,0 +1,119 @@
+"""LoRA training on the exact lane: a GRPO-style token loss, AdamW on the adapters only.
+
+Read top to bottom: a ``Trainer`` holds the model (backbone frozen), the optimizer, the data
+generator (which sequences each step sees) and the data position. ``step()`` draws a
+micro-batch, runs forward + backward, and steps AdamW. ``state()``/``load_state()`` are what a
+checkpoint holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lockstep_exact.trace import Trace
+
+from . import adapters as AD
+from .replay import sampled_logprobs, sequences
+from .spec import LockstepGPT
+
+
+def toy_advantages(trace: Trace, vocab: int) -> torch.Tensor:
+    """GRPO advantages from a toy reward (share of sampled ids in the lower half of the
+    vocabulary), normalized over the trace: deterministic, so the ladder can check bytes."""
+    r = torch.stack(
+        [
+            (trace.sampled(i) < vocab // 2).to(torch.float32).mean()
+            for i in range(trace.num_sequences)
+        ]
+    )
+    return (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
+
+
+def grpo_token_loss(logprobs: list[torch.Tensor], advantages: torch.Tensor) -> torch.Tensor:
+    """-(sum over sampled tokens of A_seq * logprob) / number of tokens (on-policy: ratio 1)."""
+    total = sum((-a * lp).sum() for lp, a in zip(logprobs, advantages, strict=True))
+    return total / sum(len(lp) for lp in logprobs)
+
+
+@dataclass
+class TrainConfig:
+    rank: int = 8
+    alpha: float = 16.0
+    lr: float = 1e-3
+    micro_batch: int = 4
+    seed: int = 0
+
+
+class Trainer:
+    def __init__(self, model: LockstepGPT, trace: Trace, config: TrainConfig):
+        self.model, self.trace, self.config = model, trace, config
+        if not AD.adapter_parameters(model):
+            AD.attach(model, config.rank, config.alpha, seed=config.seed)
+        self.params = AD.adapter_parameters(model)
+        backbone = [
+            p
+            for p in model.parameters()
+            if p.requires_grad and all(p is not q for q in self.params)
+        ]
+        if backbone:
+            raise RuntimeError(
+                f"{len(backbone)} backbone tensors would train; the backbone is frozen"
+            )
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, foreach=False)
+        self.data = torch.Generator().manual_seed(config.seed)
+        self.position = 0  # micro-batches consumed
+        self.seqs = sequences(trace)
+        self.advantages = toy_advantages(trace, model.geom.vocab)
+
+    def next_batch(self) -> torch.Tensor:
+        n = len(self.seqs)
+        idx = torch.randperm(n, generator=self.data)[: min(self.config.micro_batch, n)]
+        self.position += 1
+        return torch.sort(idx).values
+
+    def step(self) -> float:
+        self.model.train()
+        idx = self.next_batch().tolist()
+        lps = sampled_logprobs(self.model, [self.seqs[i] for i in idx])
+        loss = grpo_token_loss(lps, self.advantages[idx])
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return float(loss.detach())
+
+    # --- what a checkpoint holds ---------------------------------------------------------------
+    def named_adapter_tensors(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.model.named_parameters() if ".lora." in n}
+
+    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out = {}
+        for p in self.params:
+            for k, v in self.optimizer.state.get(p, {}).items():
+                out[f"{names[id(p)]}::{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
+        return out
+
+    def state(self) -> dict:
+        return {
+            "adapters": self.named_adapter_tensors(),
+            "optimizer": self.optimizer_tensors(),
+            "rng": {"data": self.data.get_state(), "torch": torch.get_rng_state()},
+            "position": self.position,
+            "config": self.config.__dict__.copy(),
+        }
+
+    def load_state(self, state: dict) -> None:
+        own = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for n, t in state["adapters"].items():
+                own[n].copy_(t)
+        for p in self.params:
+            self.optimizer.state[p] = {}
+        for key, t in state["optimizer"].items():
+            n, k = key.split("::")
+            self.optimizer.state[own[n]][k] = t.clone()
+        self.data.set_state(state["rng"]["data"])
+        torch.set_rng_state(state["rng"]["torch"])
+        self.position = int(state["position"])
