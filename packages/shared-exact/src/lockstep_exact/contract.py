@@ -11,8 +11,6 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import torch
-
 from . import __version__
 from .programs import Program
 
@@ -32,15 +30,9 @@ def environment_pins(backend: str) -> dict[str, str]:
     """
     pins = {"lockstep_exact": __version__, "backend": backend}
     if backend == "cuda":
-        major, minor = torch.cuda.get_device_capability()
-        pins["cuda_capability"] = f"{major}.{minor}"
-        pins["torch"] = torch.__version__.split("+")[0]
-        try:
-            import triton
+        from .programs.cuda import environment
 
-            pins["triton"] = triton.__version__
-        except ImportError:
-            pins["triton"] = "absent"
+        pins.update(environment())
     return pins
 
 

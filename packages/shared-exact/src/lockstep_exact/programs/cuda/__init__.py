@@ -1,0 +1,58 @@
+"""The cuda backend: byte programs as Triton kernels with fixed tiles, no split-K, no atomics.
+
+Imported by the dispatch point only for CUDA tensors (it needs triton). Bytes are comparable
+within this backend (one GPU architecture, one triton version), never with the cpu backend;
+the invariances are the cpu backend's: a row's bytes never depend on the batch, its position
+in the batch, prefill vs decode, or chunking. docs/gpu.md has the H200 figures.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .activation import swiglu
+from .arith import round_bf16
+from .attention import SEGMENT, attention
+from .gemm import TILINGS, gemm, pick_tiling
+from .lora import lora_expand, lora_shrink
+from .moe import moe_fold, moe_fold_fp32, router_topk
+from .norm import residual_add, rmsnorm
+from .rope import rope
+from .softmax import log_softmax, softmax
+
+
+def environment(device: torch.device | int | None = None) -> dict[str, str]:
+    """What the cuda bytes are a function of, besides the programs: for the contract's pins."""
+    index = torch.cuda.current_device() if device is None else torch.device(device).index or 0
+    major, minor = torch.cuda.get_device_capability(index)
+    return {
+        "backend": "cuda",
+        "gpu": torch.cuda.get_device_name(index),
+        "capability": f"sm_{major}{minor}",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": str(torch.version.cuda),
+    }
+
+
+__all__ = [
+    "SEGMENT",
+    "TILINGS",
+    "attention",
+    "environment",
+    "gemm",
+    "log_softmax",
+    "lora_expand",
+    "lora_shrink",
+    "moe_fold",
+    "moe_fold_fp32",
+    "pick_tiling",
+    "residual_add",
+    "rmsnorm",
+    "rope",
+    "round_bf16",
+    "router_topk",
+    "softmax",
+    "swiglu",
+]

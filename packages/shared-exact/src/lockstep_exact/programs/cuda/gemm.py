@@ -1,0 +1,154 @@
+"""gemm.kblock on the GPU: a tiled Triton matmul, fixed BLOCK_K, fp32 accumulator, no split-K."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .arith import BF16, F32, require, require_cuda
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One output tiling. BLOCK_K is the program's ``bk``; these are free tuning axes."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+# Every tiling gives the same bytes (each output element's sequence is: acc = 0; for the K
+# blocks in ascending order, acc = mma(x_blk, w_blk, acc) in k16 steps): gated bitwise by
+# test_gemm_every_tiling_gives_the_same_bytes. The choice below may therefore follow the shape.
+TILINGS: dict[str, Tiles] = {
+    "m128n256": Tiles(128, 256, 8, 3),
+    "m128n256s4": Tiles(128, 256, 8, 4),
+    "m256n128": Tiles(256, 128, 8, 3),
+    "m128n128": Tiles(128, 128, 8, 4),
+    "m128n128w4": Tiles(128, 128, 4, 4),
+    "m64n128": Tiles(64, 128, 4, 4),
+    "m64n64": Tiles(64, 64, 4, 4),
+    "m64n32": Tiles(64, 32, 4, 5),
+}
+
+
+def pick_tiling(m: int, n: int, bk: int = 32) -> str:
+    """Shape-based choice among byte-identical tilings (timed on the H200, docs/gpu.md)."""
+    wide = bk >= 64
+    if m <= 4:
+        return "m64n128"
+    if m <= 256:
+        return "m64n64" if wide else "m64n32"
+    if m <= 2048:
+        return "m256n128" if wide else "m128n128w4"
+    return "m128n256" if wide else "m256n128"
+
+
+@triton.jit
+def _gemm_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    # Rows/columns past the edge re-read valid ones; their results are never stored.
+    a_ptrs = x_ptr + (rm % M)[:, None] * stride_xm + rk[None, :]
+    b_ptrs = w_ptr + (rn % N)[None, :] * stride_wn + rk[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = rk < K - kb * BLOCK_K  # a ragged last block is padded with +0 products
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    bk: int = 32,
+    out_dtype=torch.bfloat16,
+    tiling: str | None = None,
+):
+    """x [..., K] bf16 times w [N, K]^T bf16.
+
+    Products of bf16 operands are exact in fp32. Per output element: acc = 0; for each block
+    of ``bk`` consecutive k, ascending, acc = mma(x_blk, w_blk, acc): the tensor core adds the
+    block's products into the fp32 accumulator in k16 steps (wgmma on sm_90; its order inside a
+    step is the hardware's, fixed). A ragged last block is padded with +0 products. One RNE
+    rounding to ``out_dtype`` at the end. No split-K, no atomics: an element's operation
+    sequence depends on K and bk only, never on M, its row, or the tiling.
+    """
+    require_cuda(x, w)
+    require(x.dtype == BF16 and w.dtype == BF16, "gemm (cuda): bf16 x and w required")
+    require(w.dim() == 2, "gemm: weight must be [N, K]")
+    require(x.shape[-1] == w.shape[-1], f"gemm: K mismatch {tuple(x.shape)} x {tuple(w.shape)}")
+    require(bk in (16, 32, 64), f"gemm (cuda): bk must be 16, 32 or 64, got {bk}")
+    require(out_dtype in (BF16, F32), f"gemm: unsupported out_dtype {out_dtype}")
+    k_dim = x.shape[-1]
+    n_dim = w.shape[0]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k_dim).contiguous()
+    wc = w.contiguous()
+    m_dim = x2.shape[0]
+    y = torch.empty(m_dim, n_dim, dtype=out_dtype, device=x.device)
+    if m_dim == 0 or n_dim == 0:
+        return y.reshape(*lead, n_dim)
+    if k_dim == 0:
+        return y.zero_().reshape(*lead, n_dim)
+    require(max(x2.numel(), wc.numel(), y.numel()) < 2**31, "gemm (cuda): tensor too large")
+    t = TILINGS[tiling or pick_tiling(m_dim, n_dim, bk)]
+    grid = (triton.cdiv(m_dim, t.block_m) * triton.cdiv(n_dim, t.block_n),)
+    _gemm_kernel[grid](
+        x2,
+        wc,
+        y,
+        m_dim,
+        n_dim,
+        k_dim,
+        x2.stride(0),
+        wc.stride(0),
+        y.stride(0),
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        BLOCK_K=bk,
+        GROUP_M=t.group_m,
+        EVEN_K=k_dim % bk == 0,
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )
+    return y.reshape(*lead, n_dim)

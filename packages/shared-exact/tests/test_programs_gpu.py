@@ -1,0 +1,348 @@
+"""Every cuda byte program: row bytes independent of batch, position, chunking; error bounded.
+
+Run on a CUDA machine with ``pytest -m gpu``; skipped elsewhere (the repository conftest). Each
+invariance is asserted on raw bytes and comes with a negative control showing that the same
+check rejects a one-ulp change. The cuda bytes are compared with cuda bytes only.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from lockstep_exact import programs as P
+from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes, ulp_distance
+from lockstep_exact.programs import cpu as CPU
+
+pytestmark = pytest.mark.gpu
+
+BF16 = torch.bfloat16
+F32 = torch.float32
+F64 = torch.float64
+MS = (1, 2, 3, 16, 64, 127, 128, 129, 257, 1000, 4096)
+
+
+def cuda_rand(*shape, seed=0, scale=1.0, dtype=BF16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(*shape, generator=g, device="cuda") * scale).to(dtype)
+
+
+def backend():
+    from lockstep_exact.programs import cuda
+
+    return cuda
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.to(F64)
+    assert torch.isfinite(out).all(), "non-finite output"
+    return float((out - ref).norm() / ref.norm())
+
+
+def assert_detects_one_ulp(ref: torch.Tensor, sub: torch.Tensor, index: int = 0) -> None:
+    """Negative control: the byte check that passed rejects the same rows moved by one ulp."""
+    assert same_bytes(sub, ref)
+    nudged = nudge_ulp(sub, index=index)
+    assert ulp_distance(nudged, ref) == 1
+    assert not same_bytes(nudged, ref)
+    with pytest.raises(AssertionError):
+        assert_same_bytes(nudged, ref, "nudged")
+
+
+def by_row(fn, *tensors):
+    """A program of row indices: rows_invariant then slices and shuffles all operands together."""
+    return lambda idx: fn(*(t[idx] for t in tensors))
+
+
+def row_ids(n):
+    return torch.arange(n, device="cuda")
+
+
+def rows_invariant(fn, full: torch.Tensor, *args, what: str, ms=MS):
+    """fn(x[rows], *args) equals fn(x)[rows] for slices of every size in ``ms`` and a shuffle."""
+    ref = fn(full, *args)
+    n = full.shape[0]
+    for m in ms:
+        if m > n:
+            continue
+        for start in {0, (n - m) // 2, n - m}:
+            sub = fn(full[start : start + m], *args)
+            assert_same_bytes(sub, ref[start : start + m], f"{what}: rows {start}..+{m}")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(1)).cuda()
+    shuffled = fn(full[perm], *args)
+    assert_same_bytes(shuffled, ref[perm], f"{what}: rows permuted")
+    assert_detects_one_ulp(ref[perm], shuffled, index=min(7, shuffled.numel() - 1))
+    return ref
+
+
+# --- the checks themselves can fail ------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_byte_comparison_detects_a_one_ulp_change_on_the_gpu(dtype):
+    x = cuda_rand(257, 96, dtype=dtype)
+    y = nudge_ulp(x, index=5000)
+    assert ulp_distance(x, y) == 1
+    assert not same_bytes(x, y)
+    with pytest.raises(AssertionError, match="1 element"):
+        assert_same_bytes(x, y)
+
+
+def test_rows_invariant_rejects_a_program_that_mixes_rows():
+    def mixes(x):  # a batch-dependent "program": adds a batch-wide mean
+        return P.round_bf16(x.float() + x.float().mean() * 1e-2)
+
+    with pytest.raises(AssertionError):
+        rows_invariant(mixes, cuda_rand(257, 96), what="mixing")
+
+
+def test_dispatch_picks_the_cuda_backend():
+    assert P.backend_module(P.backend_of(cuda_rand(2, 2))).__name__.endswith(".cuda")
+    env = backend().environment()
+    assert env["backend"] == "cuda" and env["capability"].startswith("sm_")
+
+
+# --- rounding ------------------------------------------------------------------------------------
+def test_round_bf16_is_round_to_nearest_even():
+    x = torch.randn(100_000, device="cuda") * 1000
+    assert_same_bytes(P.round_bf16(x).cpu(), CPU.round_bf16(x.cpu()), "round_bf16 vs cpu rule")
+    ties = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8], device="cuda")
+    assert P.round_bf16(ties).float().tolist() == [1.0, 1.0 + 2**-6]
+    nan = P.round_bf16(torch.tensor([float("nan")], device="cuda"))
+    assert nan.view(torch.int16).item() == 0x7FC0
+
+
+# --- gemm ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bk", [32, 64])
+def test_gemm_row_bytes_do_not_depend_on_batch(bk):
+    x = cuda_rand(4096, 1024, seed=1)
+    w = cuda_rand(768, 1024, seed=2, scale=0.05)
+    rows_invariant(lambda a: P.gemm(a, w, bk=bk), x, what=f"gemm bk={bk}")
+
+
+@pytest.mark.parametrize("shape", [(300, 1000, 4100), (77, 4096, 4096), (1, 96, 33)])
+@pytest.mark.parametrize("bk", [32, 64])
+@pytest.mark.parametrize("out_dtype", [BF16, F32])
+def test_gemm_every_tiling_gives_the_same_bytes(shape, bk, out_dtype):
+    """The bitwise gate that lets the tiling follow the shape."""
+    m, n, k = shape
+    x = cuda_rand(m, k, seed=3)
+    w = cuda_rand(n, k, seed=4, scale=0.05)
+    cuda = backend()
+    outs = {name: cuda.gemm(x, w, bk=bk, out_dtype=out_dtype, tiling=name) for name in cuda.TILINGS}
+    first, ref = next(iter(outs.items()))
+    for name, out in outs.items():
+        assert_same_bytes(out, ref, f"tiling {name} vs {first}")
+    assert_detects_one_ulp(ref, outs[name], index=min(11, ref.numel() - 1))
+
+
+def test_gemm_bytes_are_those_of_the_row_alone_inside_a_3d_batch():
+    x = cuda_rand(4, 33, 512, seed=5)
+    w = cuda_rand(640, 512, seed=6, scale=0.05)
+    full = P.gemm(x, w)
+    for b in range(4):
+        assert_same_bytes(P.gemm(x[b, 5:6], w), full[b, 5:6], f"batch {b} row 5")
+
+
+@pytest.mark.parametrize("out_dtype", [BF16, F32])
+def test_gemm_error_is_bounded(out_dtype):
+    x = cuda_rand(513, 4100, seed=7)
+    w = cuda_rand(1000, 4100, seed=8, scale=0.05)
+    ref = x.to(F64) @ w.to(F64).T
+    err = rel_err(P.gemm(x, w, out_dtype=out_dtype), ref)
+    assert err < (4e-3 if out_dtype == BF16 else 1e-5), err
+
+
+# --- rmsnorm, residual, swiglu, rope ------------------------------------------------------------
+@pytest.mark.parametrize("hidden", [128, 1000, 4096])
+def test_rmsnorm_row_bytes_do_not_depend_on_batch(hidden):
+    x = cuda_rand(4096, hidden, seed=9, scale=3.0)
+    w = cuda_rand(hidden, seed=10).abs() + 0.5
+    out = rows_invariant(lambda a: P.rmsnorm(a, w, 1e-6), x, what="rmsnorm")
+    xf = x.to(F64)
+    ref = xf / torch.sqrt((xf * xf).mean(-1, keepdim=True) + 1e-6) * w.to(F64)
+    assert rel_err(out, ref) < 8e-3
+
+
+def test_residual_add_and_swiglu_are_elementwise_and_accurate():
+    a = cuda_rand(4096, 768, seed=11)
+    b = cuda_rand(4096, 768, seed=12)
+    add = rows_invariant(by_row(P.residual_add, a, b), row_ids(4096), what="residual")
+    assert_same_bytes(add, (a.float() + b.float()).to(BF16), "residual vs RNE(a+b)")
+    out = rows_invariant(by_row(P.swiglu, a, b), row_ids(4096), what="swiglu")
+    g64 = a.to(F64)
+    assert rel_err(out, g64 * torch.sigmoid(g64) * b.to(F64)) < 8e-3
+
+
+def test_rope_row_bytes_depend_only_on_the_position():
+    x = cuda_rand(4096, 8, 128, seed=13)
+    pos = torch.arange(4096, device="cuda")
+    full = P.rope(x, pos, 1e6)
+    for lo, hi in ((0, 1), (17, 18), (1000, 1257), (4000, 4096)):
+        assert_same_bytes(P.rope(x[lo:hi], pos[lo:hi], 1e6), full[lo:hi], f"rope {lo}:{hi}")
+    perm = torch.randperm(4096, device="cuda")
+    shuffled = P.rope(x[perm], pos[perm], 1e6)
+    assert_same_bytes(shuffled, full[perm], "rope permuted")
+    assert_detects_one_ulp(full[perm], shuffled)
+    cos, sin = CPU.rope_tables(1e6, 128, 4096)
+    xf = x.to(F64).cpu()
+    c = cos[:4096, None, :].to(F64)
+    s = sin[:4096, None, :].to(F64)
+    ref = torch.cat([xf[..., :64] * c - xf[..., 64:] * s, xf[..., 64:] * c + xf[..., :64] * s], -1)
+    assert rel_err(full.cpu(), ref) < 8e-3
+
+
+# --- softmax, log_softmax, router ---------------------------------------------------------------
+@pytest.mark.parametrize("vocab", [1000, 32768, 151936])
+@pytest.mark.parametrize("log", [True, False])
+def test_softmax_row_bytes_do_not_depend_on_batch(vocab, log):
+    fn = P.log_softmax if log else P.softmax
+    n = 4096 if vocab <= 32768 else 300
+    x = cuda_rand(n, vocab, seed=14, scale=4.0, dtype=F32)
+    out = rows_invariant(fn, x, what=fn.__name__, ms=tuple(m for m in MS if m <= n))
+    x64 = x[:64].to(F64)
+    ref = torch.log_softmax(x64, -1) if log else torch.softmax(x64, -1)
+    assert rel_err(out[:64], ref) < (1e-6 if log else 1e-5)
+
+
+def test_router_topk_breaks_ties_to_the_lowest_expert_id():
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0, 2.0, 0.0, 0.0, 0.0]], device="cuda")
+    ids, w = P.router_topk(logits, 2)
+    assert ids.tolist() == [[1, 2]]
+    assert w.float().tolist() == [[0.5, 0.5]]
+
+
+def test_router_topk_rows_do_not_depend_on_batch():
+    logits = cuda_rand(4096, 128, seed=15, scale=2.0, dtype=F32)
+    ids, w = P.router_topk(logits, 8)
+    for lo, hi in ((0, 1), (100, 229), (0, 4096)):
+        i2, w2 = P.router_topk(logits[lo:hi], 8)
+        assert torch.equal(i2, ids[lo:hi])
+        assert_same_bytes(w2, w[lo:hi], f"router rows {lo}:{hi}")
+    assert_detects_one_ulp(w, w.clone())
+    p = torch.softmax(logits.to(F64), -1)
+    top = torch.topk(p, 8, dim=-1).indices.sort(-1).values
+    assert (top == ids).all(-1).float().mean() > 0.99
+
+
+# --- moe fold, lora ------------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+@pytest.mark.parametrize("acc", ["bf16", "fp32"])
+def test_moe_fold_rows_do_not_depend_on_batch(k, acc):
+    y = cuda_rand(4096, k, 512, seed=16)
+    w = cuda_rand(4096, k, seed=17).abs()
+
+    def fold(ys, ws):
+        return P.moe_fold(ys, ws, acc=acc)
+
+    out = rows_invariant(by_row(fold, y, w), row_ids(4096), what="moe")
+    ref = (w.to(F64)[..., None] * y.to(F64)).sum(1)
+    assert rel_err(out, ref) < (2e-2 if acc == "bf16" else 4e-3)
+
+
+def test_lora_zero_adapter_returns_the_base_bytes():
+    x = cuda_rand(1000, 1024, seed=18)
+    base = cuda_rand(1000, 768, seed=19)
+    base[0, :4] = torch.tensor([0.0, -0.0, 1.0, -1.0], dtype=BF16, device="cuda")
+    a = cuda_rand(16, 1024, seed=20, scale=0.05)
+    b0 = torch.zeros(768, 16, dtype=BF16, device="cuda")
+    t = P.lora_shrink(x, a)
+    assert_same_bytes(P.lora_expand(base, t, b0, 2.0), base, "zero B")
+    t0 = P.lora_shrink(x, torch.zeros_like(a))
+    b = cuda_rand(768, 16, seed=21, scale=0.05)
+    assert_same_bytes(P.lora_expand(base, t0, b, 2.0), base, "zero A")
+
+
+def test_lora_rows_do_not_depend_on_batch():
+    x = cuda_rand(4096, 1024, seed=22)
+    base = cuda_rand(4096, 768, seed=23)
+    a = cuda_rand(16, 1024, seed=24, scale=0.05)
+    b = cuda_rand(768, 16, seed=25, scale=0.05)
+
+    def lora(xs, bases):
+        return P.lora_expand(bases, P.lora_shrink(xs, a), b, 0.5)
+
+    out = rows_invariant(by_row(lora, x, base), row_ids(4096), what="lora")
+    x64 = x.to(F64)
+    ref = base.to(F64) + (x64 @ a.to(F64).T) @ b.to(F64).T * 0.5
+    assert rel_err(out, ref) < 8e-3
+
+
+# --- attention -----------------------------------------------------------------------------------
+def attn_inputs(n, h_q=8, h_kv=2, d=128, seed=30):
+    q = cuda_rand(n, h_q, d, seed=seed)
+    k = cuda_rand(n, h_kv, d, seed=seed + 1)
+    v = cuda_rand(n, h_kv, d, seed=seed + 2)
+    return q, k, v
+
+
+def attention_f64(q, k, v):
+    n, h_q, d = q.shape
+    g = h_q // k.shape[1]
+    qf = q.to(F64).transpose(0, 1)
+    kf = k.to(F64).repeat_interleave(g, 1).transpose(0, 1)
+    vf = v.to(F64).repeat_interleave(g, 1).transpose(0, 1)
+    s = qf @ kf.transpose(1, 2) / d**0.5
+    mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    s = s.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(s, -1) @ vf).transpose(0, 1)
+
+
+@pytest.mark.parametrize("segment", [None, 512])
+@pytest.mark.parametrize("block", [32, 64])
+def test_attention_prefill_chunked_and_decode_give_the_same_row_bytes(block, segment, monkeypatch):
+    if segment is not None:  # the other segment length the H200 sweep timed
+        module = importlib.import_module("lockstep_exact.programs.cuda.attention")
+        monkeypatch.setattr(module, "SEGMENT", segment)
+        assert backend().attention.__globals__["SEGMENT"] == segment
+    n = 4096
+    q, k, v = attn_inputs(n)
+    pos = torch.arange(n, device="cuda")
+    cuda = backend()
+    full = P.attention(q, k, v, pos, block=block)
+    assert_same_bytes(cuda.attention(q, k, v, pos, block=block, split=True), full, "split prefill")
+    # chunked prefill: chunk sizes that straddle blocks and segments
+    start = 0
+    for size in (1, 31, 100, 1, 892, 1024, 1047, 1000):
+        end = start + size
+        out = P.attention(q[start:end], k[:end], v[:end], pos[start:end], block=block)
+        assert_same_bytes(out, full[start:end], f"chunk {start}:{end}")
+        start = end
+    assert start == n
+    # decode: one token over the cache; the cache may be longer than the token's position
+    garbage_k = k.clone()
+    garbage_v = v.clone()
+    for t in (0, 1, 31, 32, 63, 64, 1023, 1024, 2047, 2048, 2049, 3000, 4095):
+        for split in (None, True, False):
+            out = cuda.attention(
+                q[t : t + 1], k[: t + 1], v[: t + 1], pos[t : t + 1], block=block, split=split
+            )
+            assert_same_bytes(out, full[t : t + 1], f"decode t={t} split={split}")
+        garbage_k[t + 1 :] = float("nan")
+        garbage_v[t + 1 :] = float("inf")
+        out = P.attention(q[t : t + 1], garbage_k, garbage_v, pos[t : t + 1], block=block)
+        assert_same_bytes(out, full[t : t + 1], f"decode t={t} over a longer cache")
+        garbage_k.copy_(k)
+        garbage_v.copy_(v)
+    assert_detects_one_ulp(full[4095:], out, index=3)
+
+
+def test_attention_rows_do_not_depend_on_which_queries_share_the_call():
+    n = 1500
+    q, k, v = attn_inputs(n, h_q=16, h_kv=4, seed=40)
+    pos = torch.arange(n, device="cuda")
+    full = P.attention(q, k, v, pos)
+    perm = torch.randperm(n, device="cuda")
+    shuffled = P.attention(q[perm], k, v, pos[perm])
+    assert_same_bytes(shuffled, full[perm], "queries permuted")
+    pick = torch.tensor([1499, 3, 700, 1024, 0], device="cuda")
+    assert_same_bytes(P.attention(q[pick], k, v, pos[pick]), full[pick], "scattered queries")
+    assert_detects_one_ulp(full[perm], shuffled, index=9)
+
+
+@pytest.mark.parametrize("h_q,h_kv", [(8, 2), (4, 4), (16, 1)])
+def test_attention_error_is_bounded(h_q, h_kv):
+    n = 1200
+    q, k, v = attn_inputs(n, h_q=h_q, h_kv=h_kv, seed=50)
+    out = P.attention(q, k, v, torch.arange(n, device="cuda"), block=64)
+    assert rel_err(out, attention_f64(q, k, v)) < 1e-2

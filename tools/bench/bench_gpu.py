@@ -1,0 +1,217 @@
+"""GPU benchmark: the cuda byte programs against the torch ops an engine would run.
+
+Every ratio is measured in one run, on one GPU: ``speed = torch time / exact time`` (1.0 means
+as fast as torch; above 1, faster). Times are medians of ``triton.testing.do_bench`` (CUDA
+events, L2 flushed before each call). Timing only: bytes are checked by
+packages/shared-exact/tests/test_programs_gpu.py.
+
+    PYTHONPATH=packages/shared-exact/src python3 tools/bench/bench_gpu.py [--sweep] [--json F]
+
+Targets (issue 6): gemm >= 0.9x cuBLAS at M >= 1024; attention >= 0.8x SDPA; rmsnorm and
+log_softmax >= 1.0x torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from lockstep_exact import programs as P
+
+BF16 = torch.bfloat16
+F32 = torch.float32
+# Qwen3-8B-like shapes: hidden 4096, 32 query heads and 8 kv heads of 128.
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 4096, 32, 8, 128
+
+
+def bench(fn: Callable[[], object]) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def rand(*shape, dtype=BF16, scale=1.0):
+    return (torch.randn(*shape, device="cuda") * scale).to(dtype)
+
+
+def row(table, op, shape, exact, base, base_name, target=None, extra=""):
+    t_exact = bench(exact)
+    t_base = bench(base)
+    speed = t_base / t_exact
+    met = "" if target is None else ("met" if speed >= target else "MISSED")
+    table.append(
+        {
+            "op": op,
+            "shape": shape,
+            "exact_us": round(t_exact * 1e3, 2),
+            "torch": base_name,
+            "torch_us": round(t_base * 1e3, 2),
+            "speed": round(speed, 3),
+            "target": target,
+            "status": met,
+            "note": extra,
+        }
+    )
+    print(
+        f"{op:<14} {shape:<26} exact {t_exact * 1e3:9.2f} us  {base_name:<14} "
+        f"{t_base * 1e3:9.2f} us  speed {speed:6.3f}x {met} {extra}",
+        flush=True,
+    )
+
+
+def gemm_rows(table, bk, sweep):
+    from lockstep_exact.programs import cuda
+
+    n = k = 4096
+    w = rand(n, k, scale=0.02)
+    for m in (1, 16, 128, 1024, 8192):
+        x = rand(m, k)
+        if sweep:
+            ref = cuda.gemm(x, w, bk=bk, tiling="m128n256")
+            times = {}
+            for name in cuda.TILINGS:
+                out = cuda.gemm(x, w, bk=bk, tiling=name)
+                same = torch.equal(out.view(torch.int16), ref.view(torch.int16))
+                times[name] = bench(lambda x=x, name=name: cuda.gemm(x, w, bk=bk, tiling=name))
+                print(
+                    f"  sweep gemm M={m} bk={bk} {name:<11} {times[name] * 1e3:8.2f} us same={same}"
+                )
+            print(f"  sweep gemm M={m} bk={bk} best {min(times, key=times.get)}", flush=True)
+        flop = 2 * m * n * k
+        t = bench(lambda x=x: P.gemm(x, w, bk=bk))
+        tf = flop / (t * 1e-3) / 1e12
+        row(
+            table,
+            "gemm",
+            f"M={m} N=K=4096 bk={bk}",
+            lambda x=x: P.gemm(x, w, bk=bk),
+            lambda x=x: torch.mm(x, w.t()),
+            "cuBLAS mm",
+            0.9 if m >= 1024 else None,
+            f"{tf:.0f} TFLOP/s ({cuda.pick_tiling(m, n, bk)})",
+        )
+
+
+def attention_rows(table, block, sweep):
+    # the module, not the function of the same name that the package exports
+    attn_mod = importlib.import_module("lockstep_exact.programs.cuda.attention")
+
+    default_segment = attn_mod.SEGMENT
+    t_len = 2048
+    q = rand(t_len, HEADS, HEAD_DIM)
+    k = rand(t_len, KV_HEADS, HEAD_DIM)
+    v = rand(t_len, KV_HEADS, HEAD_DIM)
+    pos = torch.arange(t_len, device="cuda", dtype=torch.int32)
+    g = HEADS // KV_HEADS
+    qs = q.transpose(0, 1).unsqueeze(0).contiguous()
+    ks = k.repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0).contiguous()
+    vs = v.repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0).contiguous()
+    if sweep:  # the segment length is part of the program: time the candidates
+        for seg in (512, 2048):
+            attn_mod.SEGMENT = seg
+            tt = bench(lambda: P.attention(q, k, v, pos, block=block))
+            msg = f"  sweep attention block={block} segment={seg} prefill {tt * 1e3:8.2f} us"
+            for s_len in (2048, 32768):
+                kc = rand(s_len, KV_HEADS, HEAD_DIM)
+                qd = rand(1, HEADS, HEAD_DIM)
+                pd = torch.tensor([s_len - 1], device="cuda", dtype=torch.int32)
+                td = bench(lambda qd=qd, kc=kc, pd=pd: P.attention(qd, kc, kc, pd, block=block))
+                msg += f" decode{s_len} {td * 1e3:8.2f} us"
+            print(msg, flush=True)
+        attn_mod.SEGMENT = default_segment
+    flop = 4 * HEADS * HEAD_DIM * t_len * (t_len + 1) / 2
+    t = bench(lambda: P.attention(q, k, v, pos, block=block))
+    row(
+        table,
+        "attention",
+        f"prefill T={t_len} block={block}",
+        lambda: P.attention(q, k, v, pos, block=block),
+        lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True),
+        "SDPA causal",
+        0.8,
+        f"{flop / (t * 1e-3) / 1e12:.0f} TFLOP/s",
+    )
+    for s_len in (2048, 8192, 32768):
+        kc = rand(s_len, KV_HEADS, HEAD_DIM)
+        vc = rand(s_len, KV_HEADS, HEAD_DIM)
+        qd = rand(1, HEADS, HEAD_DIM)
+        pd = torch.tensor([s_len - 1], device="cuda", dtype=torch.int32)
+        qds = qd.transpose(0, 1).unsqueeze(0).contiguous()
+        kcs = kc.repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0).contiguous()
+        vcs = vc.repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0).contiguous()
+        t = bench(lambda qd=qd, kc=kc, vc=vc, pd=pd: P.attention(qd, kc, vc, pd, block=block))
+        gbs = 2 * kc.numel() * 2 / (t * 1e-3) / 1e9
+        row(
+            table,
+            "attention",
+            f"decode S={s_len} block={block}",
+            lambda qd=qd, kc=kc, vc=vc, pd=pd: P.attention(qd, kc, vc, pd, block=block),
+            lambda qds=qds, kcs=kcs, vcs=vcs: F.scaled_dot_product_attention(qds, kcs, vcs),
+            "SDPA",
+            0.8,
+            f"{gbs:.0f} GB/s of KV",
+        )
+
+
+def norm_rows(table):
+    for m in (1, 128, 8192):
+        x = rand(m, HIDDEN)
+        w = rand(HIDDEN) + 1.0
+
+        def hf(x=x, w=w):  # Qwen3RMSNorm.forward
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return w * h.to(BF16)
+
+        row(table, "rmsnorm", f"M={m} H={HIDDEN}", lambda x=x, w=w: P.rmsnorm(x, w, 1e-6),
+            lambda x=x, w=w: F.rms_norm(x, (HIDDEN,), w, 1e-6), "F.rms_norm", 1.0)  # fmt: skip
+        row(table, "rmsnorm", f"M={m} H={HIDDEN}", lambda x=x, w=w: P.rmsnorm(x, w, 1e-6),
+            hf, "HF Qwen3RMSNorm", 1.0)  # fmt: skip
+    for m, vocab in ((1, 151936), (256, 151936), (4096, 32768), (4096, 1024)):
+        x = rand(m, vocab, dtype=F32, scale=4.0)
+        row(table, "log_softmax", f"M={m} V={vocab}", lambda x=x: P.log_softmax(x),
+            lambda x=x: torch.log_softmax(x, -1), "torch", 1.0)  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sweep", action="store_true", help="also time every gemm tiling")
+    ap.add_argument("--only", default="", help="gemm, attention or norms")
+    ap.add_argument("--json", default="", help="write the table here")
+    args = ap.parse_args()
+    from lockstep_exact.programs import cuda
+
+    torch.manual_seed(0)
+    env = cuda.environment()
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"{stamp} {env}", flush=True)
+    table: list[dict] = []
+    if args.only in ("", "gemm"):
+        for bk in (32, 64):
+            gemm_rows(table, bk, args.sweep)
+    if args.only in ("", "attention"):
+        for block in (32, 64, 128):
+            attention_rows(table, block, args.sweep)
+    if args.only in ("", "norms"):
+        norm_rows(table)
+    print("\n| op | shape | exact (us) | torch op | torch (us) | speed | target | |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in table:
+        tgt = "" if r["target"] is None else f">= {r['target']}x"
+        print(
+            f"| {r['op']} | {r['shape']} | {r['exact_us']} | {r['torch']} | {r['torch_us']} "
+            f"| {r['speed']}x | {tgt} {r['status']} | {r['note']} |"
+        )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"date": stamp, "env": env, "rows": table}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
