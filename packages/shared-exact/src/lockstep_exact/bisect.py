@@ -69,8 +69,20 @@ def decision_tokens(trace, index: int) -> tuple[tuple[int, ...], int]:
     raise IndexError(f"the trace has {trace.num_decisions} decisions; no decision {index}")
 
 
-def bisect(pm, trace_dir: Path, index: int, model_dir: Path, adapter_dir: Path | None = None):
-    """Ask both halves for every op site's output on decision ``index`` and compare them."""
+def bisect(
+    pm,
+    trace_dir: Path,
+    index: int,
+    model_dir: Path,
+    adapter_dir: Path | None = None,
+    *,
+    sampler_model: Path | None = None,
+):
+    """Ask both halves for every op site's output on decision ``index`` and compare them.
+
+    ``sampler_model`` (default ``model_dir``) lets the sampler half read its own copy of the
+    model, as when a serving fleet's copy is suspected to differ from the trainer's.
+    """
     from .plugins import require_hook
     from .requests import DumpRequest
     from .trace import Trace

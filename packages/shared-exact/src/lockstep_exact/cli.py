@@ -296,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     qual.add_argument("--decisions", type=int, default=64)
     qual.add_argument("--seed", type=int, default=0, help="seed of the tiny model")
     qual.add_argument("--out", default="lockstep-qualify", help="report and traces go here")
+    qual.add_argument("--sampler-model", help="debugging: the sampler reads this copy of --model")
     qual.set_defaults(func=_cmd_qualify)
 
     bis = sub.add_parser("bisect", help="name the first op site whose bytes differ")

@@ -86,9 +86,12 @@ class Ladder:
         prompts: tuple[str, ...] | None = None,
         progress: Callable[[str], None] = print,
         rank: int = 8,
+        sampler_model: Path | None = None,
     ):
         self.pm = pm
         self.model = Path(model_dir)
+        # A sampler-side copy of the model (debugging a fleet whose copy may differ).
+        self.sampler_model = Path(sampler_model) if sampler_model else self.model
         self.out = Path(out_dir)
         self.decisions = decisions
         self.user_adapter = Path(adapter_dir) if adapter_dir else None
@@ -176,6 +179,7 @@ class Ladder:
         )
 
     def replay_check(self, what: str, trace_dir: Path, trace: Trace, adapter: Path | None) -> Check:
+        self._last = (trace_dir, adapter)
         c = self.check(what, trace.logprobs, self.replay(trace_dir, adapter=adapter))
         c.trace, c.adapter = str(trace_dir), str(adapter) if adapter else None
         return c
@@ -378,22 +382,30 @@ class Ladder:
         return report
 
     def _bisect(self, gate: Gate) -> None:
+        """Name the first differing op site: at the first differing decision of the failed
+        check, or at decision 0 of the trace a refused replay was given."""
         failed = self.first_failure(gate)
-        if failed is None or failed.first_difference is None or not failed.expect_exact:
-            return
-        traces = sorted((self.out / "traces").iterdir())
-        if not traces:
+        if failed is not None and failed.first_difference is not None and failed.trace:
+            trace, adapter, index = Path(failed.trace), failed.adapter, failed.first_difference
+        elif gate.error and getattr(self, "_last", None):
+            trace, adapter, index = self._last[0], self._last[1], 0
+        else:
             return
         from .bisect import bisect
 
         try:
-            self.say(f"bisect decision {failed.first_difference} of {traces[-1].name}")
+            self.say(f"bisect decision {index} of {trace.name}")
             div, missing = bisect(
-                self.pm, traces[-1], failed.first_difference, self.model, self.user_adapter
+                self.pm,
+                trace,
+                index,
+                self.model,
+                Path(adapter) if adapter else None,
+                sampler_model=self.sampler_model,
             )
             gate.bisect = {
-                "trace": traces[-1].name,
-                "decision": failed.first_difference,
+                "trace": trace.name,
+                "decision": index,
                 "divergence": div.as_dict() if div else None,
                 "one_sided_sites": missing,
             }
