@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from lockstep_exact import lock
@@ -47,3 +48,8 @@ def test_golden_inputs_do_not_depend_on_the_torch_random_generator():
     pinned = "9e1748d691ea51cca3bda60b535c88f571d5fe6c9d8b3aa683d8b81345039d01"
     assert bytes_sha256(golden((4, 8), seed=1)) == pinned
     assert bytes_sha256(golden((4, 8), seed=2)) != pinned
+
+
+@pytest.mark.gpu
+def test_committed_lock_matches_the_cuda_programs():
+    assert lock.check(lock.read(LOCK_PATH), "cuda") == []

@@ -71,12 +71,13 @@ def pad_batch(seqs: list[torch.Tensor], pad: int = 0) -> torch.Tensor:
 def sampled_logprobs(model: LockstepGPT, batch: list[tuple[torch.Tensor, int]]) -> list:
     """Per sequence, the logprob of each sampled token (teacher forcing over the whole
     sequence; the last token is never an input)."""
-    inputs = pad_batch([s[:-1] for s, _ in batch])
+    device = next(model.parameters()).device
+    inputs = pad_batch([s[:-1] for s, _ in batch]).to(device)
     lp = model(inputs)
     out = []
     for i, (s, p) in enumerate(batch):
-        rows = torch.arange(p - 1, len(s) - 1)
-        out.append(lp[i, rows, s[p:]])
+        rows = torch.arange(p - 1, len(s) - 1, device=device)
+        out.append(lp[i, rows, s[p:].to(device)].cpu())
     return out
 
 

@@ -258,7 +258,7 @@ class ExactCoreAttention(nn.Module):
 
     def forward(self, query, key, value, attention_mask=None, **_):
         s, b = query.shape[:2]
-        positions = torch.arange(s)
+        positions = torch.arange(s, device=query.device)
         site = self.site if b == 1 else None
         outs = []
         for i in range(b):

@@ -88,7 +88,7 @@ def attention(q, k, v, positions):
         kk = kf.repeat_interleave(g, dim=1).transpose(0, 1)  # [Hq, S, D]
         vv = vf.repeat_interleave(g, dim=1).transpose(0, 1)
         s = (qf.transpose(0, 1) @ kk.transpose(1, 2)) / (qf.shape[-1] ** 0.5)  # [Hq, T, S]
-        keys = torch.arange(kf.shape[0])
+        keys = torch.arange(kf.shape[0], device=kf.device)
         s = s.masked_fill(keys[None, None, :] > positions[None, :, None], float("-inf"))
         return (torch.softmax(s, dim=-1) @ vv).transpose(0, 1)
 
