@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from trainer_support import reference_trace
 
-from conftest import reference_trace
 from lockstep_exact.k3 import compare
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.requests import TrainRequest

@@ -54,8 +54,8 @@ def test_train_job_resumes_from_its_latest_checkpoint(dense_dir, dense_trace, tm
 
 def test_train_job_refuses_a_checkpoint_of_another_model(dense_dir, tmp_path):
     import pytest
+    from trainer_support import nudge_one_ulp, reference_trace
 
-    from conftest import nudge_one_ulp, reference_trace
     from lockstep_megatron.checkpoint import CheckpointError
 
     other = nudge_one_ulp(dense_dir, tmp_path / "other")

@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
+from trainer_support import nudge_one_ulp, reference_trace
 
-from conftest import nudge_one_ulp, reference_trace
 from lockstep_exact.k3 import compare
 from lockstep_exact.plugins import manager
 from lockstep_exact.requests import ReplayRequest

@@ -1,2 +1,3 @@
 """Lockstep serving plugins (vLLM)."""
+
 __version__ = "0.1.0"

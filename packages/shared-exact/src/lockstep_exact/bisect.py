@@ -92,9 +92,10 @@ def bisect(
     hook = require_hook(pm, "lockstep_dump_sites", "sampler and trainer", "both plugins")
     dumps = {}
     for role in ("sampler", "trainer"):
+        model = Path(sampler_model or model_dir) if role == "sampler" else Path(model_dir)
         req = DumpRequest(
             role=role,
-            model_dir=Path(model_dir),
+            model_dir=model,
             tokens=tokens,
             position=position,
             adapter_dir=Path(adapter_dir) if adapter_dir else None,

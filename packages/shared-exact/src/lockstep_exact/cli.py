@@ -204,6 +204,7 @@ def _cmd_qualify(args) -> int:
         decisions=args.decisions,
         adapter_dir=Path(args.adapter) if args.adapter else None,
         progress=say,
+        sampler_model=Path(args.sampler_model) if args.sampler_model else None,
     )
     rep = ladder.run(engines)
     jpath, hpath = report_mod.write(rep, out)

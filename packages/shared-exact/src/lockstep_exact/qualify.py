@@ -123,7 +123,7 @@ class Ladder:
         self.say(f"capture {tag}: {n_prompts} prompts x {per_prompt} decisions")
         trace = self._capture(
             request=CaptureRequest(
-                model_dir=self.model,
+                model_dir=self.sampler_model,
                 adapter_dir=adapter,
                 prompts=self.prompts[:n_prompts],
                 decisions=per_prompt,

@@ -1,0 +1,120 @@
+"""LoRA on the exact lane: vLLM's per-request adapter plumbing, shared-exact's programs.
+
+vLLM keeps deciding which request uses which adapter (``LoRARequest`` per request; the input
+batch turns that into a token -> adapter-id mapping each step). For a lane model the runner's
+``lora_manager`` is ``LaneLoRAManager`` instead of vLLM's punica-based manager: it loads PEFT
+adapters with ``lockstep_exact.adapters.load_adapter`` and hands the model the token mapping;
+the model applies them through ``lora_shrink``/``lora_expand`` in the shared composition.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from lockstep_exact.adapters import AdapterError, load_adapter
+
+from .patches import LaneRefused
+
+
+def lora_request_for(adapter_dir, lora_int_id: int = 1):
+    """A vLLM LoRARequest for a PEFT adapter directory (name derived from the path)."""
+    from vllm.lora.request import LoRARequest
+
+    path = Path(adapter_dir).resolve()
+    return LoRARequest(
+        lora_name=f"lockstep-{path.name}", lora_int_id=lora_int_id, lora_path=str(path)
+    )
+
+
+def adapter_hash(adapter_dir, model_dir) -> str:
+    """Validate a PEFT adapter for this lane (AdapterError naming the problem); its hash."""
+    from lockstep_exact.contract import lane_contract
+    from lockstep_exact.lanes.qwen3 import Geometry
+
+    geom = Geometry.from_model_dir(model_dir)
+    return load_adapter(adapter_dir, geom, contract=lane_contract(model_dir).fingerprint).sha256
+
+
+class LaneLoRAManager:
+    """What the model runner asks of its ``lora_manager``, for a lane model."""
+
+    def __init__(self, model, max_loras: int):
+        self.model = model
+        self.max_loras = max_loras
+        self.adapters: dict[int, dict] = {}  # lora_int_id -> {HF weight name: (A, B, scale)}
+        self.paths: dict[int, str] = {}
+        self._dummy: set[int] = set()
+
+    # -- loading ---------------------------------------------------------------------------
+    def add_adapter(self, lora_request) -> bool:
+        lid = lora_request.lora_int_id
+        if lid in self.adapters and self.paths[lid] == lora_request.lora_path:
+            return False
+        try:
+            adapter = load_adapter(
+                lora_request.lora_path, self.model.geom, contract=self.model.contract.fingerprint
+            )
+        except AdapterError as err:
+            raise LaneRefused(
+                f"Lockstep exact lane refused adapter {lora_request.lora_name}: {err}"
+            ) from err
+        self.adapters[lid] = adapter.modules
+        self.paths[lid] = lora_request.lora_path
+        return True
+
+    def add_dummy_lora(self, lora_request, rank: int) -> bool:
+        self._dummy.add(lora_request.lora_int_id)
+        return True
+
+    @contextlib.contextmanager
+    def dummy_lora_cache(self):
+        yield
+
+    def get_dummy_lora_warmup_rank(self, default_rank: int) -> int:
+        return default_rank
+
+    def remove_adapter(self, adapter_id: int) -> bool:
+        self._dummy.discard(adapter_id)
+        self.paths.pop(adapter_id, None)
+        return self.adapters.pop(adapter_id, None) is not None
+
+    def remove_all_adapters(self) -> None:
+        self.adapters.clear()
+        self.paths.clear()
+        self._dummy.clear()
+
+    def pin_adapter(self, adapter_id: int) -> bool:
+        return adapter_id in self.adapters
+
+    def list_adapters(self) -> set[int]:
+        return set(self.adapters)
+
+    def supports_tower_connector_lora(self) -> bool:
+        return False
+
+    @property
+    def is_enabled(self) -> bool:
+        return True
+
+    # -- one step ----------------------------------------------------------------------------
+    def set_active_adapters(self, requests, mapping) -> None:
+        for req in requests:
+            if req.lora_int_id not in self._dummy:
+                self.add_adapter(req)
+        ids = tuple(mapping.index_mapping) if mapping is not None else ()
+        # Dummy (warm-up) adapters have no file: their tokens run on the base weights.
+        self.model.set_token_adapters(
+            ids, {i: a for i, a in self.adapters.items() if i not in self._dummy}
+        )
+
+
+def load_lora_model(self, model, vllm_config, device):
+    """LoRAModelRunnerMixin.load_lora_model: lane models get LaneLoRAManager."""
+    from .vllm_model import LockstepQwen3ForCausalLM
+    from .vllm_plugin import _state
+
+    if isinstance(model, LockstepQwen3ForCausalLM):
+        self.lora_manager = LaneLoRAManager(model, vllm_config.lora_config.max_loras)
+        return model
+    return _state["original_load_lora_model"](self, model, vllm_config, device)

@@ -1,0 +1,74 @@
+"""The offline API: engine arguments that activate the exact lane, its fingerprint, capture.
+
+from vllm import LLM
+from lockstep_serving.offline import engine_args, lane_fingerprint
+llm = LLM(**engine_args("path/to/model"))
+lane_fingerprint(llm)  # "sha256:..." of the contract the running lane executes
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .patches import LaneRefused
+from .vllm_model import CONTRACT_OVERRIDE
+from .vllm_plugin import LANE_OF_HF
+
+
+def engine_args(model_dir, *, contract: str | None = None, **overrides) -> dict:
+    """Keyword arguments for ``vllm.LLM`` that serve ``model_dir`` on the exact lane.
+
+    ``contract``: a fingerprint the lane must match, or the engine refuses to start.
+    """
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    arch = (cfg.get("architectures") or ["?"])[0]
+    if arch not in LANE_OF_HF:
+        raise LaneRefused(
+            f"Lockstep exact lane refused to start: architecture {arch!r} has no exact lane; "
+            f"supported: {sorted(LANE_OF_HF)}"
+        )
+    hf_overrides = {"architectures": [LANE_OF_HF[arch]]}
+    if contract is not None:
+        hf_overrides[CONTRACT_OVERRIDE] = contract
+    args = {
+        "model": str(model_dir),
+        "hf_overrides": hf_overrides,
+        "dtype": "bfloat16",
+        "logprobs_mode": "raw_logprobs",
+        "enforce_eager": True,
+        "seed": 0,
+    }
+    args.update(overrides)
+    return args
+
+
+def lane_fingerprint(llm) -> str:
+    """The contract fingerprint of the lane the engine runs (asked of the model itself)."""
+    found = set(llm.apply_model(lambda model: model.contract.fingerprint))
+    if len(found) != 1:
+        raise RuntimeError(f"workers disagree on the lane contract: {sorted(found)}")
+    return found.pop()
+
+
+def sampled_logprobs(completion) -> torch.Tensor:
+    """float32 logprob of each sampled token of one vLLM CompletionOutput (exact: the engine's
+    float32 values travel as Python floats, which hold them without rounding)."""
+    if completion.logprobs is None:
+        raise ValueError("the request did not ask for logprobs (SamplingParams(logprobs=0))")
+    values = [
+        lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids, strict=True)
+    ]
+    return torch.tensor(values, dtype=torch.float64).to(torch.float32)
+
+
+def prompt_logprobs(output) -> torch.Tensor:
+    """float32 logprob of prompt tokens 1..n-1 of one RequestOutput (prompt_logprobs=0)."""
+    ids, lps = output.prompt_token_ids, output.prompt_logprobs
+    if lps is None:
+        raise ValueError("the request did not ask for prompt_logprobs")
+    return torch.tensor(
+        [lps[i][ids[i]].logprob for i in range(1, len(ids))], dtype=torch.float64
+    ).to(torch.float32)

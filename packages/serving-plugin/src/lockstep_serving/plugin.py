@@ -1,0 +1,67 @@
+"""The lockstep hooks answered by the vLLM serving plugin (role "sampler")."""
+
+from __future__ import annotations
+
+from lockstep_exact import hookimpl
+from lockstep_exact.requests import EngineInfo
+
+from . import __version__
+
+
+@hookimpl
+def lockstep_engine_info():
+    try:
+        import vllm
+    except Exception as err:  # any import failure means this half cannot run here
+        return EngineInfo(
+            plugin="lockstep-serving",
+            role="sampler",
+            engine="vllm",
+            engine_version=None,
+            plugin_version=__version__,
+            problem=f"vllm is not importable: {err}",
+        )
+    from .patches import problems
+
+    found = problems()
+    return EngineInfo(
+        plugin="lockstep-serving",
+        role="sampler",
+        engine="vllm",
+        engine_version=vllm.__version__,
+        plugin_version=__version__,
+        backends=("cpu",),
+        problem="; ".join(found) if found else None,
+    )
+
+
+@hookimpl
+def lockstep_sampler_contract(model_dir, adapter_dir, backend):
+    from lockstep_exact.contract import lane_contract
+
+    return lane_contract(model_dir, backend=backend)
+
+
+@hookimpl
+def lockstep_capture(request):
+    from .capture import capture
+
+    return capture(request)
+
+
+@hookimpl
+def lockstep_load_adapter(adapter_dir, model_dir, role):
+    if role != "sampler":
+        return None
+    from .lora import adapter_hash
+
+    return adapter_hash(adapter_dir, model_dir)
+
+
+@hookimpl
+def lockstep_dump_sites(request):
+    if request.role != "sampler":
+        return None
+    from .dump import dump_sites
+
+    return dump_sites(request)

@@ -1,0 +1,266 @@
+"""Exact-lane model classes for vLLM: the shared Qwen3 composition over vLLM's paged KV cache.
+
+Every floating-point op is a shared-exact byte program called through
+``lockstep_exact.lanes.qwen3``; this module only wires them into vLLM: weights from the
+loader, K/V written into the layer's paged cache through the slot mapping and read back per
+sequence through its block table (exact copies), and ``P.attention`` over those K/V.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lockstep_exact import programs as P
+from lockstep_exact.contract import ContractMismatch, admit, lane_contract
+from lockstep_exact.lanes import qwen3
+from lockstep_exact.sites import is_recording, record
+
+from .patches import LaneRefused, check
+
+CONTRACT_ENV = "LOCKSTEP_CONTRACT"
+CONTRACT_OVERRIDE = "lockstep_contract"  # hf_overrides key carrying the requested fingerprint
+
+# Lane models alive in this process; while any lives, the Sampler's logprobs are exact.
+LIVE: weakref.WeakSet = weakref.WeakSet()
+
+_FAMILY_OF = {
+    "LockstepQwen3ForCausalLM": "qwen3",
+    "LockstepQwen3MoeForCausalLM": "qwen3-moe",
+}
+
+
+def _refuse(msg: str):
+    raise LaneRefused(f"Lockstep exact lane refused to start: {msg}")
+
+
+def _validate_config(vllm_config, arch: str) -> tuple[qwen3.Geometry, Path]:
+    """Everything the lane cannot cover exactly is refused here, by name."""
+    try:
+        check()
+    except LaneRefused as err:
+        _refuse(str(err))
+    mc = vllm_config.model_config
+    model_dir = Path(mc.model)
+    if not (model_dir / "config.json").is_file():
+        _refuse(f"{mc.model!r} is not a local HF model directory (config.json missing)")
+    if mc.quantization is not None or vllm_config.quant_config is not None:
+        _refuse(f"quantized weights ({mc.quantization!r}) have no exact lane")
+    if mc.dtype != torch.bfloat16:
+        _refuse(f"dtype {mc.dtype} is not supported: the exact lane runs bf16 only")
+    if vllm_config.speculative_config is not None:
+        _refuse("speculative decoding is not supported (its draft/verify path is not exact)")
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in ("auto", "bfloat16"):
+        _refuse(f"kv_cache_dtype {cache_dtype!r}: the cache must hold the bf16 K/V bytes")
+    par = vllm_config.parallel_config
+    if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
+        _refuse("tensor/pipeline parallelism is not part of this lane (tp1ep1)")
+    if mc.logprobs_mode != "raw_logprobs":
+        _refuse(f"logprobs_mode {mc.logprobs_mode!r}; start the engine with 'raw_logprobs'")
+    try:
+        geom = qwen3.Geometry.from_model_dir(model_dir)
+    except qwen3.UnsupportedModel as err:
+        _refuse(str(err))
+    want = _FAMILY_OF[arch]
+    if geom.family != want:
+        _refuse(f"{arch} serves the {want} family but {model_dir} is {geom.family}")
+    requested = getattr(mc.hf_config, CONTRACT_OVERRIDE, None) or os.environ.get(CONTRACT_ENV)
+    if requested:
+        try:
+            admit(lane_contract(model_dir), requested)
+        except ContractMismatch as err:
+            _refuse(str(err))
+    return geom, model_dir
+
+
+def _expected_names(geom: qwen3.Geometry) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not geom.tie_embeddings:
+        names.add("lm_head.weight")
+    per = [
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+    ]
+    if geom.is_moe:
+        per.append("mlp.gate.weight")
+        for e in range(geom.experts):
+            per += [f"mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
+    else:
+        per += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    for i in range(geom.layers):
+        names.update(f"model.layers.{i}.{p}" for p in per)
+    return names
+
+
+class LockstepQwen3ForCausalLM(nn.Module):
+    """Qwen3 on the exact lane (activate with hf_overrides architectures; see README)."""
+
+    lane_arch = "LockstepQwen3ForCausalLM"
+    # LoRA: vLLM's per-request plumbing, applied by LaneLoRAManager (lora.py), not punica.
+    supports_lora = True
+    embedding_modules: dict[str, str] = {}
+    packed_modules_mapping: dict[str, list[str]] = {}
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__()
+        from vllm.model_executor.layers.attention import Attention
+
+        self.geom, self.model_dir = _validate_config(vllm_config, self.lane_arch)
+        self.contract = lane_contract(self.model_dir)
+        g = self.geom
+        self.weights: dict[str, torch.Tensor] = {}
+        self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(g.layers)]
+        # The Attention modules are vLLM's: they own the paged KV cache; their forward is unused.
+        self.attn = nn.ModuleList(
+            Attention(
+                num_heads=g.heads,
+                head_size=g.head_dim,
+                scale=g.head_dim**-0.5,
+                num_kv_heads=g.kv_heads,
+                cache_config=vllm_config.cache_config,
+                prefix=name,
+            )
+            for name in self.layer_names
+        )
+        self._layer_weights: list[dict[str, torch.Tensor]] = []
+        self._token_adapters: tuple[int, ...] = ()
+        self._adapters: dict[int, dict] = {}
+        LIVE.add(self)
+
+    # --- weights ---------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        expected = _expected_names(self.geom)
+        for name, t in weights:
+            if name not in expected:
+                _refuse(f"unexpected tensor {name!r} in the checkpoint (not part of the lane)")
+            if t.dtype != torch.bfloat16:
+                _refuse(f"tensor {name!r} is {t.dtype}; the exact lane loads bf16 weights only")
+            self.weights[name] = t.detach().clone()
+        missing = sorted(expected - set(self.weights))
+        if missing:
+            _refuse(f"checkpoint lacks {len(missing)} tensor(s), first {missing[0]!r}")
+        self._layer_weights = qwen3.split_layers(self.weights, self.geom)
+        return set()  # no nn.Parameters: the weights live outside vLLM's parameter tracking
+
+    # --- forward ---------------------------------------------------------------------------
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.weights["model.embed_tokens.weight"][input_ids]  # embedding.gather
+
+    def set_token_adapters(self, token_ids: tuple[int, ...], adapters: dict[int, dict]):
+        """Called by LaneLoRAManager each step: adapter id per scheduled token (0 = base)."""
+        self._token_adapters = token_ids
+        self._adapters = adapters
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **_):
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        n = positions.shape[0]
+        out = torch.zeros(n, self.geom.hidden, dtype=torch.bfloat16)
+        if not is_forward_context_available() or get_forward_context().attn_metadata is None:
+            # A dummy/profile step: no sequence to attend over and its output is discarded.
+            return out
+        if inputs_embeds is not None:
+            _refuse("inputs_embeds are not part of the lane (token ids only)")
+        from vllm.model_executor.layers.attention.attention import get_attention_context
+
+        md = get_attention_context(self.layer_names[0])[0]
+        if md is None:
+            return out
+        # Requests sharing an adapter run together; rows never mix, so each equals its solo run.
+        qsl = md.query_start_loc.tolist()
+        ids = self._token_adapters
+        groups: dict[int, list[tuple[int, int, int, int]]] = {}
+        for r, seq_len in enumerate(md.seq_lens.tolist()):
+            start, end = qsl[r], qsl[r + 1]
+            if end > start:
+                lid = ids[start] if start < len(ids) else 0
+                groups.setdefault(lid, []).append((r, start, end, seq_len))
+        for lid, reqs in groups.items():
+            adapters = self._adapters.get(lid) if lid else None
+            if lid and adapters is None:
+                _refuse(f"tokens of adapter id {lid} arrived before the adapter was loaded")
+            rows = torch.cat([torch.arange(s, e) for _, s, e, _ in reqs])
+            out[rows] = self._forward_rows(input_ids[rows], positions[rows], reqs, adapters, rows)
+        if is_recording():
+            # lockstep bisect: the final sites of every row, through the lane's own programs.
+            qwen3.final_logprobs(out[: qsl[-1]], self.weights, self.geom)
+        return out
+
+    def _forward_rows(self, input_ids, positions, reqs, adapters, rows):
+        h = record("embed_tokens", self.embed_input_ids(input_ids))
+        attend = self._attend_paged(positions, reqs, rows)
+        for i, w in enumerate(self._layer_weights):
+            prefix = f"model.layers.{i}."
+            layer_ad = {
+                k[len(prefix) :]: v for k, v in (adapters or {}).items() if k.startswith(prefix)
+            }
+            h = qwen3.Layer(self.geom, i, w, layer_ad)(h, positions, attend)
+        return h
+
+    def _attend_paged(self, positions, reqs, rows):
+        def attend(index: int, q, k, v):
+            from vllm.model_executor.layers.attention.attention import get_attention_context
+
+            md, _layer, kv_cache, slot_mapping = get_attention_context(self.layer_names[index])
+            slots = slot_mapping if slot_mapping is not None else md.slot_mapping
+            return paged_attention(q, k, v, positions, md, kv_cache, slots[rows], reqs)
+
+        return attend
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """fp32 LM head of the lane (the gemm inside ``final_logprobs``)."""
+        w, g = self.weights, self.geom
+        hn = P.rmsnorm(hidden_states, w["model.norm.weight"], g.eps)
+        head = w["model.embed_tokens.weight"] if g.tie_embeddings else w["lm_head.weight"]
+        return P.gemm(hn, head, out_dtype=torch.float32)
+
+
+class LockstepQwen3MoeForCausalLM(LockstepQwen3ForCausalLM):
+    """Qwen3-MoE on the exact lane (router, experts and fold are shared programs)."""
+
+    lane_arch = "LockstepQwen3MoeForCausalLM"
+
+
+def paged_attention(q, k, v, positions, md, kv_cache, slots, reqs):
+    """Write these rows' K/V into the paged cache, then attend each request over its cache.
+
+    q/k/v/positions/slots hold the rows of the requests ``reqs`` = [(r, start, end, seq_len)]
+    (batch indices; their rows are concatenated in this order). kv_cache is
+    [num_blocks, kv_heads, block_size, 2*D]; like vLLM's CPU backend we view it as
+    [num_blocks, kv_heads, 2*block_size, D] whose first block_size rows are K, the rest V.
+    """
+    out = torch.empty_like(q)
+    nb, hkv, bs, _ = kv_cache.shape
+    d = q.shape[-1]
+    key_cache, value_cache = kv_cache.view(nb, hkv, 2 * bs, d).chunk(2, dim=2)
+    slots = slots.to(torch.int64)
+    blk, off = slots // bs, slots % bs
+    key_cache[blk, :, off, :] = k
+    value_cache[blk, :, off, :] = v
+    local = 0
+    for r, start, end, seq_len in reqs:
+        lo, hi = local, local + (end - start)
+        local = hi
+        blocks = md.block_table[r, : -(-seq_len // bs)].to(torch.int64)
+        ks = key_cache[blocks].permute(0, 2, 1, 3).reshape(-1, hkv, d)[:seq_len]
+        vs = value_cache[blocks].permute(0, 2, 1, 3).reshape(-1, hkv, d)[:seq_len]
+        pos = positions[lo:hi]
+        if int(pos[-1]) != seq_len - 1:
+            raise LaneRefused(
+                f"request {r}: last query position {int(pos[-1])} is not seq_len-1 "
+                f"({seq_len - 1}); the lane cannot place its queries in the cache"
+            )
+        out[lo:hi] = P.attention(q[lo:hi], ks, vs, pos)
+    return out

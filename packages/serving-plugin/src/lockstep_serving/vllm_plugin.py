@@ -1,0 +1,71 @@
+"""vLLM general plugin: registers the exact-lane architectures and the exact logprob patch.
+
+Runs in every vLLM process (entry point ``vllm.general_plugins``). It never changes what a
+stock model does: the lane is activated explicitly, per engine, by naming its architecture::
+
+    LLM(model_dir, hf_overrides={"architectures": ["LockstepQwen3ForCausalLM"]},
+        dtype="bfloat16", logprobs_mode="raw_logprobs")
+
+(``LockstepQwen3MoeForCausalLM`` for Qwen3-MoE; ``lockstep_serving.offline.engine_args``
+builds these arguments). The Sampler's logprob computation is log_softmax.tree while a lane
+model lives in the process (a stock engine sharing that process would get it too); otherwise
+the original runs. The LoRA patch acts on lane models only.
+"""
+
+from __future__ import annotations
+
+ARCHITECTURES = {
+    "LockstepQwen3ForCausalLM": "lockstep_serving.vllm_model:LockstepQwen3ForCausalLM",
+    "LockstepQwen3MoeForCausalLM": "lockstep_serving.vllm_model:LockstepQwen3MoeForCausalLM",
+}
+LANE_OF_HF = {
+    "Qwen3ForCausalLM": "LockstepQwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "LockstepQwen3MoeForCausalLM",
+}
+
+_state = {
+    "registered": False,
+    "original_compute_logprobs": None,
+    "original_load_lora_model": None,
+}
+
+
+def exact_compute_logprobs(logits):
+    """Sampler.compute_logprobs while a lane lives: log_softmax.tree on the fp32 logits."""
+    import torch
+
+    from lockstep_exact import programs as P
+
+    from .vllm_model import LIVE
+
+    if len(LIVE):
+        return P.log_softmax(logits.to(torch.float32))
+    return _state["original_compute_logprobs"](logits)
+
+
+def register() -> None:
+    if _state["registered"]:
+        return
+    from vllm import ModelRegistry
+
+    from . import vllm_model
+    from .patches import problems
+
+    # Classes, not lazy "<mod>:<cls>" strings: a lazy entry makes vLLM inspect it in a
+    # subprocess (15-35 s per architecture on a cold cache); this module imports no vLLM.
+    for arch, target in ARCHITECTURES.items():
+        ModelRegistry.register_model(arch, getattr(vllm_model, target.split(":")[1]))
+    # A missing target leaves stock vLLM untouched; the lane then refuses at start (patches.check).
+    if not problems():
+        from vllm.v1.sample.sampler import Sampler
+
+        _state["original_compute_logprobs"] = Sampler.compute_logprobs
+        Sampler.compute_logprobs = staticmethod(exact_compute_logprobs)
+
+        from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
+
+        from .lora import load_lora_model
+
+        _state["original_load_lora_model"] = LoRAModelRunnerMixin.load_lora_model
+        LoRAModelRunnerMixin.load_lora_model = load_lora_model
+    _state["registered"] = True

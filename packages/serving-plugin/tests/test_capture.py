@@ -1,0 +1,112 @@
+"""lockstep_capture: the real engine's raw FP32 logprobs, written as a Trace."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from serving_support import assert_same_bytes_and_control
+
+from lockstep_exact.contract import lane_contract
+from lockstep_exact.hashing import dir_sha256
+from lockstep_exact.lanes import qwen3
+from lockstep_exact.plugins import manager
+from lockstep_exact.requests import CaptureRequest
+from lockstep_exact.tiny import default_prompts
+from lockstep_exact.trace import Trace
+
+
+def _hook():
+    import lockstep_serving.plugin
+
+    pm = manager(load_entry_points=False)
+    pm.register(lockstep_serving.plugin)
+    return pm.hook
+
+
+def test_the_plugin_is_installed_under_the_lockstep_entry_point_group():
+    names = {ep.name: ep.value for ep in entry_points(group="lockstep")}
+    assert names.get("vllm") == "lockstep_serving.plugin"
+    general = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert general.get("lockstep") == "lockstep_serving.vllm_plugin:register"
+
+
+@pytest.fixture(scope="module")
+def captured(tiny_models, tmp_path_factory):
+    model_dir = tiny_models["qwen3-moe"]
+    out = tmp_path_factory.mktemp("trace") / "t"
+    request = CaptureRequest(
+        model_dir=model_dir, prompts=tuple(default_prompts(4)), decisions=5, out_dir=out, seed=3
+    )
+    return model_dir, _hook().lockstep_capture(request=request), out
+
+
+def test_capture_writes_a_trace_that_loads_back_identical(captured):
+    _, trace, out = captured
+    loaded = Trace.load(out)
+    assert loaded.num_decisions == 4 * 5
+    for name, t in trace.tensors().items():
+        assert torch.equal(t, loaded.tensors()[name]), name
+
+
+def test_captured_logprobs_are_the_raw_fp32_bytes_of_the_reference_forward(captured):
+    model_dir, trace, _ = captured
+    weights = load_file(str(model_dir / "model.safetensors"))
+    geom = qwen3.Geometry.from_model_dir(model_dir)
+    want = []
+    for i in range(trace.num_sequences):
+        prompt, sampled = trace.prompt(i), trace.sampled(i)
+        ref = qwen3.forward_logprobs(weights, geom, torch.cat([prompt, sampled]))
+        want += [ref[len(prompt) - 1 + j, int(t)] for j, t in enumerate(sampled)]
+    assert_same_bytes_and_control(torch.stack(want), trace.logprobs, "trace vs reference")
+
+
+def test_capture_records_the_lane_contract_and_model_hash(captured):
+    model_dir, trace, _ = captured
+    assert trace.contract_fingerprint == lane_contract(model_dir).fingerprint
+    assert trace.model_hash == dir_sha256(model_dir)
+    assert trace.adapter_hash is None
+    assert (trace.sampling.temperature, trace.sampling.top_p, trace.sampling.seed) == (1.0, 1.0, 3)
+
+
+def test_capture_refuses_a_contract_other_than_the_lanes(tiny_models):
+    request = CaptureRequest(
+        model_dir=tiny_models["qwen3"],
+        prompts=("Hello",),
+        decisions=1,
+        contract="sha256:" + "2" * 64,
+    )
+    with pytest.raises(Exception, match="does not match this lane's"):
+        _hook().lockstep_capture(request=request)
+
+
+def test_capture_with_an_adapter_records_its_hash_and_the_adapted_bytes(tiny_models, tmp_path):
+    from lockstep_exact.adapters import load_adapter, make_adapter
+
+    model_dir = tiny_models["qwen3"]
+    adapter_dir = make_adapter(model_dir, tmp_path / "lora", rank=8)
+    request = CaptureRequest(
+        model_dir=model_dir,
+        adapter_dir=adapter_dir,
+        prompts=tuple(default_prompts(3)),
+        decisions=4,
+        seed=5,
+        options={"max_lora_rank": 8},
+    )
+    trace = _hook().lockstep_capture(request=request)
+    geom = qwen3.Geometry.from_model_dir(model_dir)
+    adapter = load_adapter(adapter_dir, geom)
+    assert trace.adapter_hash == adapter.sha256
+    assert trace.adapter_hash == _hook().lockstep_load_adapter(
+        adapter_dir=adapter_dir, model_dir=model_dir, role="sampler"
+    )
+    weights = load_file(str(model_dir / "model.safetensors"))
+    want = []
+    for i in range(trace.num_sequences):
+        prompt, sampled = trace.prompt(i), trace.sampled(i)
+        seq = torch.cat([prompt, sampled])
+        ref = qwen3.forward_logprobs(weights, geom, seq, adapters=adapter.modules)
+        want += [ref[len(prompt) - 1 + j, int(t)] for j, t in enumerate(sampled)]
+    assert_same_bytes_and_control(torch.stack(want), trace.logprobs, "adapted trace vs reference")

