@@ -120,7 +120,7 @@ def verify(out: Path) -> None:
         )
         print(doctor.stdout, end="")
         print(doctor.stderr, end="", file=sys.stderr)
-        for plugin in ("megatron (trainer)", "vllm (sampler)"):
+        for plugin in ("lockstep-megatron (trainer)", "lockstep-serving (sampler)"):
             if plugin not in doctor.stdout:
                 raise SystemExit(f"release: the installed wheels do not load plugin {plugin}")
         if doctor.returncode != 0:

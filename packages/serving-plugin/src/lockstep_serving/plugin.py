@@ -21,9 +21,10 @@ def lockstep_engine_info():
             plugin_version=__version__,
             problem=f"vllm is not importable: {err}",
         )
+    from ._release import problem
     from .patches import problems
 
-    found = problems()
+    found = problems() + [p for p in (problem(),) if p]
     return EngineInfo(
         plugin="lockstep-serving",
         role="sampler",
@@ -44,6 +45,9 @@ def lockstep_sampler_contract(model_dir, adapter_dir, backend):
 
 @hookimpl
 def lockstep_capture(request):
+    from ._release import check
+
+    check()
     from .capture import capture
 
     return capture(request)

@@ -117,6 +117,10 @@ class LockstepQwen3ForCausalLM(nn.Module):
         super().__init__()
         from vllm.model_executor.layers.attention import Attention
 
+        from ._release import check
+
+        check()  # never start beside a lockstep-exact this release was not built against
+
         self.geom, self.model_dir = _validate_config(vllm_config, self.lane_arch)
         self.contract = lane_contract(self.model_dir)
         g = self.geom

@@ -20,7 +20,9 @@ def lockstep_engine_info():
     try:
         import megatron.core
 
-        version, problem = megatron.core.__version__, None
+        from ._release import problem as skew
+
+        version, problem = megatron.core.__version__, skew()
     except ImportError as err:
         version, problem = None, f"megatron-core is not importable: {err}"
     return EngineInfo(

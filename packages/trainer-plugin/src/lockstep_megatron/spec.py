@@ -366,8 +366,10 @@ class LockstepGPT(nn.Module):
         from megatron.core.models.gpt import GPTModel
         from megatron.core.transformer.module import Float16Module
 
+        from ._release import check
         from .cpu import init_single_process
 
+        check()  # never run beside a lockstep-exact this release was not built against
         init_single_process()
         self.geom = geom
         config = transformer_config(geom)
