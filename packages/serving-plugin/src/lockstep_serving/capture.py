@@ -28,6 +28,7 @@ def capture(request) -> Trace:
 
     options = dict(request.options)
     options.setdefault("max_model_len", 2048)
+    options.setdefault("use_tqdm_on_load", False)  # one engine per capture: keep output short
     # vLLM 0.32 on CPU crashes when a seeded request's prefill is chunked: never chunk here.
     options.setdefault("enable_chunked_prefill", False)
     options.setdefault("max_num_batched_tokens", options["max_model_len"])

@@ -30,6 +30,7 @@ def dump_sites(request) -> dict:
         "enable_prefix_caching": False,
         "max_model_len": length,
         "max_num_batched_tokens": length,
+        "use_tqdm_on_load": False,
     }
     lora_request = None
     if request.adapter_dir is not None:

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 from lockstep_exact import hookimpl
 from lockstep_exact.requests import EngineInfo
 
 from . import __version__
+
+# Loaded by the lockstep CLI (never by vLLM itself): keep vLLM's per-engine INFO lines out of
+# the ladder's progress output unless the user asked for them.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 @hookimpl

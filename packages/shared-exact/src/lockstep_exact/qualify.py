@@ -235,7 +235,7 @@ class Ladder:
         pd, pt = self.capture("adapter-A-perturbed", adapter=pert, n_prompts=n, per_prompt=per)
         gate.checks.append(
             self.check(
-                f"control: sampler on A + 2^-9 ({key.split('model.', 2)[-1]}) vs trainer on A",
+                f"control: sampler on A + 2^-9 at {self._short(key)} vs trainer on A",
                 pt.logprobs,
                 self.replay(pd, adapter=a, control=True),
                 expect_exact=False,
@@ -243,13 +243,18 @@ class Ladder:
         )
         gate.checks.append(
             self.check(
-                "control: sampler on A vs trainer on A + 2^-9",
+                f"control: sampler on A vs trainer on A + 2^-9 at {self._short(key)}",
                 at.logprobs,
                 self.replay(ad, adapter=pert, control=True),
                 expect_exact=False,
             )
         )
         self.adapter_a_trace = ad
+
+    @staticmethod
+    def _short(key: str) -> str:
+        """layers.0.mlp.experts.0.down_proj.lora_B from the PEFT key."""
+        return key.removeprefix("base_model.model.model.").removesuffix(".weight")
 
     def _control_key(self) -> str:
         module = (
@@ -285,11 +290,9 @@ class Ladder:
         total = 2 * len(a.modules)
         gate.checks.append(
             Check(
-                "adapter factors moved",
+                f"adapter factors moved ({moved} of {total})",
                 moved > 0,
-                total,
-                total - moved,
-                note=f"{moved} of {total} factors changed",
+                note="a factor moves when any of its bytes changed",
             )
         )
         repeat = all(
@@ -297,11 +300,9 @@ class Ladder:
         )
         gate.checks.append(
             Check(
-                "trainer is byte-repeatable",
+                f"trainer is byte-repeatable ({total} factors, 2 runs)",
                 repeat,
-                total,
-                total if repeat else 0,
-                note="two runs, same adapter bytes",
+                note="two runs from the same inputs give the same adapter bytes",
             )
         )
         frozen = all(o.backbone_hash_before == o.backbone_hash_after for o in outs)
