@@ -19,7 +19,7 @@ from torch import nn
 from lockstep_exact import programs as P
 from lockstep_exact.contract import ContractMismatch, admit, lane_contract
 from lockstep_exact.lanes import qwen3
-from lockstep_exact.sites import is_recording, record
+from lockstep_exact.sites import is_recording, paused, record
 
 from .patches import LaneRefused, check
 
@@ -224,11 +224,9 @@ class LockstepQwen3ForCausalLM(nn.Module):
         return attend
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """fp32 LM head of the lane (the gemm inside ``final_logprobs``)."""
-        w, g = self.weights, self.geom
-        hn = P.rmsnorm(hidden_states, w["model.norm.weight"], g.eps)
-        head = w["model.embed_tokens.weight"] if g.tie_embeddings else w["lm_head.weight"]
-        return P.gemm(hn, head, out_dtype=torch.float32)
+        """fp32 logits of the lane: the shared final norm + LM head (``final_logits``)."""
+        with paused():  # bisect's final sites come from forward(), for every row
+            return qwen3.final_logits(hidden_states, self.weights, self.geom)
 
 
 class LockstepQwen3MoeForCausalLM(LockstepQwen3ForCausalLM):

@@ -35,3 +35,13 @@ def record(name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 def is_recording() -> bool:
     return _active.get() is not None
+
+
+@contextmanager
+def paused() -> Iterator[None]:
+    """Record nothing inside (a computation whose sites were already recorded elsewhere)."""
+    token = _active.set(None)
+    try:
+        yield
+    finally:
+        _active.reset(token)

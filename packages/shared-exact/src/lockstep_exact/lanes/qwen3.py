@@ -261,14 +261,18 @@ def split_layers(
     return layers
 
 
-def final_logprobs(h, weights: Mapping[str, torch.Tensor], geom: Geometry) -> torch.Tensor:
-    """final norm, fp32 LM head, log_softmax: [T, V] float32 log-probabilities."""
+def final_logits(h, weights: Mapping[str, torch.Tensor], geom: Geometry) -> torch.Tensor:
+    """final norm, then the fp32 LM head: [T, V] float32 logits."""
     hn = record("norm", P.rmsnorm(h, weights["model.norm.weight"], geom.eps))
     head = (
         weights["model.embed_tokens.weight"] if geom.tie_embeddings else weights["lm_head.weight"]
     )
-    logits = record("lm_head", P.gemm(hn, head, out_dtype=torch.float32))
-    return record("logprobs", P.log_softmax(logits))
+    return record("lm_head", P.gemm(hn, head, out_dtype=torch.float32))
+
+
+def final_logprobs(h, weights: Mapping[str, torch.Tensor], geom: Geometry) -> torch.Tensor:
+    """final_logits, then log_softmax: [T, V] float32 log-probabilities."""
+    return record("logprobs", P.log_softmax(final_logits(h, weights, geom)))
 
 
 def forward_logprobs(
