@@ -10,22 +10,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import tempfile
 import time
 from pathlib import Path
 
 
 def _env(root: Path) -> None:
-    for key, value in {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
-        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
-        "HF_HOME": str(root / "hf"),
-    }.items():
-        os.environ.setdefault(key, value)
+    from lockstep_serving.offline import isolate
+
+    isolate(root)
 
 
 def _run(llm, prompts, tokens: int) -> tuple[float, int]:

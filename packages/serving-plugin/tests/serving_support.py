@@ -7,25 +7,13 @@ cache, offline hub, and every cache and temporary file under one directory of th
 from __future__ import annotations
 
 import gc
-import os
 import tempfile
 from pathlib import Path
 
+from lockstep_serving.offline import isolate
+
 _ROOT = Path(tempfile.mkdtemp(prefix="lockstep-serving-"))
-for key, value in {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_CACHE_ROOT": str(_ROOT / "vllm-cache"),
-    "TORCHINDUCTOR_CACHE_DIR": str(_ROOT / "inductor"),
-    "HF_HOME": str(_ROOT / "hf"),
-    "TMPDIR": str(_ROOT / "tmp"),
-    "VLLM_LOGGING_LEVEL": "WARNING",
-}.items():
-    os.environ[key] = value
-(_ROOT / "tmp").mkdir(exist_ok=True)
-tempfile.tempdir = str(_ROOT / "tmp")
+isolate(_ROOT, override=True, tmp=True)
 
 FAMILIES = {"qwen3": "LockstepQwen3ForCausalLM", "qwen3-moe": "LockstepQwen3MoeForCausalLM"}
 

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
+from lockstep_exact import release
+
+from . import __version__
+
 EXACT_VERSION = "0.1.0"
 
 
 def check() -> None:
     """Refuse to run beside any other lockstep-exact: its programs could differ."""
-    from lockstep_exact.release import require_exact
-
-    from . import __version__
-
-    require_exact("lockstep-serving", __version__, EXACT_VERSION)
+    release.require_exact("lockstep-serving", __version__, EXACT_VERSION)
 
 
 def problem() -> str | None:
-    from lockstep_exact.release import VersionSkew
-
-    try:
-        check()
-    except VersionSkew as err:
-        return str(err)
-    return None
+    return release.skew_problem("lockstep-serving", __version__, EXACT_VERSION)

@@ -18,6 +18,37 @@ from .vllm_model import CONTRACT_OVERRIDE
 from .vllm_plugin import LANE_OF_HF
 
 
+def isolate(root: Path, *, override: bool = False, tmp: bool = False) -> None:
+    """Environment for an in-process vLLM engine whose caches all live under ``root``.
+
+    Set before vLLM is imported (it reads these at import): in-process engine core, 1 GiB KV
+    cache, offline hub, WARNING logs. ``override`` replaces values already set; ``tmp`` also
+    points TMPDIR (and Python's tempfile) into ``root``.
+    """
+    import os
+    import tempfile
+
+    values = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+        "HF_HOME": str(root / "hf"),
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+    if tmp:
+        values["TMPDIR"] = str(root / "tmp")
+        (root / "tmp").mkdir(parents=True, exist_ok=True)
+        tempfile.tempdir = values["TMPDIR"]
+    for key, value in values.items():
+        if override:
+            os.environ[key] = value
+        else:
+            os.environ.setdefault(key, value)
+
+
 def engine_args(model_dir, *, contract: str | None = None, **overrides) -> dict:
     """Keyword arguments for ``vllm.LLM`` that serve ``model_dir`` on the exact lane.
 

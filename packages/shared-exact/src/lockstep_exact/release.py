@@ -18,3 +18,12 @@ def require_exact(plugin: str, plugin_version: str, released_against: str) -> No
             f"lockstep-exact=={released_against} (or the {plugin} release made for "
             f"{__version__})"
         )
+
+
+def skew_problem(plugin: str, plugin_version: str, released_against: str) -> str | None:
+    """``require_exact``'s refusal as a sentence for ``lockstep doctor``, or None."""
+    try:
+        require_exact(plugin, plugin_version, released_against)
+    except VersionSkew as err:
+        return str(err)
+    return None
