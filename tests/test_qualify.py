@@ -87,3 +87,70 @@ def test_a_one_ulp_expert_weight_in_the_sampler_copy_fails_and_bisect_names_it(t
     assert gate["name"] == "base ruler" and "model hash" in gate["error"]
     assert gate["bisect"]["divergence"]["site"] == site, gate["bisect"]
     assert "NOT QUALIFIED" in capsys.readouterr().out
+
+
+def _tiny(tmp_path):
+    return make_tiny(tmp_path / "model", arch="qwen3-moe", hidden=64, vocab=400)
+
+
+def test_qualify_without_the_trainer_plugin_names_the_missing_half(tmp_path):
+    import lockstep_serving.plugin
+    from lockstep_exact.plugins import MissingHalf, manager
+    from lockstep_exact.qualify import Ladder
+
+    pm = manager(load_entry_points=False)
+    pm.register(lockstep_serving.plugin)
+    with pytest.raises(MissingHalf, match="trainer half.*install lockstep-megatron"):
+        Ladder(pm, _tiny(tmp_path), tmp_path / "q")
+
+
+def test_qualify_refuses_halves_whose_contracts_differ(tmp_path):
+    from lockstep_exact import hookimpl
+    from lockstep_exact.contract import ContractMismatch, contract_from_json, lane_contract
+    from lockstep_exact.plugins import manager
+    from lockstep_exact.qualify import Ladder
+
+    class SkewedTrainer:  # a trainer configured with another attention block size
+        @hookimpl(tryfirst=True)
+        def lockstep_trainer_contract(self, model_dir, adapter_dir, backend):
+            data = lane_contract(model_dir).to_json()
+            data["sites"]["layers.attn.core"] = "attention.blocked@1{block=64}"
+            return contract_from_json(data)
+
+    pm = manager()
+    pm.register(SkewedTrainer())
+    ladder = Ladder(pm, _tiny(tmp_path), tmp_path / "q")
+    with pytest.raises(ContractMismatch, match="layers.attn.core.*block=32.*block=64"):
+        ladder.run([])
+
+
+@pytest.mark.parametrize("damage", ["corrupted", "fp32"])
+def test_qualify_refuses_a_damaged_adapter_by_name(tmp_path, capsys, damage):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from lockstep_exact.adapters import WEIGHTS, make_adapter
+
+    model = _tiny(tmp_path)
+    adapter = make_adapter(model, tmp_path / "adapter")
+    if damage == "corrupted":
+        raw = bytearray((adapter / WEIGHTS).read_bytes())
+        raw[-5] ^= 0x10
+        (adapter / WEIGHTS).write_bytes(bytes(raw))
+        expected = "corrupted"
+    else:  # an export in fp32, with a payload hash that matches its (fp32) bytes
+        from lockstep_exact.adapters import payload_sha256
+
+        with safe_open(str(adapter / WEIGHTS), "pt") as f:
+            meta = f.metadata()
+            tensors = {k: f.get_tensor(k).float() for k in f.keys()}  # noqa: SIM118
+        meta["lockstep_payload_sha256"] = payload_sha256(tensors)
+        save_file(tensors, str(adapter / WEIGHTS), metadata=meta)
+        expected = "float32"
+    rc = main(
+        ["qualify", "--model", str(model), "--adapter", str(adapter), "--out", str(tmp_path / "q")]
+    )
+    assert rc == 1
+    gate = json.loads((tmp_path / "q" / "report.json").read_text())["gates"][0]
+    assert not gate["passed"] and expected in gate["error"], gate["error"]
+    assert "NOT QUALIFIED" in capsys.readouterr().out
