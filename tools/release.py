@@ -31,6 +31,21 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=True, **kw)
 
 
+def uv_env() -> dict[str, str]:
+    """The environment for uv: pip's local wheel folder as UV_FIND_LINKS, discovered (uv does
+    not read pip's configuration, and torch's CPU build lies there on these machines)."""
+    env = dict(os.environ)
+    if not env.get("UV_FIND_LINKS"):
+        found = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "get", "global.find-links"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        if found:
+            env["UV_FIND_LINKS"] = found
+    return env
+
+
 def _sub(path: Path, pattern: str, repl: str, count: int = 1) -> None:
     text = path.read_text()
     new, n = re.subn(pattern, repl, text, count=count, flags=re.M)
@@ -59,7 +74,7 @@ def bump(version: str) -> None:
             )
     _sub(ROOT / "pyproject.toml", r'^version = "[^"]+"', f'version = "{version}"')
     run([sys.executable, str(ROOT / "tools" / "contract_lock.py"), "--update"], cwd=ROOT)
-    run(["uv", "lock"], cwd=ROOT)
+    run(["uv", "lock"], cwd=ROOT, env=uv_env())
     print(f"release: all packages at {version}; plugins pin lockstep-exact=={version}")
 
 
@@ -81,15 +96,7 @@ def verify(out: Path) -> None:
     wheels = sorted(out.glob("lockstep_*.whl"))
     if len(wheels) != 3:
         raise SystemExit("release: build first (expected 3 wheels in dist/)")
-    env = dict(os.environ)
-    if not env.get("UV_FIND_LINKS"):
-        found = subprocess.run(
-            [sys.executable, "-m", "pip", "config", "get", "global.find-links"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        if found:
-            env["UV_FIND_LINKS"] = found
+    env = uv_env()
     with tempfile.TemporaryDirectory(prefix="lockstep-release-") as tmp:
         venv = Path(tmp) / "venv"
         run(["uv", "venv", "--quiet", "--python", "3.11", str(venv)], env=env)
