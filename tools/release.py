@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,14 +36,19 @@ def uv_env() -> dict[str, str]:
     """The environment for uv: pip's local wheel folder as UV_FIND_LINKS, discovered (uv does
     not read pip's configuration, and torch's CPU build lies there on these machines)."""
     env = dict(os.environ)
-    if not env.get("UV_FIND_LINKS"):
+    if env.get("UV_FIND_LINKS"):
+        return env
+    # The project venv has no pip: ask the machine's pip (the first on PATH that answers).
+    for pip in (shutil.which("pip3"), shutil.which("pip"), sys.executable):
+        if pip is None:
+            continue
+        cmd = [pip] if pip != sys.executable else [pip, "-m", "pip"]
         found = subprocess.run(
-            [sys.executable, "-m", "pip", "config", "get", "global.find-links"],
-            capture_output=True,
-            text=True,
+            [*cmd, "config", "get", "global.find-links"], capture_output=True, text=True
         ).stdout.strip()
         if found:
             env["UV_FIND_LINKS"] = found
+            break
     return env
 
 
