@@ -12,31 +12,7 @@ from pathlib import Path
 LOCK_FORMAT = "lockstep.contracts-lock/1"
 
 # The lanes whose fingerprints the lock pins: the geometries ``lockstep tiny`` makes by default.
-LOCKED_LANES = {
-    "tiny-qwen3": {
-        "architectures": ["Qwen3ForCausalLM"],
-        "hidden_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "vocab_size": 1024,
-        "intermediate_size": 384,
-    },
-    "tiny-qwen3-moe": {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "hidden_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "vocab_size": 1024,
-        "intermediate_size": 384,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 128,
-    },
-}
+LOCKED_ARCHES = ("qwen3", "qwen3-moe")
 
 
 def build(backend: str = "cpu") -> dict:
@@ -44,6 +20,7 @@ def build(backend: str = "cpu") -> dict:
     from .golden import case_hashes
     from .lanes.qwen3 import Geometry
     from .programs import CATALOG
+    from .tiny import tiny_config
 
     hashes = case_hashes(backend)
     programs = {}
@@ -54,8 +31,10 @@ def build(backend: str = "cpu") -> dict:
             "golden": {backend: hashes.get(name, {})},
         }
     lanes = {
-        name: geometry_contract(Geometry.from_hf_config(cfg), backend=backend).fingerprint
-        for name, cfg in LOCKED_LANES.items()
+        f"tiny-{arch}": geometry_contract(
+            Geometry.from_hf_config(tiny_config(arch)), backend=backend
+        ).fingerprint
+        for arch in LOCKED_ARCHES
     }
     return {"format": LOCK_FORMAT, "programs": programs, "lanes": {backend: lanes}}
 
