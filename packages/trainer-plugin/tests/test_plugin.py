@@ -75,3 +75,36 @@ def test_train_job_refuses_a_checkpoint_of_another_model(dense_dir, tmp_path):
     job(dense_dir, "a")
     with pytest.raises(CheckpointError, match="model_hash"):
         job(other, "b")
+
+
+def test_train_job_learns_from_the_advantages_it_is_given(dense_dir, dense_trace, tmp_path):
+    import pytest
+
+    from lockstep_exact.adapters import load_adapter
+    from lockstep_exact.lanes.qwen3 import Geometry
+    from lockstep_exact.parity import same_bytes
+    from lockstep_exact.trace import Trace
+
+    n = Trace.load(dense_trace).num_sequences
+    geom = Geometry.from_model_dir(dense_dir)
+
+    def job(advantages, out):
+        result = plugin.lockstep_train_step(
+            TrainRequest(
+                model_dir=dense_dir,
+                trace_dir=dense_trace,
+                adapter_in=None,
+                adapter_out=tmp_path / out,
+                steps=1,
+                lr=1e-2,
+                advantages=advantages,
+            )
+        )
+        return load_adapter(result.adapter_dir, geom).modules
+
+    up = job(tuple(1.0 if i % 2 else -1.0 for i in range(n)), "up")
+    down = job(tuple(-1.0 if i % 2 else 1.0 for i in range(n)), "down")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not same_bytes(up[name][1], down[name][1])  # opposite rewards, other updates
+    with pytest.raises(ValueError, match="advantages for"):
+        job((1.0,) * (n + 1), "bad")

@@ -78,8 +78,9 @@ def lockstep_train_step(request):
     """Run training steps on a LoRA adapter with the backbone frozen.
 
     ``request`` is a ``TrainRequest`` (model, adapter in/out, trace to learn from, steps,
-    learning rate, checkpoint dir). Return a ``TrainResult`` (losses, backbone hash before
-    and after, the exported adapter directory). Answered by the trainer plugin.
+    learning rate, checkpoint dir, one advantage per trace sequence). Return a
+    ``TrainResult`` (losses, backbone hash before and after, the exported adapter directory).
+    Answered by the trainer plugin.
     """
 
 

@@ -73,6 +73,8 @@ class TrainRequest:
     seed: int = 0
     checkpoint_dir: Path | None = None
     backend: str = "cpu"
+    # One advantage per trace sequence (GRPO); None: the trainer's deterministic toy reward.
+    advantages: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)

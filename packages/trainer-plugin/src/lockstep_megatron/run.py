@@ -35,7 +35,13 @@ def train(request: TrainRequest) -> TrainResult:
     trainer = Trainer(
         model,
         trace,
-        TrainConfig(rank=request.rank, alpha=request.alpha, lr=request.lr, seed=request.seed),
+        TrainConfig(
+            rank=request.rank,
+            alpha=request.alpha,
+            lr=request.lr,
+            seed=request.seed,
+            advantages=getattr(request, "advantages", None),
+        ),
     )
     identity = {
         "contract": trace.contract_fingerprint,

@@ -44,6 +44,7 @@ class TrainConfig:
     lr: float = 1e-3
     micro_batch: int = 4
     seed: int = 0
+    advantages: tuple[float, ...] | None = None  # per sequence; None: toy_advantages
 
 
 class Trainer:
@@ -65,7 +66,14 @@ class Trainer:
         self.data = torch.Generator().manual_seed(config.seed)
         self.position = 0  # micro-batches consumed
         self.seqs = sequences(trace)
-        self.advantages = toy_advantages(trace, model.geom.vocab)
+        if config.advantages is None:
+            self.advantages = toy_advantages(trace, model.geom.vocab)
+        elif len(config.advantages) != trace.num_sequences:
+            raise ValueError(
+                f"{len(config.advantages)} advantages for {trace.num_sequences} trace sequences"
+            )
+        else:
+            self.advantages = torch.tensor(config.advantages, dtype=torch.float32)
 
     def next_batch(self) -> torch.Tensor:
         n = len(self.seqs)
