@@ -14,6 +14,20 @@ def default_scale(head_dim: int) -> torch.Tensor:
     return 1.0 / torch.sqrt(torch.tensor(float(head_dim), dtype=F32))
 
 
+def check_inputs(q, k, v, positions) -> tuple[int, int, int, int, int]:
+    """The input rules of attention.blocked on every backend; (T, Hq, D, S, Hkv)."""
+    require(q.dtype == BF16 and k.dtype == BF16 and v.dtype == BF16, "attention: bf16 q/k/v")
+    require(
+        q.dim() == 3 and k.dim() == 3 and v.shape == k.shape, "attention: q [T,Hq,D], k/v [S,Hkv,D]"
+    )
+    n_q, h_q, d = q.shape
+    s_len, h_kv, _ = k.shape
+    require(k.shape[-1] == d, "attention: q and k head dims differ")
+    require(h_q % h_kv == 0, f"attention: {h_q} query heads over {h_kv} kv heads")
+    require(positions.shape == (n_q,), "attention: one position per query")
+    return n_q, h_q, d, s_len, h_kv
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -39,15 +53,7 @@ def attention(
     position t is the same in a prefill of T tokens, in any chunk of a chunked prefill, and as
     one decode step over a cache.
     """
-    require(q.dtype == BF16 and k.dtype == BF16 and v.dtype == BF16, "attention: bf16 q/k/v")
-    require(
-        q.dim() == 3 and k.dim() == 3 and v.shape == k.shape, "attention: q [T,Hq,D], k/v [S,Hkv,D]"
-    )
-    n_q, h_q, d = q.shape
-    s_len, h_kv, _ = k.shape
-    require(k.shape[-1] == d, "attention: q and k head dims differ")
-    require(h_q % h_kv == 0, f"attention: {h_q} query heads over {h_kv} kv heads")
-    require(positions.shape == (n_q,), "attention: one position per query")
+    n_q, h_q, d, s_len, h_kv = check_inputs(q, k, v, positions)
     require(block >= 1 and block & (block - 1) == 0, "attention: block must be a power of two")
     if n_q == 0:
         return q.clone()

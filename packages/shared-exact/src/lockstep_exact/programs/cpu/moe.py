@@ -15,6 +15,13 @@ def router_topk(logits: torch.Tensor, k: int, *, normalize: bool = True):
     (a stable sort on -p); the chosen are put in ascending expert id order; with
     ``normalize`` (Qwen3-MoE norm_topk_prob) w = p / tree_sum(p_chosen); one RNE to bf16.
     """
+    return select_topk(logits, k, normalize, softmax)
+
+
+def select_topk(logits: torch.Tensor, k: int, normalize: bool, softmax_fp32):
+    """router.softmax_topk around a backend's own softmax (the only reduction in it); the
+    selection (stable sort: comparisons only), gather, pair-tree normalization and RNE are
+    exact elementwise torch operations on any device."""
     require(logits.dim() == 2, "router_topk: logits [T, E]")
     require(1 <= k <= logits.shape[1], f"router_topk: top-{k} of {logits.shape[1]} experts")
     p = softmax(as_f32(logits))

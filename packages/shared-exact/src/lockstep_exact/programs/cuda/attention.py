@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..cpu.attention import default_scale
-from .arith import BF16, EXACT, F32, next_pow2, require, require_cuda
+from ..cpu.attention import check_inputs, default_scale
+from .arith import EXACT, F32, next_pow2, require, require_cuda
 
 SEGMENT = 2048  # keys per segment: part of the cuda program (moving it moves bytes)
 # (query rows per tile, warps): 16 rows per warp either way, so each row sees the same MMA
@@ -266,15 +266,7 @@ def attention(
     ``split`` (None: by shape) only chooses where the merge runs; it moves no byte.
     """
     require_cuda(q, k, v)
-    require(q.dtype == BF16 and k.dtype == BF16 and v.dtype == BF16, "attention: bf16 q/k/v")
-    require(
-        q.dim() == 3 and k.dim() == 3 and v.shape == k.shape, "attention: q [T,Hq,D], k/v [S,Hkv,D]"
-    )
-    n_q, h_q, d = q.shape
-    s_len, h_kv, _ = k.shape
-    require(k.shape[-1] == d, "attention: q and k head dims differ")
-    require(h_q % h_kv == 0, f"attention: {h_q} query heads over {h_kv} kv heads")
-    require(positions.shape == (n_q,), "attention: one position per query")
+    n_q, h_q, d, s_len, h_kv = check_inputs(q, k, v, positions)
     require(d == next_pow2(d) and 16 <= d <= 256, f"attention (cuda): head dim {d} unsupported")
     require(
         block == next_pow2(block) and 16 <= block <= 128,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..cpu.arith import tree_sum
+from ..cpu.moe import select_topk
 from .arith import BF16, as_f32, require, require_cuda, round_bf16
 from .softmax import softmax
 
@@ -18,15 +19,7 @@ def router_topk(logits: torch.Tensor, k: int, *, normalize: bool = True):
     adds and division, elementwise torch ops); one RNE to bf16.
     """
     require_cuda(logits)
-    require(logits.dim() == 2, "router_topk: logits [T, E]")
-    require(1 <= k <= logits.shape[1], f"router_topk: top-{k} of {logits.shape[1]} experts")
-    p = softmax(as_f32(logits))
-    order = torch.sort(-p, dim=-1, stable=True).indices[:, :k]
-    ids = torch.sort(order, dim=-1).values
-    w = torch.gather(p, 1, ids)
-    if normalize:
-        w = w / tree_sum(w)[:, None]
-    return ids, round_bf16(w)
+    return select_topk(logits, k, normalize, softmax)
 
 
 def moe_fold(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
