@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from lockstep_exact.k3 import Comparison, compare, k3, ordered_int32, ulp_distance
+from lockstep_exact.k3 import Comparison, compare, k3
+from lockstep_exact.parity import (
+    ordered_int32,
+    same_bytes_mask,
+    ulp_distance,
+    ulp_distances,
+)
 
 
 def _logprobs(n: int = 64, seed: int = 0) -> torch.Tensor:
@@ -123,12 +129,25 @@ def test_compare_of_nothing_is_exact_and_empty():
 
 def test_ulp_distance_counts_float32_steps_across_zero():
     one = torch.tensor([1.0], dtype=torch.float32)
-    assert ulp_distance(one, torch.nextafter(one, torch.tensor([2.0]))).item() == 1
+    assert ulp_distances(one, torch.nextafter(one, torch.tensor([2.0]))).item() == 1
     pos = torch.tensor([0.0], dtype=torch.float32)
     neg_min = torch.tensor([0], dtype=torch.int32).view(torch.float32).clone()
     neg_min.view(torch.int32)[0] = -(2**31) + 1  # -2^-149
     pos_min = torch.tensor([1], dtype=torch.int32).view(torch.float32)  # +2^-149
-    assert ulp_distance(neg_min, pos_min).item() == 2
-    assert ulp_distance(pos, -pos).item() == 0
+    assert ulp_distances(neg_min, pos_min).item() == 2
+    assert ulp_distances(pos, -pos).item() == 0
     keys = ordered_int32(torch.tensor([-2.0, -1.0, -0.0, 0.0, 1e-30, 1.0]))
     assert torch.all(keys[1:] >= keys[:-1])
+
+
+def test_one_byte_comparison_serves_k3_and_the_parity_helpers():
+    a = torch.tensor([1.0, -0.0, 3.0], dtype=torch.float32)
+    b = a.clone()
+    b.view(torch.int32)[2] += 5
+    assert same_bytes_mask(a, b).tolist() == [True, True, False]
+    assert same_bytes_mask(a, a.to(torch.float64)).tolist() == [False] * 3  # other dtype
+    assert same_bytes_mask(a, torch.tensor([1.0, 0.0, 3.0])).tolist() == [True, False, True]
+    assert ulp_distances(a, b).tolist() == [0, 0, 5] and ulp_distance(a, b) == 5
+    assert compare(a, b).max_ulp == 5
+    with pytest.raises(TypeError, match="ordered_int32 needs float32, got torch.bfloat16"):
+        ordered_int32(a.to(torch.bfloat16))

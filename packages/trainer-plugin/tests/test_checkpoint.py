@@ -134,3 +134,85 @@ def test_checkpoint_with_a_missing_file_is_refused(saved, tmp_path):
 def test_checkpoints_are_never_overwritten(saved):
     with pytest.raises(FileExistsError):
         save_checkpoint(load_checkpoint(saved), saved)
+
+
+def test_checkpoint_records_the_trace_and_the_training_settings(saved, dense_trace):
+    settings = load_checkpoint(saved)["settings"]
+    assert settings["trace_sha256"] == Trace.load(dense_trace).sha256()
+    assert {k: settings[k] for k in ("lr", "rank", "alpha", "seed", "micro_batch")} == {
+        "lr": CONFIG.lr,
+        "rank": CONFIG.rank,
+        "alpha": CONFIG.alpha,
+        "seed": CONFIG.seed,
+        "micro_batch": CONFIG.micro_batch,
+    }
+    assert len(settings["advantages"]) == Trace.load(dense_trace).num_sequences
+
+
+def test_resuming_with_the_same_settings_is_accepted(saved, dense_dir, dense_trace):
+    trainer = Trainer(build(dense_dir), Trace.load(dense_trace), CONFIG)
+    trainer.load_state(load_checkpoint(saved))
+    assert trainer.position == 1
+
+
+@pytest.mark.parametrize(
+    "field, change",
+    [
+        ("lr", {"lr": 2e-2}),
+        ("rank", {"rank": 8}),
+        ("alpha", {"alpha": 4.0}),
+        ("seed", {"seed": 12}),
+        ("micro_batch", {"micro_batch": 2}),
+        ("advantages", {"advantages": (1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0)}),
+    ],
+)
+def test_resuming_with_another_setting_is_refused_naming_it(
+    saved, dense_dir, dense_trace, field, change
+):
+    from dataclasses import replace
+
+    trainer = Trainer(build(dense_dir), Trace.load(dense_trace), replace(CONFIG, **change))
+    recorded = load_checkpoint(saved)["settings"][field]
+    with pytest.raises(CheckpointError) as err:
+        trainer.load_state(load_checkpoint(saved), where=str(saved))
+    assert str(err.value).startswith(f"{saved} was made with {field} = {recorded!r}, this job has")
+    assert str(err.value).endswith("; refusing to resume")
+
+
+def test_resuming_on_another_trace_is_refused_naming_it(saved, dense_dir, tmp_path):
+    from trainer_support import reference_trace
+
+    other = Trace.load(reference_trace(dense_dir, tmp_path / "other", seed=1))
+    trainer = Trainer(build(dense_dir), other, CONFIG)
+    with pytest.raises(CheckpointError, match=r"was made with trace_sha256 = '[0-9a-f]{64}'"):
+        trainer.load_state(load_checkpoint(saved))
+
+
+def test_a_checkpoint_without_settings_is_refused(saved, tmp_path):
+    state = load_checkpoint(saved)
+    del state["settings"]
+    with pytest.raises(CheckpointError, match="needs the training settings it was made with"):
+        save_checkpoint(state, tmp_path / "step-9")
+
+
+def test_a_checkpoint_of_the_older_format_is_refused(saved, tmp_path):
+    import json
+
+    old = _copy(saved, tmp_path / "old")
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["format"] = "lockstep.megatron.checkpoint/1"
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(
+        CheckpointError, match=r"checkpoint/1' checkpoint, not 'lockstep.megatron.checkpoint/2'"
+    ):
+        load_checkpoint(old)
+
+
+def test_check_resume_names_a_field_missing_on_either_side():
+    from lockstep_megatron.checkpoint import check_resume
+
+    with pytest.raises(CheckpointError, match="ck does not record 'lr' \\(this job has 0.1\\)"):
+        check_resume({}, {"lr": 0.1}, "ck")
+    with pytest.raises(CheckpointError, match="ck records 'lr' = 0.1, which this job does not set"):
+        check_resume({"lr": 0.1}, {}, "ck")
+    check_resume({"steps": 2, "lr": 0.1}, {"steps": 5, "lr": 0.1}, "ck", free=("steps",))

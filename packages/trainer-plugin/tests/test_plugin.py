@@ -29,7 +29,11 @@ def test_trainer_contract_is_the_lane_contract(model_dir):
 
 
 def test_train_job_resumes_from_its_latest_checkpoint(dense_dir, dense_trace, tmp_path):
-    def job(steps, out):
+    import pytest
+
+    from lockstep_megatron.checkpoint import CheckpointError
+
+    def job(steps, out, lr=1e-2):
         return plugin.lockstep_train_step(
             TrainRequest(
                 model_dir=dense_dir,
@@ -37,7 +41,7 @@ def test_train_job_resumes_from_its_latest_checkpoint(dense_dir, dense_trace, tm
                 adapter_in=None,
                 adapter_out=tmp_path / out,
                 steps=steps,
-                lr=1e-2,
+                lr=lr,
                 checkpoint_dir=tmp_path / "ckpt",
             )
         )
@@ -45,6 +49,9 @@ def test_train_job_resumes_from_its_latest_checkpoint(dense_dir, dense_trace, tm
     first = job(2, "a")
     second = job(1, "b")
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-2", "step-3"]
+    # Another number of steps continues; another learning rate is refused, naming it.
+    with pytest.raises(CheckpointError, match=r"was made with lr = 0\.01, this job has 0\.02"):
+        job(1, "c", lr=2e-2)
     assert first.backbone_hash_before == second.backbone_hash_after
     a = load_into(build(dense_dir), first.adapter_dir, dense_dir)
     b = load_into(build(dense_dir), second.adapter_dir, dense_dir)

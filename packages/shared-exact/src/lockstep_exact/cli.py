@@ -1,4 +1,10 @@
-"""The ``lockstep`` command line. It drives engine plugins through the pluggy hooks only."""
+"""The ``lockstep`` command line. It drives engine plugins through the pluggy hooks only.
+
+``qualify``, ``capture``, ``replay`` and ``bisect`` are quiet by default: while the engines
+work, their output (vLLM's warnings, C++ prints, megatron-core's warnings) goes to a log file
+(``quiet.engine_output``) and only the command's progress and results reach the terminal; the
+last line names the log. ``--verbose`` streams the engine output to the terminal as well.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,43 @@ import tempfile
 from pathlib import Path
 
 from . import __version__
+
+QUIET_COMMANDS = ("qualify", "capture", "replay", "bisect")
+
+
+def _engine_log(args) -> Path:
+    """Where a command's engine output goes: ``--log``, else in or beside its output."""
+    if args.log:
+        return Path(args.log)
+    if args.command == "qualify":
+        return Path(args.out) / "engine.log"
+    if args.command == "capture":  # the trace directory is written whole: the log goes beside
+        return _beside(Path(args.out), ".log")
+    if args.command == "replay" and args.out:
+        return _beside(Path(args.out), ".log")
+    return _beside(Path(args.trace), f".{args.command}.log")
+
+
+def _beside(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name + suffix)
+
+
+def _engines(args):
+    """The context that sends engine output to the command's log (``--verbose``: and here)."""
+    from .quiet import engine_output
+
+    args.engine_log = _engine_log(args)
+    return engine_output(args.engine_log, verbose=args.verbose)
+
+
+def _drive(args, hook_name: str, half: str, package: str, message: str, request):
+    """Call one plugin hook with the engine output sent to the command's log."""
+    from .plugins import manager, require_hook
+
+    hook = require_hook(manager(), hook_name, half, package)
+    with _engines(args) as console:
+        console.say(message)
+        return hook(request=request)
 
 
 def _cmd_tiny(args) -> int:
@@ -32,17 +75,17 @@ def _cmd_tiny(args) -> int:
         if getattr(args, k) is not None
     }
     out = make_tiny(args.out, arch=args.arch, **kw)
-    from .contract import lane_contract
+    from .model import ModelDir
 
     print(f"wrote {args.arch} model to {out}")
-    print(f"contract {lane_contract(out).fingerprint}")
+    print(f"contract {ModelDir(out).contract().fingerprint}")
     return 0
 
 
 def _cmd_contract_show(args) -> int:
-    from .contract import lane_contract
+    from .model import ModelDir
 
-    contract = lane_contract(args.model, backend=args.backend)
+    contract = ModelDir(args.model).contract(args.backend)
     if args.json:
         print(json.dumps(contract.to_json(), indent=2, sort_keys=True))
         return 0
@@ -61,7 +104,7 @@ def _cmd_contract_show(args) -> int:
 def _cmd_doctor(args) -> int:
     import torch
 
-    from .contract import lane_contract
+    from .model import ModelDir
     from .plugins import manager
 
     print(
@@ -93,7 +136,7 @@ def _cmd_doctor(args) -> int:
 
             models = [make_tiny(Path(tmp) / a, arch=a) for a in ("qwen3", "qwen3-moe")]
         for model in models:
-            contract = lane_contract(model)
+            contract = ModelDir(model).contract()
             line = f"contract      {contract.lane}: {contract.fingerprint}"
             for name, hook in (
                 ("sampler", pm.hook.lockstep_sampler_contract),
@@ -110,7 +153,6 @@ def _cmd_doctor(args) -> int:
 
 
 def _cmd_capture(args) -> int:
-    from .plugins import manager, require_hook
     from .requests import CaptureRequest
     from .tiny import default_prompts
 
@@ -120,18 +162,23 @@ def _cmd_capture(args) -> int:
         else tuple(default_prompts(8))
     )
     prompts = tuple(p for p in prompts if p.strip())
-    hook = require_hook(manager(), "lockstep_capture", "sampler", "lockstep-serving")
-    trace = hook(
-        request=CaptureRequest(
+    trace = _drive(
+        args,
+        "lockstep_capture",
+        "sampler",
+        "lockstep-serving",
+        f"capturing {args.decisions} decisions per prompt from {len(prompts)} prompts",
+        CaptureRequest(
             model_dir=Path(args.model),
             adapter_dir=Path(args.adapter) if args.adapter else None,
             prompts=prompts,
             decisions=args.decisions,
             out_dir=Path(args.out),
             seed=args.seed,
-        )
+        ),
     )
     print(f"captured {trace.num_decisions} decisions from {len(prompts)} prompts -> {args.out}")
+    print(f"engine log: {args.engine_log}")
     return 0
 
 
@@ -139,18 +186,21 @@ def _cmd_replay(args) -> int:
     import torch
 
     from .k3 import compare
-    from .plugins import manager, require_hook
     from .requests import ReplayRequest
     from .trace import Trace
 
     trace = Trace.load(args.trace)
-    hook = require_hook(manager(), "lockstep_replay", "trainer", "lockstep-megatron")
-    result = hook(
-        request=ReplayRequest(
+    result = _drive(
+        args,
+        "lockstep_replay",
+        "trainer",
+        "lockstep-megatron",
+        f"replaying {trace.num_decisions} decisions in the trainer",
+        ReplayRequest(
             model_dir=Path(args.model),
             trace_dir=Path(args.trace),
             adapter_dir=Path(args.adapter) if args.adapter else None,
-        )
+        ),
     )
     cmp = compare(torch.as_tensor(trace.logprobs), result.logprobs)
     report = {
@@ -171,6 +221,7 @@ def _cmd_replay(args) -> int:
         f"{verdict}: {cmp.byte_equal}/{cmp.n} decisions byte-equal, K3 max {cmp.k3_max:.3g}"
         + ("" if cmp.first_diff is None else f", first difference at decision {cmp.first_diff}")
     )
+    print(f"engine log: {args.engine_log}")
     return 0 if cmp.byte_equal == cmp.n else 1
 
 
@@ -183,34 +234,36 @@ def _cmd_qualify(args) -> int:
 
     out = Path(args.out)
     t0 = time.perf_counter()
+    with _engines(args) as console:
 
-    def say(msg: str) -> None:
-        print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
+        def say(msg: str) -> None:
+            console.say(f"[{time.perf_counter() - t0:7.1f}s] {msg}")
 
-    if args.model:
-        model = Path(args.model)
-    else:
-        from .tiny import make_tiny
+        if args.model:
+            model = Path(args.model)
+        else:
+            from .tiny import make_tiny
 
-        model = out / f"tiny-{args.tiny}"
-        say(f"making tiny {args.tiny} model in {model}")
-        make_tiny(model, arch=args.tiny, seed=args.seed)
-    pm = manager()
-    engines = [vars(i) for i in pm.hook.lockstep_engine_info() if i is not None]
-    ladder = Ladder(
-        pm,
-        model,
-        out,
-        decisions=args.decisions,
-        adapter_dir=Path(args.adapter) if args.adapter else None,
-        progress=say,
-        sampler_model=Path(args.sampler_model) if args.sampler_model else None,
-    )
-    rep = ladder.run(engines)
+            model = out / f"tiny-{args.tiny}"
+            say(f"making tiny {args.tiny} model in {model}")
+            make_tiny(model, arch=args.tiny, seed=args.seed)
+        pm = manager()
+        engines = [vars(i) for i in pm.hook.lockstep_engine_info() if i is not None]
+        ladder = Ladder(
+            pm,
+            model,
+            out,
+            decisions=args.decisions,
+            adapter_dir=Path(args.adapter) if args.adapter else None,
+            progress=say,
+            sampler_model=Path(args.sampler_model) if args.sampler_model else None,
+        )
+        rep = ladder.run(engines)
     jpath, hpath = report_mod.write(rep, out)
     print()
     print(report_mod.table(rep))
     print(f"report: {hpath} (and {jpath.name})")
+    print(f"engine log: {args.engine_log}")
     return 0 if rep.passed else 1
 
 
@@ -218,20 +271,23 @@ def _cmd_bisect(args) -> int:
     from .bisect import bisect
     from .plugins import manager
 
-    div, missing = bisect(
-        manager(),
-        Path(args.trace),
-        args.decision,
-        Path(args.model),
-        Path(args.adapter) if args.adapter else None,
-    )
+    with _engines(args) as console:
+        console.say(f"bisecting decision {args.decision}: recording every op site on both halves")
+        div, missing = bisect(
+            manager(),
+            Path(args.trace),
+            args.decision,
+            Path(args.model),
+            Path(args.adapter) if args.adapter else None,
+        )
     for site in missing:
         print(f"site present on one side only: {site}")
     if div is None:
         print(f"decision {args.decision}: every op site is byte-equal on both halves")
-        return 0
-    print(f"decision {args.decision}: {div}")
-    return 1
+    else:
+        print(f"decision {args.decision}: {div}")
+    print(f"engine log: {args.engine_log}")
+    return 0 if div is None else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -306,6 +362,19 @@ def build_parser() -> argparse.ArgumentParser:
     bis.add_argument("--trace", required=True)
     bis.add_argument("--decision", type=int, required=True)
     bis.set_defaults(func=_cmd_bisect)
+    for name, command in sub.choices.items():
+        if name in QUIET_COMMANDS:
+            command.add_argument(
+                "--verbose",
+                action="store_true",
+                help="stream the engines' output to the terminal too (it always goes to the log)",
+            )
+            command.add_argument(
+                "--log",
+                help="the engine log file (default: engine.log in --out for qualify, "
+                "<out>.log beside a capture's trace or a replay's --out, else "
+                "<trace>.<command>.log)",
+            )
     return parser
 
 
@@ -315,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ValueError, RuntimeError, KeyError, FileNotFoundError) as err:
         print(f"lockstep {args.command}: error: {err}", file=sys.stderr)
+        if getattr(args, "engine_log", None) is not None:
+            print(f"lockstep {args.command}: engine log: {args.engine_log}", file=sys.stderr)
         return 2
 
 

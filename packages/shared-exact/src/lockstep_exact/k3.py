@@ -1,4 +1,7 @@
-"""K3 and byte-level comparison of sampler and trainer log-probabilities.
+"""K3, and the decision-by-decision report of sampler vs trainer log-probabilities.
+
+The byte comparisons themselves (raw bits, ulp distances) live in ``parity``; this module
+adds K3 and ``compare``, the report the ladder and ``lockstep replay`` print.
 
 Exact parity means byte equality of the float32 log-probabilities. K3 is reported beside it
 because RL practitioners read it: per decision, with ``r = trainer - sampler`` (the log-ratio,
@@ -21,7 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Comparison", "compare", "k3", "ordered_int32", "ulp_distance"]
+from .parity import same_bytes_mask, ulp_distances
+
+__all__ = ["Comparison", "compare", "k3"]
 
 _SERIES_BELOW = 2.0**-10
 
@@ -41,15 +46,6 @@ def _pair(sampler, trainer) -> tuple[torch.Tensor, torch.Tensor]:
     return s, t
 
 
-def _same_bytes(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    if s.dtype == t.dtype == torch.float32:
-        return s.view(torch.int32) == t.view(torch.int32)
-    if s.dtype == t.dtype and s.element_size() in (2, 4, 8):
-        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[s.element_size()]
-        return s.contiguous().view(ints) == t.contiguous().view(ints)
-    return torch.zeros(s.shape, dtype=torch.bool)  # different dtypes: never the same bytes
-
-
 def k3(
     sampler_logprobs: torch.Tensor | list[float], trainer_logprobs: torch.Tensor | list[float]
 ) -> torch.Tensor:
@@ -61,23 +57,7 @@ def k3(
     direct = torch.expm1(r) - r
     series = r * r * (0.5 + r * (1 / 6 + r * (1 / 24 + r * (1 / 120 + r * (1 / 720)))))
     out = torch.where(r.abs() < _SERIES_BELOW, series, direct)
-    return torch.where(_same_bytes(s, t), torch.zeros_like(out), out)
-
-
-def ordered_int32(x: torch.Tensor) -> torch.Tensor:
-    """Map float32 values to int64 keys whose order is the float order, one step per ulp.
-
-    +0.0 and -0.0 both map to 0; adjacent floats differ by 1; NaNs map beyond the infinities.
-    """
-    if x.dtype != torch.float32:
-        raise TypeError(f"ordered_int32 needs float32, got {x.dtype}")
-    bits = x.contiguous().view(torch.int32).to(torch.int64)
-    return torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
-
-
-def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-element number of float32 steps between ``a`` and ``b`` (int64)."""
-    return (ordered_int32(a.reshape(-1)) - ordered_int32(b.reshape(-1))).abs()
+    return torch.where(same_bytes_mask(s, t), torch.zeros_like(out), out)
 
 
 @dataclass(frozen=True)
@@ -114,7 +94,7 @@ def compare(sampler: torch.Tensor | list[float], trainer: torch.Tensor | list[fl
     n = s.numel()
     if n == 0:
         return Comparison(0, 0, None, 0.0, 0.0, 0)
-    same = _same_bytes(s, t)
+    same = same_bytes_mask(s, t)
     diff_at = torch.nonzero(~same)
     values = k3(s, t)
     return Comparison(
@@ -123,5 +103,5 @@ def compare(sampler: torch.Tensor | list[float], trainer: torch.Tensor | list[fl
         first_diff=int(diff_at[0].item()) if diff_at.numel() else None,
         k3_max=float(values.max().item()),
         k3_mean=float(values.mean().item()),
-        max_ulp=int(ulp_distance(s, t).max().item()),
+        max_ulp=int(ulp_distances(s, t).max().item()),
     )

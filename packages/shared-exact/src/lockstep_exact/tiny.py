@@ -54,6 +54,8 @@ from typing import Any
 import torch
 from safetensors.torch import save as safetensors_save
 
+from .atomic import write_file
+
 __all__ = [
     "ARCHES",
     "CORPUS",
@@ -466,15 +468,6 @@ def _json(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
-def _write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def make_tiny(
     out_dir: str | os.PathLike[str],
     arch: str = "qwen3",
@@ -530,5 +523,5 @@ def make_tiny(
     for name, text in _tokenizer_files(tok, max_positions).items():
         files[name] = text.encode()
     for name, data in files.items():
-        _write(out / name, data)
+        write_file(out / name, data)
     return out

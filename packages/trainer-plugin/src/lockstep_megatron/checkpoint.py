@@ -1,44 +1,40 @@
 """Checkpoints of a LoRA run: adapters (fp32 masters), AdamW state, RNG, data position, and
-the identity of what they train (contract fingerprint, model hash, adapter-in hash).
+what they continue: the training settings (``settings``: the trace's sha256, lr, rank, alpha,
+seed, micro-batch, the advantages) and the job's identity (``identity``: contract fingerprint,
+model hash, adapter-in hash, steps, ...). A resume compares both with the job that resumes
+(``check_resume``) and refuses, naming the field, a checkpoint made for anything else.
 
-Written atomically: every file goes into a temporary directory beside the target and is
-fsynced, ``manifest.json`` (the sha256 of every other file) is written last, then the
-directory is renamed into place. ``load`` refuses a directory without a manifest (a partial
-write), a file whose sha256 differs (corruption), or a missing/extra file.
+Written atomically (``lockstep_exact.atomic.write_dir``): every file goes into a temporary
+directory beside the target and is fsynced, ``manifest.json`` (the sha256 of every other file)
+is written last, then the directory is renamed into place. ``load`` refuses a directory without
+a manifest (a partial write), a file whose sha256 differs (corruption), or a missing/extra file.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from safetensors.torch import load, save
 
+from lockstep_exact.atomic import write_dir
 from lockstep_exact.hashing import sha256_bytes
 
 MANIFEST = "manifest.json"
-FORMAT = "lockstep.megatron.checkpoint/1"
+FORMAT = "lockstep.megatron.checkpoint/2"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that is partial, corrupted, or not one of ours."""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """A checkpoint that is partial, corrupted, not one of ours, or made for another job."""
 
 
 def _files(state: dict) -> dict[str, bytes]:
     meta = {
         "position": state["position"],
         "config": state["config"],
+        "settings": state["settings"],
         "identity": state.get("identity", {}),
     }
     return {
@@ -53,23 +49,47 @@ def save_checkpoint(state: dict, path: str | Path) -> Path:
     target = Path(path)
     if target.exists():
         raise FileExistsError(f"{target} exists; checkpoints are never overwritten in place")
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if not isinstance(state.get("settings"), Mapping) or not state["settings"]:
+        raise CheckpointError("a checkpoint needs the training settings it was made with")
     files = _files(state)
     manifest = {"format": FORMAT, "files": {n: sha256_bytes(b) for n, b in sorted(files.items())}}
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        for name, data in [*files.items(), (MANIFEST, json.dumps(manifest, indent=2).encode())]:
-            with open(tmp / name, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        os.rename(tmp, target)
-        _fsync_dir(target.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+    files[MANIFEST] = json.dumps(manifest, indent=2).encode()  # last: it vouches for the rest
+    return write_dir(target, files)
+
+
+def _canonical(value: Any) -> Any:
+    """JSON's view of a value (tuples become lists), so recorded and live values compare."""
+    return json.loads(json.dumps(value))
+
+
+def check_resume(
+    recorded: Mapping[str, Any],
+    current: Mapping[str, Any],
+    where: str,
+    free: tuple[str, ...] = (),
+) -> None:
+    """Refuse to resume when a recorded setting differs from this job's, naming the field.
+
+    A field the job has but the checkpoint lacks (or the reverse) is refused the same way.
+    Fields in ``free`` are recorded for the record and may differ (a resumed job may run
+    another number of steps: continuing is what resuming is for)."""
+    keys = [*current, *(k for k in recorded if k not in current)]  # the job's order first
+    for key in (k for k in keys if k not in free):
+        if key not in recorded:
+            raise CheckpointError(
+                f"{where} does not record {key!r} (this job has {current[key]!r}); "
+                "refusing to resume"
+            )
+        if key not in current:
+            raise CheckpointError(
+                f"{where} records {key!r} = {recorded[key]!r}, which this job does not set; "
+                "refusing to resume"
+            )
+        if _canonical(recorded[key]) != _canonical(current[key]):
+            raise CheckpointError(
+                f"{where} was made with {key} = {recorded[key]!r}, this job has "
+                f"{current[key]!r}; refusing to resume"
+            )
 
 
 def load_checkpoint(path: str | Path) -> dict:
@@ -81,7 +101,10 @@ def load_checkpoint(path: str | Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{d / MANIFEST} is corrupted: {err}") from err
     if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{d} is not a {FORMAT} checkpoint")
+        raise CheckpointError(
+            f"{d} is a {manifest.get('format')!r} checkpoint, not {FORMAT!r} (older ones do not "
+            "record the settings a resume must match)"
+        )
     present = {p.name for p in d.iterdir()} - {MANIFEST}
     listed = set(manifest["files"])
     if present != listed:
@@ -101,5 +124,6 @@ def load_checkpoint(path: str | Path) -> dict:
         "rng": load(blobs["rng.safetensors"]),
         "position": meta["position"],
         "config": meta["config"],
+        "settings": meta["settings"],
         "identity": meta.get("identity", {}),
     }

@@ -4,31 +4,22 @@ megatron-core assumes CUDA in a few places the exact lane reaches (RNG tracker, 
 devices). On a machine without a GPU, ``ensure_cpu_megatron()`` applies the patches in
 ``PATCHES`` (idempotent) and ``init_single_process()`` starts gloo with world size 1 and
 ``parallel_state.initialize_model_parallel(1, 1)``. With a GPU present nothing is patched.
-The test ``test_every_patch_target_exists_in_the_installed_megatron`` asserts each target
-exists, so an upgrade that moves one fails closed instead of silently running unpatched.
+``PATCHES`` is a ``lockstep_exact.patching.PatchTable`` (the type the serving plugin's vLLM
+table uses too): applying it first checks the megatron-core version and that every target
+exists, so an upgrade that moves one fails closed instead of silently running unpatched;
+``restore_cpu_megatron()`` takes the patches back.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
 import tempfile
 import types
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from lockstep_exact.patching import PatchTable, Target
+
 SUPPORTED_MEGATRON = ("0.16.1",)
-
-
-@dataclass(frozen=True)
-class Patch:
-    module: str
-    symbol: str
-    why: str
-    value: Callable[[], object]  # what the symbol becomes
-    may_be_absent: bool = False  # the symbol is only defined when an optional library is
 
 
 def _cpu_cuda_namespace() -> types.SimpleNamespace:
@@ -69,41 +60,53 @@ _RANDOM = "megatron.core.tensor_parallel.random"
 # Every megatron-core (and torch.cuda) symbol this plugin patches on a machine without a GPU.
 # The exact lane itself needs only the RNG rows; current_device and te_general_gemm are for
 # stock megatron modules in the same process (the benchmark's local-spec GPT and MoE).
-PATCHES: tuple[Patch, ...] = (
-    Patch(
-        _RANDOM,
-        "torch",
-        "the RNG tracker calls torch.cuda.get_rng_state/manual_seed: give it the CPU generator",
-        _TorchWithCpuCuda,
+PATCHES = PatchTable(
+    "megatron-core",
+    "megatron.core",
+    SUPPORTED_MEGATRON,
+    (
+        Target(
+            _RANDOM,
+            "torch",
+            "patch",
+            "the RNG tracker calls torch.cuda.get_rng_state/manual_seed: give it the CPU generator",
+            replacement=_TorchWithCpuCuda,
+        ),
+        Target(
+            _RANDOM,
+            "_get_cuda_rng_state",
+            "patch",
+            "CudaRNGStatesTracker.fork reads the cuda generator: read the CPU one",
+            replacement=lambda: _get_cpu_rng_state,
+        ),
+        Target(
+            _RANDOM,
+            "_set_cuda_rng_state",
+            "patch",
+            "CudaRNGStatesTracker.fork and checkpoint set the cuda generator: set the CPU one",
+            replacement=lambda: _set_cpu_rng_state,
+        ),
+        Target(
+            "torch.cuda",
+            "current_device",
+            "patch",
+            "stock megatron allocates buffers on torch.cuda.current_device(): map it to 'cpu'",
+            replacement=lambda: lambda: "cpu",
+        ),
+        Target(
+            "megatron.core.transformer.moe.moe_utils",
+            "te_general_gemm",
+            "patch",
+            "without TransformerEngine the name is undefined and the stock router gemm reads it",
+            replacement=lambda: None,
+            may_be_absent=True,
+        ),
     ),
-    Patch(
-        _RANDOM,
-        "_get_cuda_rng_state",
-        "CudaRNGStatesTracker.fork reads the cuda generator: read the CPU one",
-        lambda: _get_cpu_rng_state,
-    ),
-    Patch(
-        _RANDOM,
-        "_set_cuda_rng_state",
-        "CudaRNGStatesTracker.fork and checkpoint set the cuda generator: set the CPU one",
-        lambda: _set_cpu_rng_state,
-    ),
-    Patch(
-        "torch.cuda",
-        "current_device",
-        "stock megatron allocates buffers on torch.cuda.current_device(): map it to 'cpu'",
-        lambda: lambda: "cpu",
-    ),
-    Patch(
-        "megatron.core.transformer.moe.moe_utils",
-        "te_general_gemm",
-        "without TransformerEngine the name is undefined and the stock router gemm reads it",
-        lambda: None,
-        may_be_absent=True,
-    ),
+    error=RuntimeError,
+    refusal="lockstep_megatron's CPU patches do not fit this megatron-core (refusing to run "
+    "unpatched)",
+    source="lockstep_megatron/cpu.py",
 )
-
-_APPLIED = False
 
 
 def has_gpu() -> bool:
@@ -111,34 +114,22 @@ def has_gpu() -> bool:
 
 
 def check_targets() -> None:
-    """Fail closed if a patch target moved (a megatron-core other than the supported one)."""
-    for patch in PATCHES:
-        target = importlib.import_module(patch.module)
-        if not patch.may_be_absent and not hasattr(target, patch.symbol):
-            raise RuntimeError(f"patch target {patch.module}.{patch.symbol} is missing")
+    """Fail closed (RuntimeError naming each) if a patch target moved or megatron-core is not
+    the supported version."""
+    PATCHES.check()
 
 
 def ensure_cpu_megatron() -> bool:
     """Apply the CPU patches once when there is no GPU. Returns True if they are active."""
-    global _APPLIED
     if has_gpu():
         return False
-    if _APPLIED:
-        return True
-    import megatron.core
-
-    version = getattr(megatron.core, "__version__", "?")
-    if version not in SUPPORTED_MEGATRON:
-        raise RuntimeError(
-            f"lockstep_megatron's CPU patches target megatron-core {SUPPORTED_MEGATRON}, "
-            f"found {version}; refusing to run unpatched"
-        )
-    check_targets()
-    for patch in PATCHES:
-        module = sys.modules.get(patch.module) or importlib.import_module(patch.module)
-        setattr(module, patch.symbol, patch.value())
-    _APPLIED = True
+    PATCHES.apply()  # checks first; idempotent
     return True
+
+
+def restore_cpu_megatron() -> None:
+    """Take the CPU patches back (tests; a process that goes on without the lane)."""
+    PATCHES.restore()
 
 
 def init_single_process(seed: int = 0) -> None:

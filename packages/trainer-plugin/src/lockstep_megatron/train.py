@@ -3,7 +3,9 @@
 Read top to bottom: a ``Trainer`` holds the model (backbone frozen), the optimizer, the data
 generator (which sequences each step sees) and the data position. ``step()`` draws a
 micro-batch, runs forward + backward, and steps AdamW. ``state()``/``load_state()`` are what a
-checkpoint holds.
+checkpoint holds; ``settings()`` is what a resume must match (the trace's sha256, every
+``TrainConfig`` field and the advantages actually used), and ``load_state`` refuses a state
+whose settings differ, naming the field.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from lockstep_exact.trace import Trace
 
 from . import adapters as AD
+from .checkpoint import check_resume
 from .replay import sampled_logprobs, sequences
 from .spec import LockstepGPT
 
@@ -91,6 +94,16 @@ class Trainer:
         self.optimizer.step()
         return float(loss.detach())
 
+    def settings(self) -> dict:
+        """What a resume must continue: the trace (its sha256), every config field, and the
+        advantages in use (float32 values, so their JSON floats are exact)."""
+        config = {k: v for k, v in self.config.__dict__.items() if k != "advantages"}
+        return {
+            "trace_sha256": self.trace.sha256(),
+            **config,
+            "advantages": [float(a) for a in self.advantages.tolist()],
+        }
+
     # --- what a checkpoint holds ---------------------------------------------------------------
     def named_adapter_tensors(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.model.named_parameters() if ".lora." in n}
@@ -110,9 +123,12 @@ class Trainer:
             "rng": {"data": self.data.get_state(), "torch": torch.get_rng_state()},
             "position": self.position,
             "config": self.config.__dict__.copy(),
+            "settings": self.settings(),
         }
 
-    def load_state(self, state: dict) -> None:
+    def load_state(self, state: dict, where: str = "the checkpoint") -> None:
+        """Continue from ``state``; refuses (CheckpointError) one made with other settings."""
+        check_resume(state.get("settings", {}), self.settings(), where)
         own = dict(self.model.named_parameters())
         with torch.no_grad():
             for n, t in state["adapters"].items():
