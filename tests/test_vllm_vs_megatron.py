@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cross_support import capture, replay
 
 from lockstep_exact.adapters import make_adapter
-from lockstep_exact.hashing import dir_sha256
 from lockstep_exact.k3 import compare
+from lockstep_exact.model import model_hash as dir_hash
 from lockstep_exact.plugins import manager
-from lockstep_exact.requests import CaptureRequest, ReplayRequest
+from lockstep_exact.requests import CaptureRequest
 from lockstep_exact.tiny import default_prompts, make_tiny
 from lockstep_exact.trace import Trace
 
@@ -37,32 +38,6 @@ def lane(request, pm, tmp_path_factory):
         )
     )
     return root, model, out
-
-
-def replay(pm, model, trace_dir, adapter=None, control=False):
-    return pm.hook.lockstep_replay(
-        request=ReplayRequest(
-            model_dir=model,
-            trace_dir=trace_dir,
-            adapter_dir=adapter,
-            micro_batch=3,
-            control=control,
-        )
-    ).logprobs
-
-
-def capture(pm, model, out, adapter=None, seed=3):
-    pm.hook.lockstep_capture(
-        request=CaptureRequest(
-            model_dir=model,
-            prompts=tuple(default_prompts(8)),
-            decisions=8,
-            out_dir=out,
-            seed=seed,
-            adapter_dir=adapter,
-        )
-    )
-    return Trace.load(out)
 
 
 def test_megatron_replays_every_vllm_decision_byte_for_byte(pm, lane):
@@ -94,7 +69,7 @@ def test_a_one_ulp_model_copy_reports_the_first_differing_decision(pm, lane):
         [original.sampled(i) for i in range(original.num_sequences)],
         [original.sequence_logprobs(i) for i in range(original.num_sequences)],
         contract_fingerprint=original.contract_fingerprint,
-        model_hash=dir_sha256(copy),
+        model_hash=dir_hash(copy),
     ).save(root / "forged")
     cmp = compare(original.logprobs, replay(pm, copy, forged))
     assert not cmp.exact and cmp.first_diff is not None and cmp.k3_max > 0.0

@@ -121,3 +121,43 @@ def test_an_adapter_made_for_another_contract_is_refused(tiny_models, tmp_path):
     bad = make_adapter(model_dir, tmp_path / "other", rank=8, contract="sha256:" + "3" * 64)
     with pytest.raises(AdapterError, match="made for contract sha256:3+"):
         adapter_hash(bad, model_dir)
+
+
+def test_an_export_for_another_base_model_is_refused(tiny_models, tmp_path):
+    from lockstep_exact.tiny import make_tiny
+    from lockstep_serving.lora import adapter_hash
+
+    model_dir = tiny_models["qwen3"]
+    other = make_tiny(tmp_path / "other", arch="qwen3", seed=9)  # same shapes, other bytes
+    ad = make_adapter(model_dir, tmp_path / "a", rank=8)
+    with pytest.raises(AdapterError, match="made for base model [0-9a-f]{64}; this base model"):
+        adapter_hash(ad, other)
+
+
+def test_a_peft_adapter_is_hashed_on_load(tiny_models, tmp_path):
+    pytest.importorskip("peft")
+    from peft_support import peft_adapter
+
+    from lockstep_exact.model import ModelDir
+    from lockstep_serving.lora import adapter_hash
+
+    model_dir = tiny_models["qwen3-moe"]
+    ad = peft_adapter(model_dir, tmp_path / "p", r=4, lora_alpha=8, target_modules=["v_proj"])
+    assert adapter_hash(ad, model_dir) == load_adapter(ad, ModelDir(model_dir)).sha256
+
+
+def test_the_lora_manager_refuses_an_adapter_of_another_base_model(tiny_models, tmp_path):
+    from types import SimpleNamespace
+
+    from lockstep_exact.model import ModelDir
+    from lockstep_exact.tiny import make_tiny
+    from lockstep_serving.lora import LaneLoRAManager, lora_request_for
+    from lockstep_serving.patches import LaneRefused
+
+    model_dir = tiny_models["qwen3"]
+    other = ModelDir(make_tiny(tmp_path / "other", arch="qwen3", seed=9))
+    served = SimpleNamespace(geom=other.geometry, contract=other.contract(), model_dir=other.path)
+    manager = LaneLoRAManager(served, max_loras=1)
+    ad = make_adapter(model_dir, tmp_path / "a", rank=8)
+    with pytest.raises(LaneRefused, match="refused adapter lockstep-a: adapter was made for base"):
+        manager.add_adapter(lora_request_for(ad))

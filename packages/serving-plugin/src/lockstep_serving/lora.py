@@ -28,12 +28,15 @@ def lora_request_for(adapter_dir, lora_int_id: int = 1):
 
 
 def adapter_hash(adapter_dir, model_dir) -> str:
-    """Validate a PEFT adapter for this lane (AdapterError naming the problem); its hash."""
-    from lockstep_exact.contract import lane_contract
-    from lockstep_exact.lanes.qwen3 import Geometry
+    """Validate a PEFT adapter for this lane (AdapterError naming the problem); its hash.
 
-    geom = Geometry.from_model_dir(model_dir)
-    return load_adapter(adapter_dir, geom, contract=lane_contract(model_dir).fingerprint).sha256
+    The hash covers the factors and the adapter config's numeric fields; a Lockstep export
+    must be bound to this base model, a foreign (peft-made) adapter is recorded beside the
+    model hash in the trace."""
+    from lockstep_exact.model import ModelDir
+
+    base = ModelDir(model_dir)
+    return load_adapter(adapter_dir, base, contract=base.contract().fingerprint).sha256
 
 
 class LaneLoRAManager:
@@ -47,13 +50,24 @@ class LaneLoRAManager:
         self._dummy: set[int] = set()
 
     # -- loading ---------------------------------------------------------------------------
+    def _model_hash(self) -> str:
+        """The served model's hash (adapters bound to another base model are refused)."""
+        if not hasattr(self, "_hash"):
+            from lockstep_exact.model import model_hash
+
+            self._hash = model_hash(self.model.model_dir)
+        return self._hash
+
     def add_adapter(self, lora_request) -> bool:
         lid = lora_request.lora_int_id
         if lid in self.adapters and self.paths[lid] == lora_request.lora_path:
             return False
         try:
             adapter = load_adapter(
-                lora_request.lora_path, self.model.geom, contract=self.model.contract.fingerprint
+                lora_request.lora_path,
+                self.model.geom,
+                contract=self.model.contract.fingerprint,
+                model_hash=self._model_hash(),
             )
         except AdapterError as err:
             raise LaneRefused(
@@ -111,10 +125,10 @@ class LaneLoRAManager:
 
 def load_lora_model(self, model, vllm_config, device):
     """LoRAModelRunnerMixin.load_lora_model: lane models get LaneLoRAManager."""
+    from .patches import TABLE
     from .vllm_model import LockstepQwen3ForCausalLM
-    from .vllm_plugin import _state
 
     if isinstance(model, LockstepQwen3ForCausalLM):
         self.lora_manager = LaneLoRAManager(model, vllm_config.lora_config.max_loras)
         return model
-    return _state["original_load_lora_model"](self, model, vllm_config, device)
+    return TABLE.original("LoRAModelRunnerMixin.load_lora_model")(self, model, vllm_config, device)

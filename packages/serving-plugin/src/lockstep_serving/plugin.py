@@ -44,9 +44,9 @@ def lockstep_engine_info():
 
 @hookimpl
 def lockstep_sampler_contract(model_dir, adapter_dir, backend):
-    from lockstep_exact.contract import lane_contract
+    from lockstep_exact.model import ModelDir
 
-    return lane_contract(model_dir, backend=backend)
+    return ModelDir(model_dir).contract(backend)
 
 
 @hookimpl

@@ -1,29 +1,51 @@
 """LoRA adapters in PEFT layout, read and written the same way by both halves.
 
 An adapter directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` (bf16
-factors, PEFT key names). The safetensors metadata records the lane contract fingerprint it
-was made for and the sha256 of every payload byte; ``load_adapter`` checks both and refuses,
-with a message naming the problem, a corrupted file, a dtype other than bf16, a factor of the
-wrong shape, a module the lane does not cover, or another lane's contract.
+factors, PEFT key names). ``load_adapter`` reads adapters made by the ``peft`` library
+(``save_pretrained``) as well as Lockstep's own exports, and refuses, with a message naming the
+problem: a dtype other than bf16, a corrupted or edited file, a lora_A without its lora_B (or
+the reverse), a factor whose shape or rank does not match the model and the config, a module
+the lane does not cover, a PEFT feature the lane does not implement (DoRA, rsLoRA, biases,
+``modules_to_save``, ``layers_to_transform``, ...), another lane's contract, another base model.
 
-Grouped expert adapters (MoE): each routed expert's projections carry rank ``r // topk``
-(declared in ``rank_pattern``), so a token's k active experts together add rank r.
-Every module's scale is ``lora_alpha / its rank`` (PEFT's convention).
+The adapter hash (``Adapter.sha256``, what traces record) is computed on load over the tensors
+and the config fields that change numbers (``r``, ``lora_alpha``, the targets,
+``rank_pattern``, ``alpha_pattern``): the same factors under another alpha are another adapter.
+
+Lockstep's exports also record, in the safetensors metadata, that hash, the lane contract they
+were made for and the hash of the base model (``model.model_hash``); loading checks all three,
+so an ``alpha`` edited in ``adapter_config.json`` alone, or the adapter applied to another base
+model of the same shapes, is refused. An adapter made by ``peft`` carries no such record: its
+base model cannot be checked, so its hash is recorded in the trace beside the model hash, and
+the pair says which weights ran.
+
+Ranks: a module's rank is its factors' (A's rows), checked against the config (``r``, or the
+``rank_pattern`` entry PEFT would pick for that module); its scale is ``alpha / rank`` with
+alpha from ``alpha_pattern`` or ``lora_alpha`` (PEFT's convention). Lockstep's grouped expert
+adapters give each routed expert rank ``r // topk``, declared in ``rank_pattern``.
+
+MoE experts: with transformers 5 a Qwen3-MoE layer keeps its experts as two fused 3-D
+parameters (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]); PEFT adapts them through
+``target_parameters`` (it turns ``gate_proj``/``up_proj``/``down_proj`` in ``target_modules``
+into that), saving one factor pair per parameter under ``mlp.experts`` (nested wrappers add
+``.base_layer``): A [r*E, in] holds expert e's rows at ``e*r:(e+1)*r``, B [out, r*E] holds its
+columns at ``e, e+E, ...`` (PEFT's ``ParamWrapper``). The loader splits these into one adapter
+per expert and projection; the fused gate/up pair shares its A, with B's first I rows on gate.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .atomic import write_dir
 from .hashing import sha256_bytes, tensor_bytes
 from .lanes.qwen3 import Geometry
 
@@ -32,6 +54,58 @@ WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
+HASH_KEY = "lockstep_adapter_sha256"
+OLD_HASH_KEY = "lockstep_payload_sha256"
+MODEL_KEY = "lockstep_model_hash"
+CONTRACT_KEY = "lockstep_contract"
+
+# adapter_config.json fields that change the adapter's numbers: hashed with the tensors.
+NUMERIC_FIELDS = (
+    "r",
+    "lora_alpha",
+    "target_modules",
+    "target_parameters",
+    "rank_pattern",
+    "alpha_pattern",
+)
+# Fields that never change a number at inference (bookkeeping, training-only, init-only: the
+# factors are what they are). Every other field must be unset (null, false, empty), or is
+# one of the checked ones below; a PEFT feature the lane lacks is refused by name.
+NO_NUMERICS_FIELDS = frozenset(
+    {
+        "peft_type",
+        "task_type",
+        "base_model_name_or_path",
+        "revision",
+        "peft_version",
+        "auto_mapping",
+        "inference_mode",
+        "lora_dropout",
+        "exclude_modules",
+        "layers_pattern",
+        "megatron_core",
+        "qalora_group_size",
+        "loftq_config",
+        "eva_config",
+        "corda_config",
+        "lora_ga_config",
+        "ensure_weight_tying",
+        CONTRACT_KEY,
+    }
+)
+# init_lora_weights values that leave the base model's weights as they are.
+PLAIN_INITS = (True, False, "gaussian")
+FEATURES = {
+    "use_dora": "DoRA",
+    "use_rslora": "rsLoRA (scale alpha / sqrt(r))",
+    "lora_bias": "a bias on lora_B",
+    "modules_to_save": "fully trained copies of modules (modules_to_save)",
+    "layers_to_transform": "a subset of layers (layers_to_transform)",
+    "layer_replication": "layer replication",
+    "trainable_token_indices": "trainable token embeddings",
+    "fan_in_fan_out": "transposed (fan_in_fan_out) weights",
+}
+_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts(?:\.base_layer)*")
 
 
 class AdapterError(ValueError):
@@ -46,6 +120,13 @@ class Adapter:
     contract: str | None
     sha256: str
     modules: dict[str, tuple[torch.Tensor, torch.Tensor, float]]  # HF weight name -> (A, B, s)
+    alphas: dict[str, float] = field(default_factory=dict)  # HF weight name -> its alpha
+    base_model_hash: str | None = None  # recorded by Lockstep exports; None for foreign ones
+
+    @property
+    def foreign(self) -> bool:
+        """Made elsewhere (e.g. by ``peft``): no base model binding to check."""
+        return self.base_model_hash is None
 
 
 def module_shapes(geom: Geometry) -> dict[str, tuple[int, int]]:
@@ -72,7 +153,7 @@ def module_shapes(geom: Geometry) -> dict[str, tuple[int, int]]:
 
 
 def module_rank(geom: Geometry, module: str, rank: int) -> int:
-    """Routed-expert modules get rank r // topk (grouped expert LoRA); others rank r."""
+    """Lockstep's grouped expert LoRA: routed experts get rank r // topk; others rank r."""
     if ".mlp.experts." in module:
         if rank % geom.topk:
             raise AdapterError(f"rank {rank} is not divisible by top-k {geom.topk} (expert LoRA)")
@@ -89,6 +170,47 @@ def payload_sha256(tensors: dict[str, torch.Tensor]) -> str:
     return sha256_bytes(b"".join(parts))
 
 
+def numeric_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config fields that change numbers, normalized (target lists sorted)."""
+    out = {}
+    for key in NUMERIC_FIELDS:
+        value = config.get(key)
+        if isinstance(value, list):
+            value = sorted(value)
+        if key in ("rank_pattern", "alpha_pattern"):
+            value = dict(value or {})
+        if key == "lora_alpha" and value is not None:
+            value = float(value)
+        out[key] = value
+    return out
+
+
+def adapter_sha256(tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> str:
+    """The adapter hash: the numeric config fields and every tensor (``payload_sha256``)."""
+    cfg = json.dumps(numeric_config(config), sort_keys=True, separators=(",", ":"))
+    return sha256_bytes(
+        b"lockstep.adapter.v2\0" + cfg.encode() + b"\0" + payload_sha256(tensors).encode()
+    )
+
+
+def _pattern_value(patterns: dict[str, Any], key: str, default):
+    """PEFT's rule: the first pattern ``p`` with ``(.*\\.)?(p)$`` matching ``key`` wins."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", key):
+            return value
+    return default
+
+
+def _write_dir(out: Path, payload: dict, config: dict, meta: dict) -> Path:
+    """Write the two files atomically (atomic.write_dir: temp dir, fsync, rename)."""
+
+    def fill(tmp: Path) -> None:
+        save_file(payload, str(tmp / WEIGHTS), metadata=meta)
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    return write_dir(out, fill=fill, overwrite=True)
+
+
 def write_adapter(
     out_dir,
     tensors: dict[str, torch.Tensor],
@@ -98,18 +220,36 @@ def write_adapter(
     contract: str,
     geom: Geometry,
     base_model: str = "",
+    model_hash: str | None = None,
+    alphas: dict[str, float] | None = None,
 ) -> Path:
-    """Write a PEFT adapter atomically (temp dir, fsync, rename). Factors must be bf16."""
-    out = Path(out_dir)
+    """Write a PEFT adapter atomically. Factors must be bf16 (2-D, PEFT names).
+
+    Modules whose rank is not ``rank`` get a ``rank_pattern`` entry (grouped experts one
+    pattern for all), modules whose alpha (``alphas``, by module name) is not ``alpha`` an
+    ``alpha_pattern`` entry. The metadata records the adapter hash, the contract and, given
+    ``model_hash``, the base model it is bound to.
+    """
     for name, t in tensors.items():
         if t.dtype != torch.bfloat16:
             raise AdapterError(f"adapter factor {name} is {t.dtype}; exports are bf16 only")
     targets = sorted({k.split(".")[-3] for k in tensors})
-    rank_pattern = {}
-    if geom.is_moe and any(".mlp.experts." in k for k in tensors):
-        rank_pattern = {
-            r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj": rank // geom.topk
-        }
+    group = r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj"
+    rank_pattern: dict[str, int] = {}
+    alpha_pattern: dict[str, float] = {}
+    for key, t in sorted(tensors.items()):
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key[len(PREFIX) : -len(".lora_A.weight")]
+        r = int(t.shape[0])
+        grouped = geom.is_moe and ".mlp.experts." in module and r * geom.topk == rank
+        if grouped:
+            rank_pattern[group] = r
+        elif r != rank:
+            rank_pattern[re.escape(module)] = r
+        a = (alphas or {}).get(module + ".weight", alpha)
+        if float(a) != float(alpha):
+            alpha_pattern[re.escape(module)] = float(a)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -117,34 +257,18 @@ def write_adapter(
         "lora_alpha": alpha,
         "target_modules": targets,
         "rank_pattern": rank_pattern,
-        "alpha_pattern": {},
+        "alpha_pattern": alpha_pattern,
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
         "base_model_name_or_path": base_model,
-        "lockstep_contract": contract,
+        CONTRACT_KEY: contract,
     }
     payload = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    meta = {
-        "format": "pt",
-        "lockstep_contract": contract,
-        "lockstep_payload_sha256": payload_sha256(payload),
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        save_file(payload, str(tmp / WEIGHTS), metadata=meta)
-        (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return out
+    meta = {"format": "pt", CONTRACT_KEY: contract, HASH_KEY: adapter_sha256(payload, config)}
+    if model_hash is not None:
+        meta[MODEL_KEY] = model_hash
+    return _write_dir(Path(out_dir), payload, config, meta)
 
 
 def make_adapter(
@@ -161,11 +285,13 @@ def make_adapter(
     """A deterministic adapter on every attention and MLP (or expert) projection.
 
     ``zero_b`` gives the all-zero update (B = 0, A random): exactly the base model's bytes.
+    The adapter is bound to ``model_dir``'s model hash.
     """
-    from .contract import lane_contract
+    from .model import ModelDir
 
-    geom = Geometry.from_model_dir(model_dir)
-    contract = contract or lane_contract(model_dir).fingerprint
+    model = ModelDir.of(model_dir)
+    geom = model.geometry
+    contract = contract or model.contract().fingerprint
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for module, (n_out, n_in) in sorted(module_shapes(geom).items()):
@@ -181,37 +307,69 @@ def make_adapter(
         alpha=alpha,
         contract=contract,
         geom=geom,
-        base_model=str(model_dir),
+        base_model=str(model.path),
+        model_hash=model.model_hash,
     )
 
 
 def perturb_adapter(adapter_dir, out_dir, key: str, delta: float = 2.0**-9) -> Path:
-    """A copy with one factor's first element moved by ``delta`` (the perturbed control)."""
+    """A copy with one factor's first element moved by ``delta`` (the perturbed control).
+
+    The config and the bindings are kept; a Lockstep export's recorded hash is renewed (the
+    copy is a deliberate new adapter), a foreign adapter stays without one.
+    """
     src = Path(adapter_dir)
     config = json.loads((src / CONFIG).read_text())
     with safe_open(str(src / WEIGHTS), "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iter)
-        meta = f.metadata() or {}
+        meta = dict(f.metadata() or {})
     if key not in tensors:
         raise AdapterError(f"adapter has no factor {key}")
     t = tensors[key].float().clone()
     t.view(-1)[0] += delta
-    tensors[key] = t.to(torch.bfloat16)
-    geom_cfg = Geometry.from_model_dir(config["base_model_name_or_path"])
-    return write_adapter(
-        out_dir,
-        tensors,
-        rank=config["r"],
-        alpha=config["lora_alpha"],
-        contract=meta.get("lockstep_contract", ""),
-        geom=geom_cfg,
-        base_model=config["base_model_name_or_path"],
-    )
+    tensors[key] = t.to(tensors[key].dtype)
+    if HASH_KEY in meta:
+        meta[HASH_KEY] = adapter_sha256(tensors, config)
+    return _write_dir(Path(out_dir), tensors, config, meta)
 
 
-def load_adapter(adapter_dir, geom: Geometry, contract: str | None = None) -> Adapter:
-    """Read and validate an adapter; ``modules`` maps HF weight names to (A, B, scale)."""
-    path = Path(adapter_dir)
+def _check_config(path: Path, config: dict[str, Any]) -> tuple[int, float]:
+    where = path / CONFIG
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{where}: adapter type {config.get('peft_type')!r} is not LoRA")
+    if config.get("bias", "none") != "none":
+        raise AdapterError(
+            f"{where}: bias = {config['bias']!r}: LoRA biases are not part of the exact lane"
+        )
+    init = config.get("init_lora_weights", True)
+    if init not in PLAIN_INITS:
+        raise AdapterError(
+            f"{where}: init_lora_weights = {init!r} changes the base weights; the exact lane "
+            f"runs adapters over unchanged base weights ({', '.join(map(repr, PLAIN_INITS))})"
+        )
+    for key, what in FEATURES.items():
+        if config.get(key):
+            raise AdapterError(
+                f"{where}: {key} = {config[key]!r}: {what} is not part of the exact lane"
+            )
+    checked = NO_NUMERICS_FIELDS | set(NUMERIC_FIELDS) | set(FEATURES)
+    checked |= {"bias", "init_lora_weights"}
+    for key, value in config.items():
+        if key not in checked and value not in (None, False, "", [], {}):
+            raise AdapterError(
+                f"{where}: PEFT field {key!r} = {value!r} is not implemented by the exact lane"
+            )
+    try:
+        rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise AdapterError(f"{where}: needs an integer 'r' and a number 'lora_alpha'") from err
+    for name in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(config.get(name) or {}, dict):
+            raise AdapterError(f"{where}: {name} must be a mapping")
+    return rank, alpha
+
+
+def _read(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, str]]:
     for name in (CONFIG, WEIGHTS):
         if not (path / name).is_file():
             raise AdapterError(f"{path} has no {name}: not a PEFT adapter directory")
@@ -219,61 +377,167 @@ def load_adapter(adapter_dir, geom: Geometry, contract: str | None = None) -> Ad
         config = json.loads((path / CONFIG).read_text())
     except json.JSONDecodeError as err:
         raise AdapterError(f"{path / CONFIG} is not valid JSON ({err})") from err
-    if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"adapter type {config.get('peft_type')!r} is not LoRA")
-    if config.get("bias", "none") != "none" or config.get("use_dora") or config.get("use_rslora"):
-        raise AdapterError("LoRA bias, DoRA and rsLoRA are not part of the exact lane")
     try:
         with safe_open(str(path / WEIGHTS), "pt") as f:
-            meta = f.metadata() or {}
+            meta = dict(f.metadata() or {})
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     except Exception as err:  # safetensors raises several types for damaged files
         raise AdapterError(
             f"{path / WEIGHTS} cannot be read: corrupted or truncated ({err})"
         ) from err
-    recorded = meta.get("lockstep_payload_sha256")
-    if recorded is None:
-        raise AdapterError(
-            f"{path / WEIGHTS} has no lockstep_payload_sha256: not a Lockstep export"
-        )
-    if payload_sha256(tensors) != recorded:
-        raise AdapterError(
-            f"{path / WEIGHTS} does not match its recorded payload sha256: corrupted"
-        )
-    made_for = meta.get("lockstep_contract")
-    if contract is not None and made_for != contract:
-        raise AdapterError(f"adapter was made for contract {made_for}, this lane is {contract}")
-    rank, alpha = int(config["r"]), float(config["lora_alpha"])
-    shapes = module_shapes(geom)
-    modules: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
-    for key, t in tensors.items():
+    return config, tensors, meta
+
+
+def _pairs(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, ...]]:
+    """module name -> (A, B); refuses non-LoRA tensors, other dtypes, orphan factors."""
+    for key, t in sorted(tensors.items()):
         if t.dtype != torch.bfloat16:
             raise AdapterError(f"adapter factor {key} is {t.dtype}; the exact lane takes bf16 only")
         if not key.startswith(PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):
             raise AdapterError(f"adapter tensor {key} is not a PEFT LoRA factor")
-    for key in sorted(k for k in tensors if k.endswith(".lora_A.weight")):
-        module = key[len(PREFIX) : -len(".lora_A.weight")]
-        if module not in shapes:
-            raise AdapterError(f"adapter targets {module}, which the exact lane does not cover")
-        b_key = f"{PREFIX}{module}.lora_B.weight"
-        if b_key not in tensors:
-            raise AdapterError(f"adapter has lora_A but no lora_B for {module}")
-        a, b = tensors[key], tensors[b_key]
-        r = module_rank(geom, module, rank)
-        n_out, n_in = shapes[module]
+        if t.dim() != 2:
+            raise AdapterError(f"adapter factor {key} has shape {tuple(t.shape)}; 2-D expected")
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        module, part = key[len(PREFIX) : -len(".weight")].rsplit(".", 1)
+        found.setdefault(module, {})[part] = t
+    pairs = {}
+    for module, parts in sorted(found.items()):
+        for have, lacks in (("lora_A", "lora_B"), ("lora_B", "lora_A")):
+            if have in parts and lacks not in parts:
+                raise AdapterError(f"adapter has {have} but no {lacks} for {module}")
+        pairs[module] = (parts["lora_A"], parts["lora_B"])
+    return pairs
+
+
+def _unfuse(
+    module: str, a: torch.Tensor, b: torch.Tensor, geom: Geometry, config: dict, rank: int
+) -> tuple[str, int, list[tuple[str, torch.Tensor, torch.Tensor]]]:
+    """Split a PEFT fused-expert factor pair into (expert module, A, B) per expert."""
+    layer = int(_FUSED.fullmatch(module).group(1))
+    g = geom
+    n_exp, inter, hidden = g.experts, g.moe_intermediate, g.hidden
+    io = (a.shape[1], b.shape[0])
+    if io == (hidden, 2 * inter):
+        param, parts = "gate_up_proj", (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))
+    elif io == (inter, hidden):
+        param, parts = "down_proj", (("down_proj", 0, hidden),)
+    else:
+        raise AdapterError(
+            f"{module}: factors {tuple(a.shape)}/{tuple(b.shape)} fit neither fused expert "
+            f"parameter (gate_up_proj: in {hidden}, out {2 * inter}; down_proj: in {inter}, "
+            f"out {hidden})"
+        )
+    rows = a.shape[0]
+    if rows % n_exp or b.shape[1] != rows:
+        raise AdapterError(
+            f"{module} ({param}): factors {tuple(a.shape)}/{tuple(b.shape)} are not rank x "
+            f"{n_exp} experts"
+        )
+    r = rows // n_exp
+    key = f"model.layers.{layer}.mlp.experts.{param}"
+    declared = int(_pattern_value(config.get("rank_pattern") or {}, key, rank))
+    if r != declared:
+        raise AdapterError(f"{key}: factors have rank {r} per expert, the config says {declared}")
+    a3 = a.reshape(n_exp, r, a.shape[1])  # PEFT ParamWrapper: (experts, rank, in)
+    b3 = b.reshape(b.shape[0], r, n_exp)  # (out, rank, experts)
+    out = []
+    for e in range(n_exp):
+        for name, lo, hi in parts:
+            out.append(
+                (
+                    f"model.layers.{layer}.mlp.experts.{e}.{name}",
+                    a3[e].contiguous(),
+                    b3[lo:hi, :, e].contiguous(),
+                )
+            )
+    return key, r, out
+
+
+def load_adapter(
+    adapter_dir,
+    model,
+    contract: str | None = None,
+    model_hash: str | None = None,
+) -> Adapter:
+    """Read and validate an adapter for ``model`` (a ``ModelDir`` or a ``Geometry``).
+
+    ``modules`` maps HF weight names to (A, B, scale). Given a ``ModelDir`` (or
+    ``model_hash``), a Lockstep export bound to another base model is refused; given
+    ``contract``, one made for another contract. ``AdapterError`` names every problem.
+    """
+    geom = model if isinstance(model, Geometry) else model.geometry
+    if model_hash is None and not isinstance(model, Geometry):
+        model_hash = model.model_hash
+    path = Path(adapter_dir)
+    config, tensors, meta = _read(path)
+    rank, alpha = _check_config(path, config)
+    pairs = _pairs(path, tensors)
+    digest = adapter_sha256(tensors, config)
+    if HASH_KEY in meta:
+        if meta[HASH_KEY] != digest:
+            raise AdapterError(
+                f"{path} does not match its recorded adapter sha256 (tensors and the numeric "
+                f"fields of {CONFIG}): corrupted or edited"
+            )
+    elif OLD_HASH_KEY in meta:
+        raise AdapterError(
+            f"{path / WEIGHTS} was exported by an older Lockstep whose hash left out "
+            f"{CONFIG}; export it again"
+        )
+    made_for = meta.get(CONTRACT_KEY)
+    if contract is not None and made_for is not None and made_for != contract:
+        raise AdapterError(f"adapter was made for contract {made_for}, this lane is {contract}")
+    bound_to = meta.get(MODEL_KEY)
+    if bound_to is not None and model_hash is not None and bound_to != model_hash:
+        raise AdapterError(
+            f"adapter was made for base model {bound_to}; this base model is {model_hash}"
+        )
+    shapes = module_shapes(geom)
+    rank_pattern = config.get("rank_pattern") or {}
+    alpha_pattern = config.get("alpha_pattern") or {}
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+    alphas: dict[str, float] = {}
+    fused_seen: set[str] = set()
+
+    def add(name: str, key: str, a: torch.Tensor, b: torch.Tensor, r: int) -> None:
+        if name + ".weight" in modules:
+            raise AdapterError(f"adapter adapts {name} twice")
+        n_out, n_in = shapes[name]
         if a.shape != (r, n_in) or b.shape != (n_out, r):
             raise AdapterError(
-                f"{module}: factors {tuple(a.shape)}/{tuple(b.shape)}, expected "
+                f"{name}: factors {tuple(a.shape)}/{tuple(b.shape)}, expected "
                 f"({r}, {n_in})/({n_out}, {r})"
             )
-        modules[module + ".weight"] = (a, b, alpha / r)
-    # Hash the content, not the file: safetensors writes its metadata in no fixed order.
-    identity = json.dumps(config, sort_keys=True) + "\0" + recorded + "\0" + str(made_for)
+        a_m = float(_pattern_value(alpha_pattern, key, alpha))
+        modules[name + ".weight"] = (a, b, a_m / r)
+        alphas[name + ".weight"] = a_m
+
+    for module, (a, b) in pairs.items():
+        if geom.is_moe and _FUSED.fullmatch(module):
+            key, r, split = _unfuse(module, a, b, geom, config, rank)
+            if key in fused_seen:
+                raise AdapterError(f"adapter adapts {key} twice")
+            fused_seen.add(key)
+            for name, a_e, b_e in split:
+                add(name, key, a_e, b_e, r)
+            continue
+        if module not in shapes:
+            raise AdapterError(f"adapter targets {module}, which the exact lane does not cover")
+        r = int(a.shape[0])
+        declared = int(_pattern_value(rank_pattern, module, rank))
+        if r != declared:
+            raise AdapterError(f"{module}: factors have rank {r}, the config says {declared}")
+        add(module, module, a, b, r)
+    if not modules:
+        raise AdapterError(f"{path / WEIGHTS} holds no LoRA factors")
     return Adapter(
         path=path,
         rank=rank,
         alpha=alpha,
         contract=made_for,
-        sha256=sha256_bytes(identity.encode()),
+        sha256=digest,
         modules=modules,
+        alphas=alphas,
+        base_model_hash=bound_to,
     )

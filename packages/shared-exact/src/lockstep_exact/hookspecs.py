@@ -88,6 +88,9 @@ def lockstep_train_step(request):
 def lockstep_load_adapter(adapter_dir, model_dir, role):
     """Validate an adapter directory for ``role`` and return its hash.
 
-    Must refuse (raise ``AdapterError``) a corrupted file, a dtype other than bf16, a rank or
-    target module the lane does not cover, or a contract fingerprint other than the lane's.
+    Must refuse (raise ``AdapterError``) a corrupted or edited file, a dtype other than bf16,
+    an orphan factor, a rank or target module the lane does not cover, a PEFT feature it does
+    not implement, or a contract fingerprint or base model hash other than the lane's. The
+    hash covers the factors and the adapter config's numeric fields (``adapters.load_adapter``);
+    adapters made by ``peft`` are accepted and hashed on load.
     """

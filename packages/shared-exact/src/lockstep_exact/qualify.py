@@ -16,9 +16,9 @@ import torch
 
 from . import __version__
 from .adapters import load_adapter, make_adapter, perturb_adapter
-from .contract import admit, lane_contract
+from .contract import admit
 from .k3 import compare, k3
-from .lanes.qwen3 import Geometry
+from .model import ModelDir
 from .parity import same_bytes
 from .plugins import MissingHalf, require_hook
 from .requests import CaptureRequest, ReplayRequest, TrainRequest
@@ -98,8 +98,9 @@ class Ladder:
         self.prompts = tuple(prompts or default_prompts(8))
         self.say = progress
         self.rank = rank
-        self.geom = Geometry.from_model_dir(self.model)
-        self.contract = lane_contract(self.model)
+        self.model_dir = ModelDir(self.model)
+        self.geom = self.model_dir.geometry
+        self.contract = self.model_dir.contract()
         self._capture = require_hook(pm, "lockstep_capture", "sampler", "lockstep-serving")
         self._replay = require_hook(pm, "lockstep_replay", "trainer", "lockstep-megatron")
         self._traces = 0
@@ -282,8 +283,8 @@ class Ladder:
                     )
                 )
             )
-        a = load_adapter(self.adapter_a_dir, self.geom)
-        b = [load_adapter(o.adapter_dir, self.geom) for o in outs]
+        a = load_adapter(self.adapter_a_dir, self.model_dir)
+        b = [load_adapter(o.adapter_dir, self.model_dir) for o in outs]
         moved = sum(
             not same_bytes(b[0].modules[k][i], a.modules[k][i]) for k in a.modules for i in (0, 1)
         )

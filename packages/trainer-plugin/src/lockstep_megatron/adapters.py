@@ -1,9 +1,10 @@
 """LoRA on the exact lane: where adapters sit, their HF/PEFT names, and the frozen backbone.
 
-Adapters cover the attention and MLP projections (q, k, v, o, gate, up, down) of every
-layer; in a MoE layer every expert's gate/up/down gets its own adapter of rank ``r // topk``
-(so the rank a token passes through, summed over its k experts, is ``r``). Every adapter has
-PEFT's scale ``lora_alpha / its rank`` (``lockstep_exact.adapters``, shared with the sampler).
+Fresh adapters (``attach``) cover the attention and MLP projections (q, k, v, o, gate, up,
+down) of every layer; in a MoE layer every expert's gate/up/down gets its own adapter of rank
+``r // topk`` (so the rank a token passes through, summed over its k experts, is ``r``). A
+loaded adapter covers the sites it has, with its own ranks and alphas. Every adapter has
+PEFT's scale ``alpha / its rank`` (``lockstep_exact.adapters``, shared with the sampler).
 Master weights are fp32; the forward (and the export) sees them rounded to bf16.
 """
 
@@ -53,12 +54,34 @@ def rank_of(model: LockstepGPT, site: Site, rank: int) -> int:
     return module_rank(model.geom, site.hf_module, rank)
 
 
-def attach(model: LockstepGPT, rank: int, alpha: float, seed: int = 0) -> LockstepGPT:
-    """Add fresh adapters (A random, B = 0: the model's bytes do not change)."""
+def attach(
+    model: LockstepGPT,
+    rank: int,
+    alpha: float,
+    seed: int = 0,
+    modules: dict[str, tuple[int, float]] | None = None,
+) -> LockstepGPT:
+    """Add fresh adapters (A random, B = 0: the model's bytes do not change).
+
+    Without ``modules``, on every site with Lockstep's ranks (``module_rank``) and ``alpha``.
+    With ``modules`` (HF weight name -> (rank, alpha), e.g. a loaded adapter's), only on those
+    sites, with those ranks and alphas: an adapter covering q_proj and v_proj only gets
+    LoRA on q_proj and v_proj only. ``rank``/``alpha`` are the adapter config's ``r`` and
+    ``lora_alpha`` (what an export writes).
+    """
     g = torch.Generator().manual_seed(seed)
+    alphas = {}
     for s in sites(model):
-        s.linear.add_lora(s.part, rank_of(model, s, rank), alpha, g)
-    model.lora_config = {"r": rank, "alpha": float(alpha)}
+        key = s.hf_module + ".weight"
+        if modules is None:
+            r, a = rank_of(model, s, rank), float(alpha)
+        elif key in modules:
+            r, a = modules[key]
+        else:
+            continue
+        s.linear.add_lora(s.part, r, a, g)
+        alphas[key] = float(a)
+    model.lora_config = {"r": rank, "alpha": float(alpha), "alphas": alphas}
     return model
 
 

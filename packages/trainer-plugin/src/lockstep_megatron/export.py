@@ -1,9 +1,11 @@
 """PEFT export of the trained adapter and its loader, through ``lockstep_exact.adapters``.
 
-The format (bf16 factors under PEFT names, the contract fingerprint and a payload sha256 in
-the safetensors metadata, experts at rank ``r // topk``, scale ``alpha / rank``) and every
-refusal (fp32, corrupted, another contract, wrong shape, uncovered module) are the shared
-module's, so the trainer writes and reads exactly what the sampler reads and writes.
+The format (bf16 factors under PEFT names; the contract, the base model hash and the adapter
+hash in the safetensors metadata; experts at rank ``r // topk``; scale ``alpha / rank``) and
+every refusal (fp32, corrupted or edited, orphan factors, another contract or base model, wrong
+shape or rank, uncovered module, PEFT features the lane lacks) are the shared module's, so the
+trainer writes and reads exactly what the sampler reads and writes. Adapters made by ``peft``
+load too, on the sites they cover (e.g. q_proj and v_proj only).
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ import torch
 
 from lockstep_exact import programs as P
 from lockstep_exact.adapters import PREFIX, Adapter, AdapterError, load_adapter, write_adapter
-from lockstep_exact.contract import lane_contract
-from lockstep_exact.lanes.qwen3 import Geometry
+from lockstep_exact.model import ModelDir
 
 from . import adapters as AD
 from .spec import LockstepGPT
@@ -35,22 +36,26 @@ def peft_tensors(model: LockstepGPT) -> dict[str, torch.Tensor]:
 
 
 def export_peft(model: LockstepGPT, out_dir: str | Path, model_dir: str | Path) -> Path:
+    """Write the trained adapter, bound to ``model_dir``'s model hash and contract."""
     cfg = model.lora_config
+    base = ModelDir.of(model_dir)
     return write_adapter(
         out_dir,
         peft_tensors(model),
         rank=cfg["r"],
         alpha=cfg["alpha"],
-        contract=lane_contract(model_dir).fingerprint,
+        contract=base.contract().fingerprint,
         geom=model.geom,
-        base_model=str(model_dir),
+        base_model=str(base.path),
+        model_hash=base.model_hash,
+        alphas=cfg.get("alphas"),
     )
 
 
-def read_adapter(adapter_dir: str | Path, model_dir: str | Path) -> Adapter:
+def read_adapter(adapter_dir: str | Path, model_dir: str | Path | ModelDir) -> Adapter:
     """The validated adapter for this lane, or ``AdapterError`` naming the problem."""
-    geom = Geometry.from_model_dir(model_dir)
-    return load_adapter(adapter_dir, geom, contract=lane_contract(model_dir).fingerprint)
+    base = ModelDir.of(model_dir)
+    return load_adapter(adapter_dir, base, contract=base.contract().fingerprint)
 
 
 def adapter_hash(adapter_dir: str | Path, model_dir: str | Path) -> str:
@@ -61,13 +66,14 @@ def load_into(model: LockstepGPT, adapter_dir: str | Path, model_dir: str | Path
     """Attach the adapter in ``adapter_dir`` to ``model`` (fp32 masters holding the bf16
     values exactly); returns the adapter hash."""
     adapter = read_adapter(adapter_dir, model_dir)
-    AD.attach(model, adapter.rank, adapter.alpha)
+    ranks = {k: (int(a.shape[0]), adapter.alphas[k]) for k, (a, _, _) in adapter.modules.items()}
+    AD.attach(model, adapter.rank, adapter.alpha, modules=ranks)
     seen = set()
     for s in AD.sites(model):
         key = s.hf_module + ".weight"
-        ad = s.linear.lora[s.part]
         if key not in adapter.modules:
-            raise AdapterError(f"adapter lacks {s.hf_module}; the trainer adapts every projection")
+            continue  # not adapted: this site runs the base weights only
+        ad = s.linear.lora[s.part]
         a, b, scale = adapter.modules[key]
         if scale != ad.scale:
             raise AdapterError(f"{s.hf_module}: scale {scale} vs the lane's {ad.scale}")

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from lockstep_exact import hookimpl
-from lockstep_exact.contract import lane_contract
+from lockstep_exact.model import ModelDir
 from lockstep_exact.requests import EngineInfo, ReplayResult, TrainResult
 
 from . import __version__
@@ -38,11 +38,12 @@ def lockstep_engine_info():
 
 @hookimpl
 def lockstep_trainer_contract(model_dir, adapter_dir, backend):
-    contract = lane_contract(model_dir, backend=backend)
+    model = ModelDir(model_dir)
+    contract = model.contract(backend)
     if adapter_dir is not None:
         from .export import read_adapter
 
-        read_adapter(adapter_dir, model_dir)
+        read_adapter(adapter_dir, model)
     return contract
 
 

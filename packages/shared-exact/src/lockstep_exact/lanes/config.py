@@ -1,0 +1,273 @@
+"""Which HF config keys (and values) the Qwen3-family exact lanes implement.
+
+``check_config`` reads a ``config.json`` dict and returns the numbers the lane runs with, or
+raises ``UnsupportedModel`` naming the first key it does not implement. Every key falls in one
+of three groups:
+
+- keys that carry no numerics (names, token ids, the context length, training-only settings
+  such as the router's auxiliary loss): accepted with any value;
+- keys the lane implements with one value or a range of values (plain RoPE, full attention on
+  every layer, silu, no biases, bf16): accepted with those values, refused otherwise, naming
+  the key and the value;
+- the geometry (sizes, eps, rope theta, tied embeddings, the MoE router): read into the
+  lane's ``Geometry``.
+
+Anything else is refused with the key named: a key the lane does not know may change the
+model's numbers, and a model the lane does not run exactly must not run at all.
+
+Where a key is absent, the value is HF transformers' default for that model type (checked
+against ``Qwen3Config`` / ``Qwen3MoeConfig`` by the tests): rope theta 10000, rms_norm_eps
+1e-6, untied embeddings, and ``norm_topk_prob`` False for Qwen3-MoE. The sizes have no
+sensible default and must be stated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+FAMILIES = {
+    "Qwen3ForCausalLM": ("qwen3", "qwen3"),
+    "Qwen3MoeForCausalLM": ("qwen3-moe", "qwen3_moe"),
+}
+
+# HF transformers' defaults (Qwen3Config / Qwen3MoeConfig) for keys a config may leave out.
+HF_ROPE_THETA = 10000.0
+HF_RMS_NORM_EPS = 1e-6
+HF_NORM_TOPK_PROB = False
+
+# Keys that do not change a single computed byte of the forward pass.
+NO_NUMERICS = frozenset(
+    {
+        "_name_or_path",
+        "name_or_path",
+        "architectures",
+        "model_type",
+        "transformers_version",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "max_position_embeddings",
+        "initializer_range",
+        "use_cache",
+        "return_dict",
+        "output_attentions",
+        "output_hidden_states",
+        "output_router_logits",
+        "router_aux_loss_coef",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "tokenizer_class",
+        "task_specific_params",
+        "finetuning_task",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+        "is_decoder",
+        "add_cross_attention",
+        "tie_encoder_decoder",
+        "prefix",
+        "_attn_implementation_autoset",
+        # Only read when sliding attention is on, which the lane refuses.
+        "sliding_window",
+        "max_window_layers",
+    }
+)
+
+# Keys the lane implements with a fixed value: key -> (accepts(value), what the lane runs).
+_FIXED: dict[str, tuple[Any, str]] = {
+    "hidden_act": (lambda v: v == "silu", "silu"),
+    "attention_bias": (lambda v: v is False, "no attention bias (false)"),
+    "attention_dropout": (lambda v: v in (0, 0.0), "no attention dropout (0.0)"),
+    "use_sliding_window": (lambda v: v is False, "full attention (false)"),
+    "rope_scaling": (lambda v: v is None or v == {}, "plain RoPE (null)"),
+    "quantization_config": (lambda v: v is None, "no quantized weights (null)"),
+    "layer_types": (
+        lambda v: isinstance(v, list) and all(t == "full_attention" for t in v),
+        'full attention on every layer ("full_attention")',
+    ),
+    "dtype": (lambda v: v == "bfloat16", "bf16 checkpoints"),
+    "torch_dtype": (lambda v: v == "bfloat16", "bf16 checkpoints"),
+}
+_FIXED_MOE: dict[str, tuple[Any, str]] = {
+    "decoder_sparse_step": (lambda v: v == 1, "an MoE block on every layer (1)"),
+    "mlp_only_layers": (lambda v: v in (None, []), "no dense layers in the MoE stack ([])"),
+}
+
+# Geometry keys, read by ``check_config``.
+_SHAPE = {
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "intermediate_size",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_parameters",
+    "tie_word_embeddings",
+}
+_SHAPE_MOE = {
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+}
+
+
+class UnsupportedModel(ValueError):
+    """The model uses a feature the exact lane does not cover; nothing falls back."""
+
+
+def _refuse(key: str, value: Any, why: str) -> UnsupportedModel:
+    return UnsupportedModel(
+        f"the exact lane does not implement config key {key!r} = {value!r} ({why})"
+    )
+
+
+def _int(cfg: Mapping, key: str, *, minimum: int = 1) -> int:
+    if cfg.get(key) is None:
+        raise UnsupportedModel(
+            f"config.json has no {key!r}: the exact lane needs the model's sizes stated"
+        )
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _refuse(key, value, f"an integer >= {minimum} is expected")
+    return value
+
+
+def _float(cfg: Mapping, key: str, default: float) -> float:
+    value = cfg.get(key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise _refuse(key, value, "a positive number is expected")
+    return float(value)
+
+
+def _rope_theta(cfg: Mapping) -> float:
+    """Plain RoPE only; theta from ``rope_parameters`` (transformers 5) or ``rope_theta``."""
+    params = cfg.get("rope_parameters")
+    theta = None
+    if params is not None:
+        if not isinstance(params, Mapping):
+            raise _refuse("rope_parameters", params, "a mapping is expected")
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind != "default":
+            raise _refuse("rope_parameters", dict(params), f"rope_type {kind!r}: plain RoPE only")
+        extra = sorted(set(params) - {"rope_type", "type", "rope_theta"})
+        if extra:
+            raise _refuse("rope_parameters", dict(params), f"it sets {extra[0]!r}: plain RoPE only")
+        theta = params.get("rope_theta")
+    legacy = cfg.get("rope_theta")
+    if theta is not None and legacy is not None and float(theta) != float(legacy):
+        raise _refuse(
+            "rope_theta",
+            legacy,
+            f"rope_parameters says rope_theta {theta!r}; the two must agree",
+        )
+    value = theta if theta is not None else legacy
+    return _float({"rope_theta": value}, "rope_theta", HF_ROPE_THETA)
+
+
+def check_config(cfg: Mapping) -> dict[str, Any]:
+    """Refuse what the lane does not implement; return the geometry fields (a dict).
+
+    Raises ``UnsupportedModel`` naming the key (and its value) the lane does not implement.
+    """
+    archs = cfg.get("architectures") or ["?"]
+    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in FAMILIES:
+        raise UnsupportedModel(
+            f"architecture {archs!r} has no exact lane; supported: {sorted(FAMILIES)}"
+        )
+    family, model_type = FAMILIES[archs[0]]
+    moe = family == "qwen3-moe"
+    if cfg.get("model_type", model_type) != model_type:
+        raise _refuse("model_type", cfg["model_type"], f"{archs[0]} is model_type {model_type!r}")
+    fixed = {**_FIXED, **(_FIXED_MOE if moe else {})}
+    known = NO_NUMERICS | set(fixed) | _SHAPE | (_SHAPE_MOE if moe else set())
+    for key in cfg:
+        if key not in known:
+            raise UnsupportedModel(
+                f"the exact lane does not implement config key {key!r} (= {cfg[key]!r}); "
+                f"the {family} lane implements: {', '.join(sorted(known - NO_NUMERICS))}"
+            )
+    for key, (accepts, what) in fixed.items():
+        if key in cfg and not accepts(cfg[key]):
+            raise _refuse(key, cfg[key], f"the lane runs {what}")
+    if "tie_word_embeddings" in cfg and not isinstance(cfg["tie_word_embeddings"], bool):
+        raise _refuse("tie_word_embeddings", cfg["tie_word_embeddings"], "a bool is expected")
+
+    hidden = _int(cfg, "hidden_size")
+    heads = _int(cfg, "num_attention_heads")
+    kv_heads = _int(cfg, "num_key_value_heads")
+    if heads % kv_heads:
+        raise _refuse(
+            "num_key_value_heads", kv_heads, f"it must divide num_attention_heads ({heads})"
+        )
+    if cfg.get("head_dim") is not None:
+        head_dim = _int(cfg, "head_dim", minimum=2)
+    elif moe:
+        # Qwen3-MoE (HF): a null head_dim means hidden_size // num_attention_heads.
+        head_dim = hidden // heads
+    else:
+        raise UnsupportedModel(
+            "config.json has no 'head_dim': HF's Qwen3Config would use 128, not "
+            "hidden_size // num_attention_heads; state it"
+        )
+    if head_dim % 2:
+        raise _refuse("head_dim", head_dim, "RoPE rotates pairs: an even head_dim is expected")
+    geom: dict[str, Any] = {
+        "family": family,
+        "hidden": hidden,
+        "layers": _int(cfg, "num_hidden_layers"),
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab": _int(cfg, "vocab_size"),
+        "intermediate": 0,
+        "eps": _float(cfg, "rms_norm_eps", HF_RMS_NORM_EPS),
+        "rope_theta": _rope_theta(cfg),
+        "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+    }
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None and len(layer_types) != geom["layers"]:
+        raise _refuse(
+            "layer_types",
+            layer_types,
+            f"{len(layer_types)} entries for num_hidden_layers {geom['layers']}",
+        )
+    if not moe:
+        geom["intermediate"] = _int(cfg, "intermediate_size")
+        return geom
+    # The dense MLP size is unused when every layer is an MoE block (checked above).
+    if cfg.get("intermediate_size") is not None:
+        geom["intermediate"] = _int(cfg, "intermediate_size")
+    experts = {k: cfg[k] for k in ("num_experts", "num_local_experts") if cfg.get(k) is not None}
+    if len(set(experts.values())) > 1:
+        raise _refuse(
+            "num_local_experts", experts["num_local_experts"], "num_experts says otherwise"
+        )
+    if not experts:
+        raise UnsupportedModel(
+            "config.json has no 'num_experts' (or 'num_local_experts'): the exact lane needs "
+            "the model's sizes stated"
+        )
+    n_experts = _int(experts, next(iter(experts)))
+    topk = _int(cfg, "num_experts_per_tok")
+    if topk > n_experts:
+        raise _refuse("num_experts_per_tok", topk, f"more than the {n_experts} experts")
+    norm_topk = cfg.get("norm_topk_prob", HF_NORM_TOPK_PROB)
+    if not isinstance(norm_topk, bool):
+        raise _refuse("norm_topk_prob", norm_topk, "a bool is expected")
+    geom.update(
+        experts=n_experts,
+        topk=topk,
+        moe_intermediate=_int(cfg, "moe_intermediate_size"),
+        norm_topk=norm_topk,
+    )
+    return geom

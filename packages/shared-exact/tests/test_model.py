@@ -1,0 +1,64 @@
+"""ModelDir: a model directory parsed once; the model hash covers weights, config, tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lockstep_exact.contract import lane_contract
+from lockstep_exact.hashing import dir_sha256
+from lockstep_exact.lanes.qwen3 import Geometry, UnsupportedModel
+from lockstep_exact.model import TOKENIZER_FILES, ModelDir, model_hash
+from lockstep_exact.tiny import make_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("m"), arch="qwen3-moe", hidden=64, vocab=300)
+
+
+def copy(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_a_model_dir_is_parsed_once_into_geometry_contract_and_hash(tiny):
+    m = ModelDir(tiny)
+    assert m.geometry == Geometry.from_model_dir(tiny) and m.family == "qwen3-moe"
+    assert m.config == json.loads((tiny / "config.json").read_text())
+    assert m.contract().fingerprint == lane_contract(tiny).fingerprint
+    assert m.model_hash == model_hash(tiny) != dir_sha256(tiny)
+    assert ModelDir.of(m) is m
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "config.json"])
+def test_a_changed_tokenizer_or_config_file_moves_the_model_hash(tiny, tmp_path, name):
+    other = copy(tiny, tmp_path / "other")
+    assert model_hash(other) == model_hash(tiny)
+    data = json.loads((other / name).read_text())
+    # config.json: a key without numerics (the geometry stays); tokenizer: one more field
+    data["bos_token_id" if name == "config.json" else "_lockstep_test"] = 7
+    (other / name).write_text(json.dumps(data))
+    assert model_hash(other) != model_hash(tiny)
+
+
+def test_every_tokenizer_file_kind_is_hashed(tiny, tmp_path):
+    other = copy(tiny, tmp_path / "other")
+    before = model_hash(other)
+    for name in TOKENIZER_FILES:
+        if not (other / name).exists():
+            (other / name).write_text("x")
+            after = model_hash(other)
+            assert after != before, name
+            before = after
+
+
+def test_a_directory_without_config_or_with_bad_json_is_refused(tmp_path):
+    with pytest.raises(UnsupportedModel, match="no config.json: not an HF model directory"):
+        ModelDir(tmp_path)
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(UnsupportedModel, match="config.json is not valid JSON"):
+        ModelDir(tmp_path)
