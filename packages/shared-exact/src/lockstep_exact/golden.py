@@ -119,6 +119,18 @@ def _cases() -> dict[str, list[tuple[str, Callable[[str], torch.Tensor]]]]:
                 ),
             ),
         ],
+        "sample.gumbel_topp": [
+            (
+                "t64_v1000_mixed",
+                lambda d: P.sample(
+                    P.log_softmax(g((64, 1000), 28, 3.0, torch.float32, d)),
+                    temperature=[0.0, 1.0, 0.7, 1.3] * 16,
+                    top_p=[1.0, 1.0, 0.9, 0.5, 0.01, 1.0, 0.95, 1.0] * 8,
+                    seeds=[i * 7919 - 3 for i in range(63)] + [2**40 + 3],
+                    positions=[i * 131 for i in range(63)] + [2**32 - 1],
+                ),
+            ),
+        ],
         "embedding.gather": [
             ("v50_h16", lambda d: g((50, 16), 27, device=d)[torch.tensor([3, 49, 0, 3], device=d)]),
         ],

@@ -64,6 +64,7 @@ CATALOG: dict[str, tuple[int, dict[str, object]]] = {
     "moe.fold": (1, {"acc": "bf16"}),
     "lora.shrink": (1, {"bk": 32}),
     "lora.expand": (1, {"bk": 32}),
+    "sample.gumbel_topp": (1, {"rounds": 3}),
 }
 
 BACKENDS = ("cpu", "cuda")
@@ -157,6 +158,22 @@ def round_bf16(x):
     return _impl("round_bf16", x)(x)
 
 
+def sample(logprobs, *, temperature, top_p, seeds, positions, rounds: int = 3):
+    """int64 [T]: the token each fp32 log-probability row draws (sample.gumbel_topp).
+
+    ``temperature``/``top_p``: a number or one per row; ``seeds``/``positions``: one per row
+    (the request's seed, the absolute position of the token being chosen).
+    """
+    return _impl("sample", logprobs)(
+        logprobs,
+        temperature=temperature,
+        top_p=top_p,
+        seeds=seeds,
+        positions=positions,
+        rounds=rounds,
+    )
+
+
 __all__ = [
     "BACKENDS",
     "CATALOG",
@@ -175,6 +192,7 @@ __all__ = [
     "rope",
     "round_bf16",
     "router_topk",
+    "sample",
     "softmax",
     "swiglu",
 ]

@@ -8,6 +8,7 @@ from .lora import lora_expand, lora_shrink
 from .moe import moe_fold, moe_fold_fp32, router_topk
 from .norm import residual_add, rmsnorm
 from .rope import rope, rope_tables
+from .sampling import sample
 from .softmax import log_softmax, softmax
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "rope_tables",
     "round_bf16",
     "router_topk",
+    "sample",
     "silu",
     "softmax",
     "swiglu",

@@ -19,6 +19,7 @@ from .lora import lora_expand, lora_shrink
 from .moe import moe_fold, moe_fold_fp32, router_topk
 from .norm import residual_add, rmsnorm
 from .rope import rope
+from .sampling import sample
 from .softmax import log_softmax, softmax
 
 
@@ -53,6 +54,7 @@ __all__ = [
     "rope",
     "round_bf16",
     "router_topk",
+    "sample",
     "softmax",
     "swiglu",
 ]
