@@ -45,8 +45,32 @@ def test_the_plugin_patches_only_what_the_table_lists():
 
     vllm_plugin.register()
     patched = {(t.module, t.symbol) for t in patches.TABLE if t.kind == "patch"}
-    assert patched == {
+    assert {
         ("vllm.v1.sample.sampler", "Sampler.compute_logprobs"),
         ("vllm.v1.worker.lora_model_runner_mixin", "LoRAModelRunnerMixin.load_lora_model"),
-    }
+    } <= patched
+    for t in patches.TABLE:  # every patch row is in effect after register()
+        if t.kind == "patch":
+            assert t.resolve() is not patches.TABLE.original(t.name), t.name
     assert Sampler.compute_logprobs is vllm_plugin.exact_compute_logprobs
+
+
+def test_the_vllm_table_is_the_shared_type_and_restores_what_it_patched():
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
+
+    from lockstep_exact.patching import PatchTable
+    from lockstep_serving import lora, vllm_plugin
+
+    assert isinstance(patches.TABLE, PatchTable)
+    vllm_plugin.register()
+    stock = patches.TABLE.original("Sampler.compute_logprobs")
+    try:
+        patches.TABLE.restore()
+        assert Sampler.compute_logprobs is stock
+        assert LoRAModelRunnerMixin.load_lora_model is not lora.load_lora_model
+    finally:
+        patches.TABLE.apply()
+    assert Sampler.compute_logprobs is vllm_plugin.exact_compute_logprobs
+    assert LoRAModelRunnerMixin.load_lora_model is lora.load_lora_model
+    assert patches.TABLE.original("Sampler.compute_logprobs") is stock

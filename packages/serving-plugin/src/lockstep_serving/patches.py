@@ -1,16 +1,18 @@
 """The patch table: every vLLM symbol the plugin patches, registers, reads or constructs.
 
-One table, so the whole surface the plugin touches is visible in one place. ``check()``
-verifies each target exists with the expected parameters in the installed vLLM; the exact lane
-refuses to start (``LaneRefused``) when a target is missing, instead of running on whatever
-vLLM happens to do there. Stock vLLM keeps working either way: only the lane fails closed.
+One table, so the whole surface the plugin touches is visible in one place: a
+``lockstep_exact.patching.PatchTable`` (the type the trainer plugin's megatron-core table uses
+too). ``check()`` verifies each target exists with the expected parameters in the installed
+vLLM; the exact lane refuses to start (``LaneRefused``) when a target is missing, instead of
+running on whatever vLLM happens to do there. Stock vLLM keeps working either way: only the
+lane fails closed. The ``patch`` rows carry their replacement; ``vllm_plugin.register()``
+applies the table (``TABLE.apply()``), and a patch calls through to what it replaced with
+``TABLE.original(...)``.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
-from dataclasses import dataclass, fields, is_dataclass
+from lockstep_exact.patching import PatchTable, Target
 
 SUPPORTED_VLLM = ("0.32.0",)
 
@@ -19,18 +21,31 @@ class LaneRefused(RuntimeError):
     """The exact lane cannot run here as configured; nothing falls back to a non-exact path."""
 
 
-@dataclass(frozen=True)
-class Target:
-    module: str
-    symbol: str  # dotted inside the module: "Sampler.compute_logprobs"
-    kind: str  # "patch" (replaced while a lane lives), "register", "read", "construct"
-    why: str
-    params: tuple[str, ...] = ()  # leading parameter names the plugin relies on (callables)
-    attrs: tuple[str, ...] = ()  # dataclass fields the plugin reads
-    versions: tuple[str, ...] = SUPPORTED_VLLM
+def _exact_compute_logprobs():
+    from .vllm_plugin import exact_compute_logprobs
+
+    return staticmethod(exact_compute_logprobs)
 
 
-TABLE: tuple[Target, ...] = (
+def _lane_load_lora_model():
+    from .lora import load_lora_model
+
+    return load_lora_model
+
+
+def _lane_sample():
+    from .sampler import lane_sample
+
+    return lane_sample
+
+
+def _lane_process_inputs():
+    from .sampler import process_inputs
+
+    return process_inputs
+
+
+TARGETS: tuple[Target, ...] = (
     Target(
         "vllm.model_executor.models.registry",
         "_ModelRegistry.register_model",
@@ -51,6 +66,91 @@ TABLE: tuple[Target, ...] = (
         "patch",
         "raw logprobs of sampled and prompt tokens through log_softmax.tree while a lane lives",
         params=("logits",),
+        replacement=_exact_compute_logprobs,
+    ),
+    # The lane's sampler (sampler.py): tokens drawn by sample.gumbel_topp, requests admitted.
+    Target(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner._sample",
+        "patch",
+        "a lane model's tokens: sample.gumbel_topp over the raw rows, keyed by each request's "
+        "seed and the position of the token being chosen (the CPU runner inherits it)",
+        params=("self", "logits", "spec_decode_metadata"),
+        replacement=_lane_sample,
+    ),
+    Target(
+        "vllm.v1.engine.input_processor",
+        "InputProcessor.process_inputs",
+        "patch",
+        "a lane engine refuses sampling parameters its rule lacks, naming them, and gives a "
+        "random request without a seed a fresh one",
+        params=("self", "request_id", "prompt", "params"),
+        replacement=_lane_process_inputs,
+    ),
+    Target(
+        "vllm.sampling_params",
+        "SamplingParams",
+        "read",
+        "the request's rule (temperature, top_p, seed) and every parameter the lane refuses",
+        attrs=(
+            "temperature",
+            "top_p",
+            "seed",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "logit_bias",
+            "allowed_token_ids",
+            "bad_words",
+            "min_tokens",
+            "structured_outputs",
+            "thinking_token_budget",
+            "watermarking",
+        ),
+    ),
+    Target(
+        "vllm.v1.worker.gpu_input_batch",
+        "CachedRequestState",
+        "read",
+        "runner.requests[req_id].sampling_params: the rule of each row of the batch",
+        attrs=("req_id", "sampling_params"),
+    ),
+    Target(
+        "vllm.v1.sample.metadata",
+        "SamplingMetadata",
+        "read",
+        "which logprobs the request asked for (gathered from the raw rows as vLLM does)",
+        attrs=("max_num_logprobs", "logprob_token_ids"),
+    ),
+    Target(
+        "vllm.v1.sample.sampler",
+        "Sampler.gather_logprobs",
+        "read",
+        "the top-k and sampled-token logprobs of the raw rows, vLLM's own gathering",
+        params=("logprobs", "num_logprobs", "token_ids"),
+    ),
+    Target(
+        "vllm.v1.sample.sampler",
+        "Sampler.gather_specific_token_logprobs",
+        "read",
+        "logprobs of requested token ids (logprob_token_ids), from the raw rows",
+        params=("self", "logprobs", "logprob_token_ids", "sampled"),
+    ),
+    Target(
+        "vllm.v1.outputs",
+        "SamplerOutput",
+        "construct",
+        "the lane sampler's result: [num_reqs, 1] int32 tokens and the logprob tensors",
+        attrs=("sampled_token_ids", "logprobs_tensors"),
+    ),
+    Target(
+        "vllm.exceptions",
+        "VLLMValidationError.__init__",
+        "construct",
+        "the per-request refusal (HTTP 400 on the server), naming the parameter",
+        params=("self", "message"),
     ),
     Target(
         "vllm.v1.worker.lora_model_runner_mixin",
@@ -58,6 +158,7 @@ TABLE: tuple[Target, ...] = (
         "patch",
         "a lane model gets LaneLoRAManager (exact lora programs) instead of punica wrappers",
         params=("self", "model", "vllm_config", "device"),
+        replacement=_lane_load_lora_model,
     ),
     Target(
         "vllm.lora.layers.utils",
@@ -77,8 +178,26 @@ TABLE: tuple[Target, ...] = (
         "vllm.model_executor.layers.attention.attention",
         "Attention.__init__",
         "construct",
-        "one Attention per layer so vLLM allocates and binds that layer's paged KV cache",
-        params=("self", "num_heads", "head_size", "scale", "num_kv_heads"),
+        "one Attention per layer, on the lane's backend (attn_backend=LaneAttentionBackend), so "
+        "vLLM allocates and binds that layer's paged KV cache",
+        params=(
+            "self",
+            "num_heads",
+            "head_size",
+            "scale",
+            "num_kv_heads",
+            "alibi_slopes",
+            "use_alibi_sqrt",
+            "cache_config",
+            "quant_config",
+            "logits_soft_cap",
+            "per_layer_sliding_window",
+            "prefix",
+            "attn_type",
+            "kv_sharing_target_layer_name",
+            "mm_prefix_clamp_sliding_window",
+            "attn_backend",
+        ),
     ),
     Target(
         "vllm.model_executor.layers.attention.attention",
@@ -93,71 +212,149 @@ TABLE: tuple[Target, ...] = (
         "read",
         "tell a real step from a dummy/profile run (no metadata: nothing to attend to)",
     ),
+    # The lane's own attention backend (attn_backend.py): vLLM's kernels never run for its layers.
     Target(
-        "vllm.v1.attention.backends.cpu_attn",
-        "CPUAttentionMetadata",
-        "read",
-        "query_start_loc / seq_lens / block_table / slot_mapping of the batch",
-        attrs=("num_actual_tokens", "query_start_loc", "seq_lens", "block_table", "slot_mapping"),
+        "vllm.v1.attention.backends.registry",
+        "register_backend",
+        "register",
+        "the backend name LOCKSTEP_LANE -> lockstep_serving.attn_backend.LaneAttentionBackend "
+        "(Attention looks its backend up by name)",
+        params=("backend", "class_path"),
     ),
     Target(
-        "vllm.v1.attention.backends.cpu_attn",
-        "CPUAttentionBackendImpl.forward",
+        "vllm.v1.attention.backends.registry",
+        "AttentionBackendEnum",
         "read",
-        "the cache layout: [blocks, kv_heads, block_size, 2*D] viewed as K rows then V rows",
-        params=("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata"),
+        "attn_backend.register() registers LOCKSTEP_LANE only when its __members__ lack it",
+    ),
+    Target(
+        "vllm.v1.attention.backend",
+        "AttentionBackend",
+        "construct",
+        "LaneAttentionBackend subclasses it: any head size and block size, bf16, no kernel, "
+        "no KV connector, and every KV cache stride order",
+        attrs=(
+            "forward_includes_kv_cache_update",
+            "supported_dtypes",
+            "supported_kv_cache_dtypes",
+            "get_name",
+            "get_impl_cls",
+            "get_builder_cls",
+            "get_supported_kernel_block_sizes",
+            "get_supported_head_sizes",
+            "supported_kv_cache_layouts",
+            "supports_kv_connector",
+        ),
+    ),
+    Target(
+        "vllm.v1.attention.backend",
+        "AttentionImpl.__init__",
+        "construct",
+        "LaneAttentionImpl takes the layer's options as Attention passes them and refuses any "
+        "the lane does not have; its forward refuses (the lane attends in its model)",
+        params=(
+            "self",
+            "num_heads",
+            "head_size",
+            "scale",
+            "num_kv_heads",
+            "alibi_slopes",
+            "sliding_window",
+            "kv_cache_dtype",
+            "logits_soft_cap",
+            "attn_type",
+            "kv_sharing_target_layer_name",
+        ),
+    ),
+    Target(
+        "vllm.v1.attention.backend",
+        "AttentionMetadataBuilder.__init__",
+        "construct",
+        "LaneAttentionMetadataBuilder is built per KV cache group with these arguments",
+        params=("self", "kv_cache_spec", "layer_names", "vllm_config", "device"),
+    ),
+    Target(
+        "vllm.v1.attention.backend",
+        "AttentionMetadataBuilder.build",
+        "construct",
+        "LaneAttentionMetadataBuilder.build turns the batch's common metadata into the lane's",
+        params=("self", "common_prefix_len", "common_attn_metadata"),
+    ),
+    Target(
+        "vllm.config",
+        "VllmConfig",
+        "read",
+        "LaneAttentionMetadataBuilder refuses a KV connector (kv_transfer_config)",
+        attrs=("kv_transfer_config",),
+    ),
+    Target(
+        "vllm.v1.attention.backend",
+        "CommonAttentionMetadata",
+        "read",
+        "the batch: rows per request, cache lengths, block table, slot mapping, causality",
+        attrs=(
+            "query_start_loc",
+            "query_start_loc_cpu",
+            "seq_lens",
+            "num_reqs",
+            "num_actual_tokens",
+            "max_query_len",
+            "max_seq_len",
+            "block_table_tensor",
+            "slot_mapping",
+            "causal",
+        ),
+    ),
+    Target(
+        "vllm.v1.attention.backend",
+        "MultipleOf",
+        "read",
+        "LaneAttentionBackend's kernel block sizes: MultipleOf(1), every block size unsplit",
+        attrs=("base",),
+    ),
+    Target(
+        "vllm.v1.kv_cache_interface",
+        "AttentionSpec",
+        "read",
+        "a layer's cache cell is head_size + head_size_v values of the layer's dtype: the lane "
+        "keeps K in the first head_size and V after (attn_backend.kv_halves)",
+        attrs=("num_kv_heads", "head_size", "head_size_v", "dtype"),
+    ),
+    Target(
+        "vllm.v1.kv_cache_interface",
+        "create_kv_cache_views",
+        "read",
+        "the [num_blocks, kv_heads, block_size, cell] view bound to each layer, in the resolved "
+        "stride order with the cell innermost",
+        params=("raw", "spec", "num_blocks", "layout"),
     ),
 )
 
 
+TABLE = PatchTable(
+    "vLLM",
+    "vllm",
+    SUPPORTED_VLLM,
+    TARGETS,
+    error=LaneRefused,
+    refusal="the Lockstep exact lane does not support this vLLM",
+    source="lockstep_serving/patches.py",
+)
+
+
 def resolve(target: Target):
-    obj = importlib.import_module(target.module)
-    for part in target.symbol.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return target.resolve()
 
 
-def problems(table: tuple[Target, ...] | None = None) -> list[str]:
+def problems(table: PatchTable | tuple[Target, ...] | None = None) -> list[str]:
     """Every target that is missing or changed shape in the installed vLLM, as sentences."""
-    import vllm
-
-    table = TABLE if table is None else table
-    out = []
-    version = getattr(vllm, "__version__", "?")
-    for t in table:
-        where = f"{t.module}.{t.symbol} ({t.kind}: {t.why})"
-        if version not in t.versions:
-            out.append(f"{where}: vLLM {version} is not among the supported {t.versions}")
-            continue
-        try:
-            obj = resolve(t)
-        except (ImportError, AttributeError) as err:
-            out.append(f"{where}: missing ({err})")
-            continue
-        if t.params:
-            try:
-                names = tuple(inspect.signature(obj).parameters)
-            except (TypeError, ValueError) as err:
-                out.append(f"{where}: no signature ({err})")
-                continue
-            if names[: len(t.params)] != t.params:
-                out.append(f"{where}: parameters {names} do not start with {t.params}")
-        if t.attrs:
-            have = ({f.name for f in fields(obj)} if is_dataclass(obj) else set(dir(obj))) | set(
-                getattr(obj, "__annotations__", {})
-            )
-            missing = [a for a in t.attrs if a not in have]
-            if missing:
-                out.append(f"{where}: lacks field(s) {missing}")
-    return out
+    if table is None:
+        table = TABLE
+    if not isinstance(table, PatchTable):
+        table = TABLE.with_targets(tuple(table))
+    return table.problems()
 
 
 def check() -> None:
     """Raise LaneRefused naming every target the installed vLLM lacks."""
-    found = problems()
-    if found:
-        raise LaneRefused(
-            "the Lockstep exact lane does not support this vLLM: "
-            + "; ".join(found)
-            + " (see lockstep_serving/patches.py)"
-        )
+    TABLE.check()

@@ -1,0 +1,316 @@
+"""The lane's own attention backend: no vLLM kernel limit reaches the lane, and its KV cache
+layout is read the same way in every stride order vLLM can resolve, byte for byte."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from serving_support import assert_same_bytes_and_control, start_engine, stop_engine
+
+from lockstep_exact import programs as P
+from lockstep_exact.tiny import default_prompts, make_tiny
+from lockstep_serving import attn_backend as ab
+from lockstep_serving.patches import LaneRefused
+from lockstep_serving.vllm_model import paged_attention
+
+HKV, HEADS, D, BS, NUM_BLOCKS = 2, 4, 16, 4, 8
+NO_CONNECTOR = SimpleNamespace(kv_transfer_config=None)  # all the builder reads of the config
+# Two requests, each over blocks that are neither adjacent nor in order.
+BLOCK_TABLE = torch.tensor([[5, 2, 6, 0], [7, 0, 3, 1]], dtype=torch.int32)
+
+
+def _metadata(qsl, seq_lens):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.tensor(qsl, dtype=torch.int32)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    start = seq_lens - (qsl[1:] - qsl[:-1])
+    positions = torch.cat(
+        [torch.arange(s, e) for s, e in zip(start.tolist(), seq_lens.tolist(), strict=True)]
+    )
+    reqs = qsl.tolist()
+    rows_req = torch.cat([torch.full((reqs[r + 1] - reqs[r],), r) for r in range(len(seq_lens))])
+    blocks = BLOCK_TABLE[rows_req, positions // BS].to(torch.int64)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl,
+        seq_lens=seq_lens,
+        num_reqs=len(seq_lens),
+        num_actual_tokens=int(qsl[-1]),
+        max_query_len=int((qsl[1:] - qsl[:-1]).max()),
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=BLOCK_TABLE,
+        slot_mapping=blocks * BS + positions % BS,
+    )
+    md = ab.LaneAttentionMetadataBuilder(None, [], NO_CONNECTOR, torch.device("cpu")).build(
+        0, common
+    )
+    req_rows = [(r, reqs[r], reqs[r + 1], int(seq_lens[r])) for r in range(len(seq_lens))]
+    return md, positions, req_rows
+
+
+def _caches(layout):
+    """Two layers' caches laid out by vLLM's own allocator in ``layout``."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        compute_layout_strides,
+    )
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.bfloat16)
+    layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    layer_stride, block_stride, *_ = compute_layout_strides(spec, NUM_BLOCKS, 2, layout)
+    tensor = KVCacheTensor(
+        size=2 * NUM_BLOCKS * spec.page_size_bytes,
+        layers=layers,
+        layer_stride=layer_stride,
+        block_stride=block_stride,
+    )
+    config = KVCacheConfig(NUM_BLOCKS, [tensor], [KVCacheGroupSpec(layers, spec)])
+    caches = allocate_kv_cache(config, torch.device("cpu"), layout)
+    return [caches[name] for name in layers]
+
+
+def _rows(seed, n, heads):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, heads, D, generator=g).to(torch.bfloat16)
+
+
+# Step 1: request 0 prefills 6 tokens, request 1 prefills 3. Step 2: request 0 decodes one
+# token, request 1 prefills its next 5 (a chunk): both read rows written a step before.
+STEPS = [([0, 6, 9], [6, 3]), ([0, 1, 6], [7, 8])]
+
+
+def _run(layer_cache):
+    outs, ks, vs = [], [[], []], [[], []]
+    for step, (qsl, seq_lens) in enumerate(STEPS):
+        md, positions, reqs = _metadata(qsl, seq_lens)
+        n = qsl[-1]
+        q, k, v = (
+            _rows(10 * step, n, HEADS),
+            _rows(10 * step + 1, n, HKV),
+            _rows(10 * step + 2, n, HKV),
+        )
+        outs.append(paged_attention(q, k, v, positions, md, layer_cache, md.slot_mapping, reqs))
+        for r, start, end, _ in reqs:
+            ks[r].append(k[start:end])
+            vs[r].append(v[start:end])
+        last = (q, positions, reqs)
+    # The reference: the last step's queries over each request's K/V rows, no cache involved.
+    q, positions, reqs = last
+    ref = torch.cat(
+        [
+            P.attention(q[s:e], torch.cat(ks[r]), torch.cat(vs[r]), positions[s:e])
+            for r, s, e, _ in reqs
+        ]
+    )
+    return outs, ref
+
+
+def test_paged_attention_reads_the_same_bytes_in_every_kv_cache_layout():
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    results = {}
+    for layout in KVCacheLayout:
+        _, cache = _caches(layout)  # layer 1: its view starts after layer 0's in every layout
+        outs, ref = _run(cache)
+        assert_same_bytes_and_control(ref, outs[-1], f"{layout.name}: paged vs reference")
+        results[layout.name] = torch.cat(outs)
+    first = results.pop("LBHNC")
+    for name, got in results.items():
+        assert_same_bytes_and_control(first, got, f"LBHNC vs {name}")
+
+
+def test_the_cache_cell_holds_k_then_v_of_each_token():
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    _, cache = _caches(KVCacheLayout.LBNHC)
+    md, positions, reqs = _metadata(*STEPS[0])
+    q, k, v = _rows(0, 9, HEADS), _rows(1, 9, HKV), _rows(2, 9, HKV)
+    paged_attention(q, k, v, positions, md, cache, md.slot_mapping, reqs)
+    slots = md.slot_mapping.to(torch.int64)
+    cells = cache[slots // BS, :, slots % BS]  # [tokens, kv_heads, 2 * D]
+    assert torch.equal(cells[..., :D], k) and torch.equal(cells[..., D:], v)
+
+
+def test_paged_attention_refuses_metadata_of_another_backend():
+    md, positions, reqs = _metadata(*STEPS[0])
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+
+    other = CPUAttentionMetadata(
+        num_actual_tokens=9,
+        max_query_len=6,
+        query_start_loc=md.query_start_loc,
+        max_seq_len=6,
+        seq_lens=md.seq_lens,
+        block_table=md.block_table,
+        slot_mapping=md.slot_mapping,
+        scheduler_metadata=None,
+    )
+    cache = torch.zeros(NUM_BLOCKS, HKV, BS, 2 * D, dtype=torch.bfloat16)
+    q, k = _rows(0, 9, HEADS), _rows(1, 9, HKV)
+    with pytest.raises(LaneRefused, match="attention metadata of type CPUAttentionMetadata"):
+        paged_attention(q, k, k, positions, other, cache, md.slot_mapping, reqs)
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, message",
+    [
+        (
+            (NUM_BLOCKS, HKV, 2 * BS, D),
+            torch.bfloat16,
+            r"has shape \(8, 2, 8, 16\), not the lane's layout \[num_blocks, 2 kv_heads, "
+            r"block_size, 2\*16\]",
+        ),
+        (
+            (NUM_BLOCKS, 1, BS, 2 * D),
+            torch.bfloat16,
+            r"has shape \(8, 1, 4, 32\), not the lane's layout",
+        ),
+        (
+            (NUM_BLOCKS, HKV, BS, 2 * D),
+            torch.float32,
+            "KV cache is torch.float32 but the lane's K/V rows are torch.bfloat16",
+        ),
+    ],
+)
+def test_paged_attention_refuses_a_cache_not_in_the_lanes_layout(shape, dtype, message):
+    md, positions, reqs = _metadata(*STEPS[0])
+    cache = torch.zeros(shape, dtype=dtype)
+    q, k = _rows(0, 9, HEADS), _rows(1, 9, HKV)
+    with pytest.raises(LaneRefused, match=message):
+        paged_attention(q, k, k, positions, md, cache, md.slot_mapping, reqs)
+
+
+def test_the_builder_copies_the_batch_and_refuses_non_causal_metadata():
+    md, _, _ = _metadata(*STEPS[1])
+    assert md.query_start_loc.tolist() == [0, 1, 6] and md.seq_lens_cpu.tolist() == [7, 8]
+    assert md.block_table is BLOCK_TABLE and md.num_actual_tokens == 6 and md.num_reqs == 2
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.tensor([0, 2], dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl,
+        seq_lens=torch.tensor([2], dtype=torch.int32),
+        num_reqs=1,
+        num_actual_tokens=2,
+        max_query_len=2,
+        max_seq_len=2,
+        block_table_tensor=BLOCK_TABLE[:1],
+        slot_mapping=torch.tensor([20, 21]),
+        causal=False,
+    )
+    builder = ab.LaneAttentionMetadataBuilder(None, [], NO_CONNECTOR, torch.device("cpu"))
+    with pytest.raises(LaneRefused, match="causal=False: the lane attends causally only"):
+        builder.build(0, common)
+
+
+def test_the_builder_refuses_a_kv_connector():
+    config = SimpleNamespace(kv_transfer_config=object())
+    with pytest.raises(LaneRefused, match=r"a KV connector \(kv_transfer_config\) moves cache"):
+        ab.LaneAttentionMetadataBuilder(None, [], config, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"sliding_window": 128}, "sliding_window=128 is not part of the lane's attention"),
+        ({"alibi_slopes": [0.5] * 4}, "alibi_slopes=.* is not part of the lane's attention"),
+        ({"logits_soft_cap": 30.0}, "logits_soft_cap=30.0 is not part of the lane's attention"),
+        (
+            {"kv_sharing_target_layer_name": "model.layers.0.self_attn.attn"},
+            "kv_sharing_target_layer_name=.* is not part of the lane's attention",
+        ),
+        ({"sinks": torch.zeros(4)}, "attention option sinks=.* is not part of the lane's"),
+        ({"attn_type": "encoder_only"}, "attention type .* causal decoder attention only"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype 'fp8': the cache must hold the bf16"),
+    ],
+)
+def test_the_lane_impl_refuses_options_its_attention_does_not_have(options, message):
+    with pytest.raises(LaneRefused, match=message):
+        ab.LaneAttentionImpl(HEADS, D, D**-0.5, HKV, **options)
+
+
+def test_the_lane_impl_refuses_to_run_attention_itself():
+    impl = ab.LaneAttentionImpl(HEADS, D, D**-0.5, HKV)
+    assert (impl.num_heads, impl.head_size, impl.num_kv_heads) == (HEADS, D, HKV)
+    with pytest.raises(LaneRefused, match="the lane attends inside its model"):
+        impl.forward(None, None, None, None, None, None, None)
+
+
+def test_the_backend_declares_no_kernel_limit():
+    from vllm.v1.attention.backend import MultipleOf
+
+    b = ab.LaneAttentionBackend
+    assert all(b.supports_head_size(d) for d in (2, 8, 16, 24, 40, 96, 512))
+    assert all(b.supports_block_size(s) for s in (1, 5, 16, 48, 128))
+    assert b.get_supported_kernel_block_sizes() == [MultipleOf(1)]
+    assert b.supported_kv_cache_layouts() is None
+    assert b.supports_dtype(torch.bfloat16) and not b.supports_dtype(torch.float32)
+    assert not b.supports_kv_connector()
+
+
+def test_the_backend_is_registered_by_name_and_stock_models_keep_vllms_selection():
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    ab.register()
+    ab.register()  # idempotent
+    assert AttentionBackendEnum[ab.BACKEND_NAME].get_class() is ab.LaneAttentionBackend
+    stock = current_platform.get_attn_backend_cls(
+        None, AttentionSelectorConfig(16, torch.bfloat16, "auto", None)
+    )
+    assert stock == AttentionBackendEnum.CPU_ATTN.get_path()
+
+
+def _decisions(out):
+    from lockstep_serving.offline import sampled_logprobs
+
+    return list(out.outputs[0].token_ids), sampled_logprobs(out.outputs[0])
+
+
+@pytest.mark.engine
+def test_head_dim_16_at_block_size_5_gives_the_same_bytes_on_cache_hits_and_chunks(tmp_path):
+    """head_dim 16 (refused by vLLM's CPU kernels with AVX2 only) in 5-token pages: a prefix
+    cache hit and a prefill in 16-token chunks read back the bytes a whole prefill wrote."""
+    from vllm import SamplingParams
+
+    model = make_tiny(tmp_path / "hd16", arch="qwen3", hidden=96, heads=6, kv_heads=2, head_dim=16)
+    prompts = default_prompts(8)
+    target = max(prompts, key=len)
+    seeded = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=6, logprobs=0, seed=7)
+    # vLLM 0.32 on CPU crashes on a seeded request whose prefill is chunked: chunks go greedy.
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
+    llm = start_engine(model, block_size=5)
+    try:
+        backends = llm.apply_model(
+            lambda m: [(type(a.impl).__name__, a.attn_backend.get_name()) for a in m.attn]
+        )
+        shapes = llm.apply_model(lambda m: [tuple(a.kv_cache.shape[1:]) for a in m.attn])
+        llm.reset_prefix_cache()
+        (miss,) = llm.generate([target], seeded, use_tqdm=False)
+        (hit,) = llm.generate([target], seeded, use_tqdm=False)
+        whole = llm.generate(prompts, greedy, use_tqdm=False)
+    finally:
+        stop_engine(llm)
+    llm = start_engine(model, block_size=5, max_num_batched_tokens=16, max_num_seqs=8)
+    try:
+        chunked = llm.generate(prompts, greedy, use_tqdm=False)
+    finally:
+        stop_engine(llm)
+    assert backends == [[("LaneAttentionImpl", "LOCKSTEP_LANE")] * 2]
+    assert shapes == [[(2, 5, 32)] * 2]  # per block: [kv_heads, block_size, K|V]
+    assert miss.num_cached_tokens == 0 and hit.num_cached_tokens >= 5
+    assert _decisions(miss)[0] == _decisions(hit)[0]
+    assert_same_bytes_and_control(_decisions(miss)[1], _decisions(hit)[1], "miss vs hit")
+    assert len(whole[prompts.index(target)].prompt_token_ids) > 3 * 16  # 4 chunks at least
+    for i, (a, b) in enumerate(zip(whole, chunked, strict=True)):
+        assert _decisions(a)[0] == _decisions(b)[0]
+        assert_same_bytes_and_control(_decisions(a)[1], _decisions(b)[1], f"prompt {i}: chunks")
