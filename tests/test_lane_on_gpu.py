@@ -15,12 +15,31 @@ pytestmark = pytest.mark.gpu
 
 
 def _sample(weights, geom, prompts, per_prompt, seed):
-    """Batched incremental decoding with the lane composition on CUDA; raw fp32 logprobs."""
-    from lockstep_exact import programs as P
+    """Batched incremental decoding with the lane composition on CUDA; raw fp32 logprobs.
+
+    Returns (sampled, logprobs, ops): ``ops`` logged what the composition ran."""
     from lockstep_exact.lanes import qwen3
 
-    layers = [qwen3.Layer(geom, i, lw) for i, lw in enumerate(qwen3.split_layers(weights, geom))]
-    caches = [[[None, None] for _ in layers] for _ in prompts]
+    ops = qwen3.default_ops(geom, "cuda")
+    caches = [[[None, None] for _ in range(geom.layers)] for _ in prompts]
+
+    class CacheSlots(qwen3.DictSlots):
+        """Each sequence's K/V appended to its own contiguous cache (a paged cache's bytes)."""
+
+        bounds: list[int] = []
+
+        def attend(self, li, q, k, v, positions, core):
+            outs = []
+            for j in range(len(prompts)):
+                a, b = self.bounds[j], self.bounds[j + 1]
+                ck, cv = caches[j][li]
+                ck = k[a:b] if ck is None else torch.cat([ck, k[a:b]])
+                cv = v[a:b] if cv is None else torch.cat([cv, v[a:b]])
+                caches[j][li] = [ck, cv]
+                outs.append(core(q[a:b], ck, cv, positions[a:b]))
+            return torch.cat(outs)
+
+    slots = CacheSlots(weights, geom)
     gen = torch.Generator().manual_seed(seed)
     new = [torch.as_tensor(p) for p in prompts]
     starts = [0] * len(prompts)
@@ -31,31 +50,17 @@ def _sample(weights, geom, prompts, per_prompt, seed):
         positions = torch.cat(
             [torch.arange(s, s + len(n)) for s, n in zip(starts, new, strict=True)]
         ).cuda()
-        bounds = torch.tensor([0] + [len(n) for n in new]).cumsum(0).tolist()
-
-        def attend(li, q, k, v, bounds=bounds, positions=positions):
-            outs = []
-            for j in range(len(prompts)):
-                a, b = bounds[j], bounds[j + 1]
-                ck, cv = caches[j][li]
-                ck = k[a:b] if ck is None else torch.cat([ck, k[a:b]])
-                cv = v[a:b] if cv is None else torch.cat([cv, v[a:b]])
-                caches[j][li] = [ck, cv]
-                outs.append(P.attention(q[a:b], ck, cv, positions[a:b]))
-            return torch.cat(outs)
-
-        h = weights["model.embed_tokens.weight"][tokens]
-        for layer in layers:
-            h = layer(h, positions, attend)
-        last = torch.tensor(bounds[1:]) - 1
-        lp = qwen3.final_logprobs(h[last.cuda()], weights, geom).cpu()
+        slots.bounds = torch.tensor([0] + [len(n) for n in new]).cumsum(0).tolist()
+        h = qwen3.layers(ops, geom, slots, qwen3.embed(ops, slots, tokens), positions)
+        last = torch.tensor(slots.bounds[1:]) - 1
+        lp = qwen3.logprobs(ops, qwen3.final_logits(ops, geom, slots, h[last.cuda()])).cpu()
         nxt = torch.multinomial(lp.double().exp(), 1, generator=gen)[:, 0]
         for j in range(len(prompts)):
             sampled[j].append(int(nxt[j]))
             logprobs[j].append(lp[j, nxt[j]])
             starts[j] += len(new[j])
         new = [nxt[j : j + 1] for j in range(len(prompts))]
-    return sampled, [torch.stack(x) for x in logprobs]
+    return sampled, [torch.stack(x) for x in logprobs], ops
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])
@@ -63,10 +68,9 @@ def test_megatron_on_gpu_replays_a_gpu_trace_byte_for_byte(arch, tmp_path):
     from safetensors.torch import load_file
     from tokenizers import Tokenizer
 
-    from lockstep_exact.contract import lane_contract
-    from lockstep_exact.hashing import dir_sha256
     from lockstep_exact.k3 import compare
     from lockstep_exact.lanes import qwen3
+    from lockstep_exact.model import model_hash as dir_hash
     from lockstep_exact.parity import nudge_ulp
     from lockstep_exact.tiny import default_prompts, make_tiny
     from lockstep_exact.trace import Trace
@@ -78,13 +82,14 @@ def test_megatron_on_gpu_replays_a_gpu_trace_byte_for_byte(arch, tmp_path):
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     prompts = [tok.encode(p).ids for p in default_prompts(8)]
     weights = {k: v.cuda() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
-    sampled, lps = _sample(weights, geom, prompts, 8, seed=7)
+    sampled, lps, ops = _sample(weights, geom, prompts, 8, seed=7)
     trace = Trace.from_sequences(
         prompts,
         sampled,
         lps,
-        contract_fingerprint=lane_contract(model_dir, backend="cuda").fingerprint,
-        model_hash=dir_sha256(model_dir),
+        contract_fingerprint=ops.invoked_contract().fingerprint,
+        contract=ops.invoked_contract().to_json(),
+        model_hash=dir_hash(model_dir),
     )
 
     # decode over the cache == a one-shot prefill of the whole sequence (full model, GPU)
@@ -96,6 +101,7 @@ def test_megatron_on_gpu_replays_a_gpu_trace_byte_for_byte(arch, tmp_path):
 
     model = build(model_dir).cuda().eval()
     got = score(model, trace, micro_batch=3)
+    assert model.invoked_contract("cuda").fingerprint == trace.contract_fingerprint
     cmp = compare(trace.logprobs, got)
     print(f"{arch}: {cmp}")
     assert cmp.exact and cmp.k3_max == 0.0 and cmp.n == 64

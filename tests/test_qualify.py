@@ -50,7 +50,7 @@ def _expert_nudge(model_dir):
     )
     with recording() as base:
         qwen3.forward_logprobs(w, geom, tokens)
-    expert = int(base["layers.1.mlp.router_ids"][0, 0])
+    expert = int(base["layers.1.mlp.router.ids"][0, 0])
     site = f"layers.1.mlp.experts.{expert}.down_proj"
     name = f"model.{site}.weight"
     for index in range(0, w[name].numel(), 7):
@@ -114,13 +114,13 @@ def test_qualify_refuses_halves_whose_contracts_differ(tmp_path):
         @hookimpl(tryfirst=True)
         def lockstep_trainer_contract(self, model_dir, adapter_dir, backend):
             data = lane_contract(model_dir).to_json()
-            data["sites"]["layers.attn.core"] = "attention.blocked@1{block=64}"
+            data["sites"]["layers.*.self_attn.core"] = "attention.blocked@1{block=64}"
             return contract_from_json(data)
 
     pm = manager()
     pm.register(SkewedTrainer())
     ladder = Ladder(pm, _tiny(tmp_path), tmp_path / "q")
-    with pytest.raises(ContractMismatch, match="layers.attn.core.*block=32.*block=64"):
+    with pytest.raises(ContractMismatch, match=r"layers\.\*\.self_attn\.core.*block=32.*block=64"):
         ladder.run([])
 
 

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from serving_support import assert_same_bytes_and_control
 
 from lockstep_exact.contract import lane_contract
-from lockstep_exact.hashing import dir_sha256
 from lockstep_exact.lanes import qwen3
+from lockstep_exact.model import model_hash as dir_hash
 from lockstep_exact.plugins import manager
 from lockstep_exact.requests import CaptureRequest
 from lockstep_exact.tiny import default_prompts
@@ -64,9 +64,16 @@ def test_captured_logprobs_are_the_raw_fp32_bytes_of_the_reference_forward(captu
 
 
 def test_capture_records_the_lane_contract_and_model_hash(captured):
+    """The trace's contract is what the engine ran: the reference forward's invoked sites."""
     model_dir, trace, _ = captured
-    assert trace.contract_fingerprint == lane_contract(model_dir).fingerprint
-    assert trace.model_hash == dir_sha256(model_dir)
+    geom = qwen3.Geometry.from_model_dir(model_dir)
+    ops = qwen3.default_ops(geom)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    qwen3.forward_logprobs(weights, geom, trace.prompt(0), ops=ops)
+    assert trace.contract == ops.invoked_contract().to_json()
+    assert trace.contract_fingerprint == ops.invoked_contract().fingerprint
+    assert trace.contract_fingerprint != lane_contract(model_dir).fingerprint  # no LoRA ran
+    assert trace.model_hash == dir_hash(model_dir)
     assert trace.adapter_hash is None
     assert (trace.sampling.temperature, trace.sampling.top_p, trace.sampling.seed) == (1.0, 1.0, 3)
 

@@ -112,7 +112,6 @@ def test_a_served_completion_has_the_logprobs_of_the_offline_capture(server):
         "model": str(model_dir),
         "prompt": PROMPT,
         "max_tokens": DECISIONS,
-        "min_tokens": DECISIONS,
         "ignore_eos": True,
         "temperature": 1.0,
         "top_p": 1.0,
@@ -132,3 +131,17 @@ def test_a_served_completion_has_the_logprobs_of_the_offline_capture(server):
     trace = pm.hook.lockstep_capture(request=request)
     assert trace.sampled(0).tolist() == served_tokens
     assert_same_bytes_and_control(trace.logprobs, served.to(torch.float32), "server vs capture")
+
+
+def test_a_sampling_parameter_outside_the_lanes_rule_is_a_400_naming_it(server):
+    import urllib.error
+
+    base, model_dir = server
+    body = {"model": str(model_dir), "prompt": PROMPT, "max_tokens": 2, "seed": SEED, "top_k": 5}
+    with pytest.raises(urllib.error.HTTPError) as err:
+        _post(base + "/v1/completions", body)
+    assert err.value.code == 400
+    message = err.value.read().decode()
+    assert "Lockstep exact lane: top_k=5 is not supported" in message, message
+    # The server keeps serving the requests it admits.
+    assert _post(base + "/v1/completions", {**body, "top_k": 0})["choices"][0]["text"] is not None

@@ -45,7 +45,7 @@ def test_contract_show_lists_every_op_site(tmp_path, capsys):
     capsys.readouterr()
     assert main(["contract", "show", "--model", str(out), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["sites"]["layers.attn.core"] == "attention.blocked@1{block=32}"
+    assert data["sites"]["layers.*.self_attn.core"] == "attention.blocked@1{block=32}"
     assert data["sites"]["lm_head"] == "gemm.kblock@1{bk=32,out=fp32}"
 
 
@@ -74,3 +74,28 @@ def test_qualify_without_plugins_names_the_missing_half(tmp_path):
     main(["tiny", "--arch", "qwen3", "--out", str(tmp_path / "m")])
     with pytest.raises(MissingHalf, match="sampler half.*lockstep-serving"):
         Ladder(manager(load_entry_points=False), tmp_path / "m", tmp_path / "q")
+
+
+def test_replay_of_a_trace_without_decisions_exits_2_naming_it(tmp_path, capsys):
+    import torch
+
+    from lockstep_exact.trace import MANIFEST, Trace
+
+    one = Trace.from_sequences(
+        [[1, 2]],
+        [[3]],
+        [torch.tensor([-0.5], dtype=torch.float32)],
+        contract_fingerprint="c" * 64,
+        model_hash="m" * 64,
+    )
+    path = one.save(tmp_path / "trace")
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["num_decisions"] = 0  # what a capture of zero tokens would record
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    assert main(["replay", "--model", str(tmp_path), "--trace", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert "EXACT" not in captured.out
+    assert (
+        f"lockstep replay: error: {path}: the trace has no decisions (no sampled tokens): "
+        "there is nothing to replay" in captured.err
+    )

@@ -59,12 +59,14 @@ def test_contract_fingerprint_is_stable_and_canonical(tmp_path):
 def test_admit_names_the_first_differing_op_site(tmp_path):
     local = lane_contract(model_dir(tmp_path, QWEN3))
     sites = dict(local.sites)
-    sites["layers.attn.core"] = Program.of("attention.blocked", block=64)
+    sites["layers.*.self_attn.core"] = Program.of("attention.blocked", block=64)
     remote = contract_from_json(
         {**local.to_json(), "sites": {k: v.ident for k, v in sites.items()}}
     )
     assert remote.fingerprint != local.fingerprint
-    with pytest.raises(ContractMismatch, match=r"op site 'layers.attn.core'.*block=32.*block=64"):
+    with pytest.raises(
+        ContractMismatch, match=r"op site 'layers\.\*\.self_attn\.core'.*block=32.*block=64"
+    ):
         admit(local, remote)
 
 
@@ -90,8 +92,8 @@ def test_admit_refuses_a_bare_fingerprint_that_differs(tmp_path):
 def test_dense_and_moe_lanes_differ_at_their_mlp_sites(tmp_path):
     dense = lane_contract(model_dir(tmp_path, QWEN3, "d"))
     moe = lane_contract(model_dir(tmp_path, MOE, "m"))
-    assert "layers.moe.fold" in moe.sites and "layers.moe.fold" not in dense.sites
-    assert moe.sites["layers.moe.router"].param("k") == 2
+    assert "layers.*.mlp.fold" in moe.sites and "layers.*.mlp.fold" not in dense.sites
+    assert moe.sites["layers.*.mlp.router"].param("k") == 2
     with pytest.raises(ContractMismatch, match="lane"):
         admit(dense, moe)
 

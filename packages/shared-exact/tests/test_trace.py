@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -123,11 +124,43 @@ def test_decisions_yield_sequence_step_position_token_and_logprob():
     assert trace.sampled(2).numel() == 0
 
 
-def test_an_empty_trace_round_trips(tmp_path):
-    empty = Trace.from_sequences([], [], [], contract_fingerprint=FP, model_hash=MODEL)
-    loaded = Trace.load(empty.save(tmp_path / "t"))
-    assert loaded.num_sequences == 0 and loaded.num_decisions == 0
-    assert list(loaded.decisions()) == []
+def test_a_sequence_without_decisions_is_kept_beside_others():
+    trace = _trace()
+    assert trace.sampled(2).numel() == 0 and trace.num_decisions == 5
+
+
+NO_DECISIONS_MSG = re.escape(
+    "the trace has no decisions (no sampled tokens): there is nothing to replay"
+)
+
+
+@pytest.mark.parametrize(
+    "prompts, sampled", [([], []), ([[5, 6]], [[]]), ([[5], [6, 7]], [[], []])]
+)
+def test_a_trace_without_decisions_is_refused_when_built(prompts, sampled):
+    logprobs = [torch.zeros(0, dtype=torch.float32) for _ in sampled]
+    with pytest.raises(TraceError, match=NO_DECISIONS_MSG):
+        Trace.from_sequences(prompts, sampled, logprobs, contract_fingerprint=FP, model_hash=MODEL)
+
+
+def test_a_trace_without_decisions_is_refused_when_saved(tmp_path):
+    trace = _trace()
+    object.__setattr__(trace, "sampled_tokens", torch.zeros(0, dtype=torch.int64))
+    with pytest.raises(TraceError, match="refusing to save: " + NO_DECISIONS_MSG):
+        trace.save(tmp_path / "t")
+    assert not (tmp_path / "t").exists()
+
+
+def test_a_trace_without_decisions_is_refused_when_loaded(saved):
+    def drop_decisions(tensors):
+        tensors["sampled_tokens"] = torch.zeros(0, dtype=torch.int64)
+        tensors["sampled_offsets"] = torch.zeros(4, dtype=torch.int64)
+        tensors["logprobs"] = torch.zeros(0, dtype=torch.float32)
+
+    _rewrite_payload(saved, drop_decisions)
+    _edit_manifest(saved, lambda m: m.update(num_decisions=0))
+    with pytest.raises(TraceError, match=re.escape(f"{saved}: ") + NO_DECISIONS_MSG):
+        Trace.load(saved)
 
 
 # ----------------------------------------------------------------------------- atomic save
@@ -144,12 +177,12 @@ def test_save_refuses_an_existing_directory_unless_overwrite(saved):
 
 
 def test_a_failed_save_leaves_no_partial_trace(tmp_path, monkeypatch):
-    import lockstep_exact.trace as trace_mod
+    import lockstep_exact.atomic as atomic_mod
 
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(trace_mod, "_fsync_dir", boom)
+    monkeypatch.setattr(atomic_mod, "fsync_dir", boom)
     with pytest.raises(OSError, match="disk full"):
         _trace().save(tmp_path / "t")
     assert os.listdir(tmp_path) == []
@@ -282,3 +315,17 @@ def test_python_float_logprobs_that_float32_would_round_are_refused():
         _trace(logprobs=[[-0.5, -0.1], [-1.0] * 3, []])
     exact = torch.tensor([-0.1], dtype=torch.float32).item()  # a float32 value as a Python float
     assert _trace(logprobs=[[-0.5, exact], [-1.0] * 3, []]).logprobs[1].item() == exact
+
+
+def test_trace_sha256_covers_content_and_survives_a_round_trip(saved):
+    original = _trace()
+    assert Trace.load(saved).sha256() == original.sha256()
+    assert _trace(created="2000-01-01T00:00:00Z").sha256() == original.sha256()
+    assert _trace(adapter_hash="a" * 64).sha256() != original.sha256()
+    nudged = [
+        torch.tensor([-0.5, -1.25], dtype=torch.float32),
+        torch.tensor([-2.0, -0.0, -7.123456], dtype=torch.float32),
+        torch.zeros(0, dtype=torch.float32),
+    ]
+    nudged[0].view(torch.int32)[0] += 1  # one ulp in one logprob
+    assert _trace(logprobs=nudged).sha256() != original.sha256()

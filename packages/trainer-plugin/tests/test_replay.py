@@ -46,14 +46,14 @@ def test_one_ulp_model_change_reports_the_first_differing_decision(
     nudged = nudge_one_ulp(dense_dir, tmp_path / "nudged")
     original = Trace.load(dense_trace)
     # The sampler's bytes from the original model, admitted against the nudged copy.
-    from lockstep_exact.hashing import dir_sha256
+    from lockstep_exact.model import model_hash as dir_hash
 
     forged = Trace.from_sequences(
         [original.prompt(i) for i in range(original.num_sequences)],
         [original.sampled(i) for i in range(original.num_sequences)],
         [original.sequence_logprobs(i) for i in range(original.num_sequences)],
         contract_fingerprint=original.contract_fingerprint,
-        model_hash=dir_sha256(nudged),
+        model_hash=dir_hash(nudged),
     ).save(tmp_path / "trace")
     lps, _ = replay(nudged, forged)
     cmp = compare(original.logprobs, lps)
@@ -116,3 +116,54 @@ def test_lockstep_replay_cli_reports_every_decision_exact(dense_dir, dense_trace
     report = json.loads((tmp_path / "r.json").read_text())
     assert rc == 0 and report["byte_equal"] == report["decisions"] == 50
     assert report["k3_max"] == 0.0 and report["first_difference"] is None
+
+
+def test_a_trainer_call_behind_the_contracts_back_is_refused_naming_the_site(
+    dense_dir, dense_trace, monkeypatch
+):
+    """The trainer's fingerprint is what it ran in its probe forward, not what it declares."""
+    from lockstep_exact.lanes.ops import Ops, site_key
+    from lockstep_exact.programs import Program
+    from lockstep_megatron.spec import LockstepGPT
+
+    class Skewed(Ops):
+        def program(self, path, expect):
+            if site_key(path) == "layers.*.mlp.down_proj":
+                return Program.of("gemm.kblock", bk=64, out="bf16")
+            return super().program(path, expect)
+
+    honest = LockstepGPT.ops
+
+    def skewed(self, device):
+        ops = honest(self, device)
+        if not isinstance(ops, Skewed):
+            ops = self._ops[torch.device(device).type] = Skewed(ops.contract, grad=True)
+        return ops
+
+    monkeypatch.setattr(LockstepGPT, "ops", skewed)
+    with pytest.raises(AdmissionError, match=r"bk=64.*'layers\.\*\.mlp\.down_proj'.*bk=32"):
+        replay(dense_dir, dense_trace)
+    monkeypatch.undo()
+    lps, _ = replay(dense_dir, dense_trace)  # the control: the honest trainer is admitted
+    assert torch.equal(lps, Trace.load(dense_trace).logprobs)
+
+
+def test_a_trace_whose_sampler_ran_another_program_is_refused_naming_the_site(
+    dense_dir, dense_trace, tmp_path
+):
+    from lockstep_exact.contract import contract_from_json
+
+    original = Trace.load(dense_trace)
+    data = dict(original.contract)
+    data["sites"] = {**data["sites"], "layers.*.self_attn.core": "attention.blocked@1{block=64}"}
+    skewed = contract_from_json(data)
+    forged = Trace.from_sequences(
+        [original.prompt(i) for i in range(original.num_sequences)],
+        [original.sampled(i) for i in range(original.num_sequences)],
+        [original.sequence_logprobs(i) for i in range(original.num_sequences)],
+        contract_fingerprint=skewed.fingerprint,
+        contract=skewed.to_json(),
+        model_hash=original.model_hash,
+    ).save(tmp_path / "trace")
+    with pytest.raises(AdmissionError, match=r"block=64.*'layers\.\*\.self_attn\.core'"):
+        replay(dense_dir, forged)

@@ -18,9 +18,8 @@ def make_model(out: Path, arch: str, seed: int = 0) -> Path:
 def reference_trace(model_dir: Path, out: Path, adapter_dir: Path | None = None, seed: int = 0):
     """A trace whose logprobs come from the reference composition (the sampler's programs):
     random prompts and continuations, each sequence's decisions from one reference forward."""
-    from lockstep_exact.contract import lane_contract
-    from lockstep_exact.hashing import dir_sha256
     from lockstep_exact.lanes import qwen3
+    from lockstep_exact.model import model_hash as dir_hash
     from lockstep_exact.trace import Trace
     from lockstep_megatron.convert import load_hf_weights
 
@@ -33,10 +32,11 @@ def reference_trace(model_dir: Path, out: Path, adapter_dir: Path | None = None,
         adapter = load_adapter(adapter_dir, geom)
         adapters, adapter_hash = adapter.modules, adapter.sha256
     g = torch.Generator().manual_seed(seed)
+    ops = qwen3.default_ops(geom)  # its invoked log is the "sampler's" contract
     prompts, sampled, lps = [], [], []
     for plen, n in ((5, 8), (11, 6), (3, 9), (17, 8), (8, 4), (2, 8), (6, 7)):
         seq = torch.randint(0, geom.vocab, (plen + n,), generator=g)
-        lp = qwen3.forward_logprobs(weights, geom, seq[:-1], adapters)
+        lp = qwen3.forward_logprobs(weights, geom, seq[:-1], adapters, ops=ops)
         rows = torch.arange(plen - 1, plen + n - 1)
         prompts.append(seq[:plen])
         sampled.append(seq[plen:])
@@ -45,8 +45,9 @@ def reference_trace(model_dir: Path, out: Path, adapter_dir: Path | None = None,
         prompts,
         sampled,
         lps,
-        contract_fingerprint=lane_contract(model_dir).fingerprint,
-        model_hash=dir_sha256(model_dir),
+        contract_fingerprint=ops.invoked_contract().fingerprint,
+        contract=ops.invoked_contract().to_json(),
+        model_hash=dir_hash(model_dir),
         adapter_hash=adapter_hash,
         engine={"name": "reference"},
     )

@@ -1,19 +1,21 @@
 """Capture: sample with the real vLLM engine on the exact lane and record a Trace.
 
-Temperature 1, top-p 1, one seed per prompt (``seed + i``), exactly ``decisions`` tokens per
-prompt (EOS ignored), raw FP32 logprobs of every sampled token.
+The request's temperature and top-p (1 and 1 unless asked), one seed per prompt
+(``seed + i``), exactly ``decisions`` tokens per prompt (EOS ignored), raw FP32 logprobs of
+every sampled token. The lane's sampler draws every token with ``sample.gumbel_topp``; the
+trace records its ident and each sequence's seed, so replay can check the tokens too.
 """
 
 from __future__ import annotations
 
 import os
 
-from lockstep_exact.hashing import dir_sha256
+from lockstep_exact.model import model_hash
 from lockstep_exact.trace import SamplingSettings, Trace
 
 from . import __version__
 from .lora import adapter_hash
-from .offline import engine_args, lane_fingerprint, sampled_logprobs
+from .offline import engine_args, invoked_contract, lane_fingerprint, sampled_logprobs
 from .patches import LaneRefused
 
 
@@ -27,10 +29,11 @@ def capture(request) -> Trace:
     from vllm import LLM, SamplingParams
 
     options = dict(request.options)
+    temperature = float(request.temperature)
+    top_p = float(request.top_p)
     options.setdefault("max_model_len", 2048)
     options.setdefault("use_tqdm_on_load", False)  # one engine per capture: keep output short
-    # vLLM 0.32 on CPU crashes when a seeded request's prefill is chunked: never chunk here.
-    options.setdefault("enable_chunked_prefill", False)
+    # Chunked prefill is the caller's choice: the lane's sampler never rewinds a generator.
     options.setdefault("max_num_batched_tokens", options["max_model_len"])
     lora_request = None
     if request.adapter_dir is not None:
@@ -40,13 +43,13 @@ def capture(request) -> Trace:
         lora_request = lora_request_for(request.adapter_dir)
     llm = LLM(**engine_args(request.model_dir, contract=request.contract, **options))
     try:
-        fingerprint = lane_fingerprint(llm)
+        lane_fingerprint(llm)  # one contract across workers, or refuse
+        # No min_tokens: it masks EOS (even with ignore_eos), which the rule would not do.
         params = [
             SamplingParams(
-                temperature=1.0,
-                top_p=1.0,
+                temperature=temperature,
+                top_p=top_p,
                 max_tokens=request.decisions,
-                min_tokens=request.decisions,
                 ignore_eos=True,
                 logprobs=0,
                 seed=request.seed + i,
@@ -61,6 +64,7 @@ def capture(request) -> Trace:
                 llm.generate([p], [sp], lora_request=lora_request, use_tqdm=False)[0]
                 for p, sp in zip(prompts, params, strict=True)
             ]
+        invoked = invoked_contract(llm)  # what the engine ran, checked against the contract
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -68,12 +72,21 @@ def capture(request) -> Trace:
         [list(o.prompt_token_ids) for o in outs],
         [list(o.outputs[0].token_ids) for o in outs],
         [sampled_logprobs(o.outputs[0]) for o in outs],
-        contract_fingerprint=fingerprint,
-        model_hash=dir_sha256(request.model_dir),
+        contract_fingerprint=invoked.fingerprint,
+        contract=invoked.to_json(),
+        model_hash=model_hash(request.model_dir),
         adapter_hash=adapter_hash(request.adapter_dir, request.model_dir)
         if request.adapter_dir
         else None,
-        sampling=SamplingSettings(temperature=1.0, top_p=1.0, seed=request.seed),
+        # What the engine used: SamplingParams raises a temperature in (0, 1e-2) to 1e-2 and
+        # sets top-p 1 for greedy requests.
+        sampling=SamplingSettings(
+            temperature=params[0].temperature if params else temperature,
+            top_p=params[0].top_p if params else top_p,
+            seed=request.seed,
+            seeds=tuple(sp.seed for sp in params),
+            rule=invoked.sites["sample"].ident,  # the rule the engine ran
+        ),
         engine={
             "name": "vllm",
             "version": vllm.__version__,

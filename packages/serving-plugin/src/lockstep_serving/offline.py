@@ -84,6 +84,25 @@ def lane_fingerprint(llm) -> str:
     return found.pop()
 
 
+def invoked_contract(llm):
+    """The contract of what the engine's lane actually ran so far (``Ops.invoked_contract``),
+    checked against the contract it was started with: a site run with another program than
+    the contract names, or a site the contract lacks, is refused here, naming the site."""
+    from lockstep_exact.contract import contract_from_json
+    from lockstep_exact.lanes.ops import check_invoked
+
+    def probe(model):
+        return json.dumps(model.ops.invoked_contract().to_json(), sort_keys=True)
+
+    found = set(llm.apply_model(probe))
+    if len(found) != 1:
+        raise RuntimeError(f"workers disagree on the lane's invoked contract: {len(found)} kinds")
+    invoked = contract_from_json(json.loads(found.pop()))
+    declared = set(llm.apply_model(lambda m: json.dumps(m.contract.to_json(), sort_keys=True)))
+    check_invoked(contract_from_json(json.loads(declared.pop())), invoked, "the vLLM lane")
+    return invoked
+
+
 def sampled_logprobs(completion) -> torch.Tensor:
     """float32 logprob of each sampled token of one vLLM CompletionOutput (exact: the engine's
     float32 values travel as Python floats, which hold them without rounding)."""

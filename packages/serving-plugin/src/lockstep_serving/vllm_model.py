@@ -3,7 +3,7 @@
 Every floating-point op is a shared-exact byte program called through
 ``lockstep_exact.lanes.qwen3``; this module only wires them into vLLM: weights from the
 loader, K/V written into the layer's paged cache through the slot mapping and read back per
-sequence through its block table (exact copies), and ``P.attention`` over those K/V.
+sequence through its block table (exact copies), and the composition's attention site over them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from torch import nn
 from lockstep_exact import programs as P
 from lockstep_exact.contract import ContractMismatch, admit, lane_contract
 from lockstep_exact.lanes import qwen3
-from lockstep_exact.sites import is_recording, paused, record
+from lockstep_exact.lanes.ops import Ops
+from lockstep_exact.sites import is_recording, paused
 
 from .patches import LaneRefused, check
 
@@ -117,16 +118,20 @@ class LockstepQwen3ForCausalLM(nn.Module):
         super().__init__()
         from vllm.model_executor.layers.attention import Attention
 
+        from . import attn_backend  # imports vLLM: only ever inside an engine
         from ._release import check
 
         check()  # never start beside a lockstep-exact this release was not built against
 
         self.geom, self.model_dir = _validate_config(vllm_config, self.lane_arch)
         self.contract = lane_contract(self.model_dir)
+        self.ops = Ops(self.contract)  # every program call reads this contract
         g = self.geom
         self.weights: dict[str, torch.Tensor] = {}
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(g.layers)]
-        # The Attention modules are vLLM's: they own the paged KV cache; their forward is unused.
+        # vLLM's Attention modules own the paged KV cache; their forward is unused. They run on
+        # the lane's own backend (attn_backend.py): no vLLM kernel, so no kernel's shape limits.
+        attn_backend.register()
         self.attn = nn.ModuleList(
             Attention(
                 num_heads=g.heads,
@@ -135,6 +140,7 @@ class LockstepQwen3ForCausalLM(nn.Module):
                 num_kv_heads=g.kv_heads,
                 cache_config=vllm_config.cache_config,
                 prefix=name,
+                attn_backend=attn_backend.LaneAttentionBackend,
             )
             for name in self.layer_names
         )
@@ -171,7 +177,7 @@ class LockstepQwen3ForCausalLM(nn.Module):
         from vllm.forward_context import get_forward_context, is_forward_context_available
 
         n = positions.shape[0]
-        out = torch.zeros(n, self.geom.hidden, dtype=torch.bfloat16)
+        out = torch.zeros(n, self.geom.hidden, dtype=torch.bfloat16, device=positions.device)
         if not is_forward_context_available() or get_forward_context().attn_metadata is None:
             # A dummy/profile step: no sequence to attend over and its output is discarded.
             return out
@@ -195,38 +201,42 @@ class LockstepQwen3ForCausalLM(nn.Module):
             adapters = self._adapters.get(lid) if lid else None
             if lid and adapters is None:
                 _refuse(f"tokens of adapter id {lid} arrived before the adapter was loaded")
-            rows = torch.cat([torch.arange(s, e) for _, s, e, _ in reqs])
-            out[rows] = self._forward_rows(input_ids[rows], positions[rows], reqs, adapters, rows)
+            rows = torch.cat([torch.arange(s, e) for _, s, e, _ in reqs]).to(positions.device)
+            slots = PagedSlots(self, adapters, reqs, rows)
+            h = qwen3.embed(self.ops, slots, input_ids[rows])
+            out[rows] = qwen3.layers(self.ops, self.geom, slots, h, positions[rows])
         if is_recording():
             # lockstep bisect: the final sites of every row, through the lane's own programs.
-            qwen3.final_logprobs(out[: qsl[-1]], self.weights, self.geom)
+            logits = qwen3.final_logits(self.ops, self.geom, self.slots(), out[: qsl[-1]])
+            qwen3.logprobs(self.ops, logits)
         return out
 
-    def _forward_rows(self, input_ids, positions, reqs, adapters, rows):
-        h = record("embed_tokens", self.embed_input_ids(input_ids))
-        attend = self._attend_paged(positions, reqs, rows)
-        for i, w in enumerate(self._layer_weights):
-            prefix = f"model.layers.{i}."
-            layer_ad = {
-                k[len(prefix) :]: v for k, v in (adapters or {}).items() if k.startswith(prefix)
-            }
-            h = qwen3.Layer(self.geom, i, w, layer_ad)(h, positions, attend)
-        return h
-
-    def _attend_paged(self, positions, reqs, rows):
-        def attend(index: int, q, k, v):
-            from vllm.model_executor.layers.attention.attention import get_attention_context
-
-            md, _layer, kv_cache, slot_mapping = get_attention_context(self.layer_names[index])
-            slots = slot_mapping if slot_mapping is not None else md.slot_mapping
-            return paged_attention(q, k, v, positions, md, kv_cache, slots[rows], reqs)
-
-        return attend
+    def slots(self) -> qwen3.DictSlots:
+        return qwen3.DictSlots(self.weights, self.geom, per_layer=self._layer_weights)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of the lane: the shared final norm + LM head (``final_logits``)."""
+        """fp32 logits of the lane: the composition's final norm + LM head."""
         with paused():  # bisect's final sites come from forward(), for every row
-            return qwen3.final_logits(hidden_states, self.weights, self.geom)
+            return qwen3.final_logits(self.ops, self.geom, self.slots(), hidden_states)
+
+
+class PagedSlots(qwen3.DictSlots):
+    """The composition's slots in vLLM: the engine's weights, this group's adapter, and
+    attention over vLLM's paged KV cache (``paged_attention``)."""
+
+    def __init__(self, model: LockstepQwen3ForCausalLM, adapters, reqs, rows):
+        super().__init__(model.weights, model.geom, adapters, per_layer=model._layer_weights)
+        self.model, self.reqs, self.rows = model, reqs, rows
+
+    def attend(self, layer, q, k, v, positions, core):
+        from vllm.model_executor.layers.attention.attention import get_attention_context
+
+        name = self.model.layer_names[layer]
+        md, _layer, kv_cache, slot_mapping = get_attention_context(name)
+        slots = slot_mapping if slot_mapping is not None else md.slot_mapping
+        return paged_attention(
+            q, k, v, positions, md, kv_cache, slots[self.rows], self.reqs, core=core
+        )
 
 
 class LockstepQwen3MoeForCausalLM(LockstepQwen3ForCausalLM):
@@ -235,34 +245,43 @@ class LockstepQwen3MoeForCausalLM(LockstepQwen3ForCausalLM):
     lane_arch = "LockstepQwen3MoeForCausalLM"
 
 
-def paged_attention(q, k, v, positions, md, kv_cache, slots, reqs):
+def paged_attention(q, k, v, positions, md, kv_cache, slots, reqs, *, core=None):
     """Write these rows' K/V into the paged cache, then attend each request over its cache.
 
     q/k/v/positions/slots hold the rows of the requests ``reqs`` = [(r, start, end, seq_len)]
-    (batch indices; their rows are concatenated in this order). kv_cache is
-    [num_blocks, kv_heads, block_size, 2*D]; like vLLM's CPU backend we view it as
-    [num_blocks, kv_heads, 2*block_size, D] whose first block_size rows are K, the rest V.
+    (batch indices; their rows are concatenated in this order). ``md`` is the batch's
+    ``LaneAttentionMetadata`` and ``kv_cache`` the layer's cache in the lane's layout
+    (``attn_backend``: [num_blocks, kv_heads, block_size, K|V]); both come from the lane's own
+    attention backend, and anything else is refused. Every cache access is an exact copy.
+    ``core(q_rows, keys, values, positions)`` is the composition's attention op site.
     """
+    from .attn_backend import LaneAttentionMetadata, kv_halves  # imports vLLM: engine only
+
+    if not isinstance(md, LaneAttentionMetadata):
+        raise LaneRefused(
+            f"Lockstep exact lane: attention metadata of type {type(md).__name__}; the lane's "
+            "layers must run on its own backend (attn_backend.LaneAttentionBackend)"
+        )
+    key_cache, value_cache = kv_halves(kv_cache, k)
+    bs = kv_cache.shape[2]
+    slots = slots.to(device=kv_cache.device, dtype=torch.int64)
+    key_cache[slots // bs, :, slots % bs] = k
+    value_cache[slots // bs, :, slots % bs] = v
     out = torch.empty_like(q)
-    nb, hkv, bs, _ = kv_cache.shape
-    d = q.shape[-1]
-    key_cache, value_cache = kv_cache.view(nb, hkv, 2 * bs, d).chunk(2, dim=2)
-    slots = slots.to(torch.int64)
-    blk, off = slots // bs, slots % bs
-    key_cache[blk, :, off, :] = k
-    value_cache[blk, :, off, :] = v
     local = 0
     for r, start, end, seq_len in reqs:
         lo, hi = local, local + (end - start)
         local = hi
-        blocks = md.block_table[r, : -(-seq_len // bs)].to(torch.int64)
-        ks = key_cache[blocks].permute(0, 2, 1, 3).reshape(-1, hkv, d)[:seq_len]
-        vs = value_cache[blocks].permute(0, 2, 1, 3).reshape(-1, hkv, d)[:seq_len]
         pos = positions[lo:hi]
         if int(pos[-1]) != seq_len - 1:
             raise LaneRefused(
                 f"request {r}: last query position {int(pos[-1])} is not seq_len-1 "
                 f"({seq_len - 1}); the lane cannot place its queries in the cache"
             )
-        out[lo:hi] = P.attention(q[lo:hi], ks, vs, pos)
+        # The cache slots of positions 0..seq_len-1, through the request's block table.
+        at = torch.arange(seq_len, device=kv_cache.device)
+        blocks = md.block_table[r].to(device=kv_cache.device, dtype=torch.int64)[at // bs]
+        ks = key_cache[blocks, :, at % bs]
+        vs = value_cache[blocks, :, at % bs]
+        out[lo:hi] = (core or P.attention)(q[lo:hi], ks, vs, pos)
     return out

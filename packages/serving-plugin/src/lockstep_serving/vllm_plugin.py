@@ -9,7 +9,9 @@ stock model does: the lane is activated explicitly, per engine, by naming its ar
 (``LockstepQwen3MoeForCausalLM`` for Qwen3-MoE; ``lockstep_serving.offline.engine_args``
 builds these arguments). The Sampler's logprob computation is log_softmax.tree while a lane
 model lives in the process (a stock engine sharing that process would get it too); otherwise
-the original runs. The LoRA patch acts on lane models only.
+the original runs. The LoRA patch acts on lane models only, and so does the sampler patch
+(``sampler.py``): a lane model's tokens are drawn by ``sample.gumbel_topp``, and a lane engine
+admits only the sampling parameters that rule implements.
 """
 
 from __future__ import annotations
@@ -23,24 +25,26 @@ LANE_OF_HF = {
     "Qwen3MoeForCausalLM": "LockstepQwen3MoeForCausalLM",
 }
 
-_state = {
-    "registered": False,
-    "original_compute_logprobs": None,
-    "original_load_lora_model": None,
-}
+_state = {"registered": False}
 
 
 def exact_compute_logprobs(logits):
     """Sampler.compute_logprobs while a lane lives: log_softmax.tree on the fp32 logits."""
     import torch
 
-    from lockstep_exact import programs as P
-
     from .vllm_model import LIVE
 
     if len(LIVE):
-        return P.log_softmax(logits.to(torch.float32))
-    return _state["original_compute_logprobs"](logits)
+        # The lane's logprobs site, read from a live lane model's contract (log_softmax.tree
+        # has no parameters, so any live lane gives these bytes; its log records the call).
+        from lockstep_exact.sites import paused
+
+        model = next(iter(LIVE))
+        with paused():  # bisect records this site from the model's forward, for every row
+            return model.ops.log_softmax("logprobs", logits.to(torch.float32))
+    from .patches import TABLE
+
+    return TABLE.original("Sampler.compute_logprobs")(logits)
 
 
 def register() -> None:
@@ -49,23 +53,14 @@ def register() -> None:
     from vllm import ModelRegistry
 
     from . import vllm_model
-    from .patches import problems
+    from .patches import TABLE
 
     # Classes, not lazy "<mod>:<cls>" strings: a lazy entry makes vLLM inspect it in a
     # subprocess (15-35 s per architecture on a cold cache); this module imports no vLLM.
     for arch, target in ARCHITECTURES.items():
         ModelRegistry.register_model(arch, getattr(vllm_model, target.split(":")[1]))
     # A missing target leaves stock vLLM untouched; the lane then refuses at start (patches.check).
-    if not problems():
-        from vllm.v1.sample.sampler import Sampler
-
-        _state["original_compute_logprobs"] = Sampler.compute_logprobs
-        Sampler.compute_logprobs = staticmethod(exact_compute_logprobs)
-
-        from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
-
-        from .lora import load_lora_model
-
-        _state["original_load_lora_model"] = LoRAModelRunnerMixin.load_lora_model
-        LoRAModelRunnerMixin.load_lora_model = load_lora_model
+    # Every patch is a row of patches.TABLE (with its replacement); applying records originals.
+    if not TABLE.problems():
+        TABLE.apply()
     _state["registered"] = True

@@ -66,6 +66,12 @@ class Contract:
     def fingerprint(self) -> str:
         return "sha256:" + hashlib.sha256(self.canonical()).hexdigest()
 
+    def with_sites(self, sites: Mapping[str, Program]) -> Contract:
+        """The same lane, geometry and pins with other op sites (an invoked contract)."""
+        return Contract(
+            self.lane, self.dtype, self.backend, self.layout, self.geometry, dict(sites), self.pins
+        )
+
     @property
     def short(self) -> str:
         return self.fingerprint[len("sha256:") :][:12]

@@ -29,6 +29,8 @@ class CaptureRequest:
     backend: str = "cpu"
     batch: bool = True  # submit all prompts at once (False: one at a time)
     options: dict = field(default_factory=dict)  # engine-specific knobs (chunked prefill, ...)
+    temperature: float = 1.0  # the lane's sampling rule (sample.gumbel_topp): 0 is greedy
+    top_p: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -19,17 +19,18 @@ top_p, seed), the engine (a free-form dict: name, version, ...), the creation ti
 sha256 of ``payload.safetensors`` and, per tensor, its dtype, shape and
 ``hashing.tensor_sha256``.
 
-``Trace.save`` writes atomically (a temporary directory beside the target, every file fsynced,
-then a rename). ``Trace.load`` checks everything and raises ``TraceError`` naming the first
-problem; a loaded trace is exactly what was saved or nothing.
+A trace holds at least one decision: one with none is refused when built, saved or loaded
+(replaying it would prove nothing, yet report every decision exact).
+
+``Trace.save`` writes atomically (``atomic.write_dir``: a temporary directory beside the
+target, every file fsynced, then a rename). ``Trace.load`` checks everything and raises
+``TraceError`` naming the first problem; a loaded trace is exactly what was saved or nothing.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -40,12 +41,14 @@ import torch
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
+from .atomic import write_dir
 from .hashing import sha256_bytes, tensor_sha256
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST",
+    "NO_DECISIONS",
     "PAYLOAD",
     "Decision",
     "SamplingSettings",
@@ -71,22 +74,46 @@ class TraceError(ValueError):
     """A trace is malformed, inconsistent or corrupted."""
 
 
+NO_DECISIONS = (
+    "the trace has no decisions (no sampled tokens): there is nothing to replay, and an "
+    "empty comparison would pass vacuously"
+)
+
+
 @dataclass(frozen=True)
 class SamplingSettings:
-    """The sampling settings the trace was drawn with."""
+    """The sampling settings the trace was drawn with.
+
+    ``seed`` is the base seed the caller asked for; ``seeds`` the seed each sequence was
+    drawn with (one per sequence), and ``rule`` the ident of the byte program that chose the
+    tokens (``sample.gumbel_topp@1{rounds=3}``). With ``rule`` set, replay recomputes the rule
+    and refuses a token it does not draw; without it (a trace not drawn by a lane's sampler)
+    the tokens are not checked. Both are left out of the manifest when unset.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    seeds: tuple[int, ...] | None = None
+    rule: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+        out: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+        }
+        if self.seeds is not None:
+            out["seeds"] = list(self.seeds)
+        if self.rule is not None:
+            out["rule"] = self.rule
+        return out
 
     @classmethod
     def from_json(cls, obj: Any) -> SamplingSettings:
         if not isinstance(obj, dict):
             raise TraceError(f"manifest 'sampling' must be an object, got {type(obj).__name__}")
-        unknown = set(obj) - {"temperature", "top_p", "seed"}
+        unknown = set(obj) - {"temperature", "top_p", "seed", "seeds", "rule"}
         if unknown:
             raise TraceError(f"manifest 'sampling' has unknown keys {sorted(unknown)}")
         try:
@@ -100,7 +127,22 @@ class SamplingSettings:
                 raise TraceError(f"manifest sampling.{name} must be a number, got {v!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TraceError(f"manifest sampling.seed must be an int or null, got {seed!r}")
-        return cls(float(temperature), float(top_p), seed)
+        seeds = obj.get("seeds")
+        if seeds is not None and (
+            not isinstance(seeds, list)
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in seeds)
+        ):
+            raise TraceError(f"manifest sampling.seeds must be a list of ints, got {seeds!r}")
+        rule = obj.get("rule")
+        if rule is not None and not isinstance(rule, str):
+            raise TraceError(f"manifest sampling.rule must be a string, got {rule!r}")
+        return cls(
+            float(temperature),
+            float(top_p),
+            seed,
+            tuple(seeds) if seeds is not None else None,
+            rule,
+        )
 
 
 @dataclass(frozen=True)
@@ -231,9 +273,14 @@ class Trace:
     engine: dict[str, Any] = field(default_factory=dict)
     created: str = field(default_factory=_now)
     prompt_texts: list[str] | None = None
+    # The sampler's invoked contract (``Contract.to_json()`` of the sites it ran), whose
+    # fingerprint is ``contract_fingerprint``; replay compares it with its own, site by site.
+    contract: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _validate_tensors(self.tensors())
+        if self.num_decisions == 0:
+            raise TraceError(NO_DECISIONS)
         for name in ("contract_fingerprint", "model_hash"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise TraceError(f"{name} must be a non-empty string")
@@ -241,8 +288,15 @@ class Trace:
             raise TraceError("adapter_hash must be a string or None")
         if not isinstance(self.sampling, SamplingSettings):
             raise TraceError("sampling must be a SamplingSettings")
+        seeds = self.sampling.seeds
+        if seeds is not None and len(seeds) != self.num_sequences:
+            raise TraceError(
+                f"sampling.seeds has {len(seeds)} entries for {self.num_sequences} sequences"
+            )
         if not isinstance(self.engine, dict):
             raise TraceError("engine must be a dict")
+        if self.contract is not None:
+            self._check_contract()
         if self.prompt_texts is not None:
             if not isinstance(self.prompt_texts, list) or not all(
                 isinstance(x, str) for x in self.prompt_texts
@@ -252,6 +306,19 @@ class Trace:
                 raise TraceError(
                     f"{len(self.prompt_texts)} prompt texts for {self.num_sequences} sequences"
                 )
+
+    def _check_contract(self) -> None:
+        from .contract import ContractMismatch, contract_from_json
+
+        try:
+            fingerprint = contract_from_json(self.contract).fingerprint
+        except (ContractMismatch, KeyError, TypeError, ValueError, AttributeError) as e:
+            raise TraceError(f"the recorded contract is malformed ({e})") from None
+        if fingerprint != self.contract_fingerprint:
+            raise TraceError(
+                f"the recorded contract hashes to {fingerprint}, not the trace's "
+                f"contract_fingerprint {self.contract_fingerprint}"
+            )
 
     # -------------------------------------------------------------- construction
 
@@ -269,6 +336,7 @@ class Trace:
         engine: Mapping[str, Any] | None = None,
         prompt_texts: Sequence[str] | None = None,
         created: str | None = None,
+        contract: Mapping[str, Any] | None = None,
     ) -> Trace:
         """Build a trace from per-sequence lists. ``logprobs[i]`` must be a float32 tensor (the
         sampler's raw values) or a list of Python floats that are exactly float32 values."""
@@ -299,6 +367,7 @@ class Trace:
             engine=dict(engine or {}),
             prompt_texts=list(prompt_texts) if prompt_texts is not None else None,
             created=created if created is not None else _now(),
+            contract=dict(contract) if contract is not None else None,
         )
 
     # -------------------------------------------------------------- access
@@ -326,6 +395,19 @@ class Trace:
         a, b = self.sampled_offsets[i].item(), self.sampled_offsets[i + 1].item()
         return self.logprobs[a:b]
 
+    def sha256(self) -> str:
+        """The trace's identity: a sha256 over every tensor's bytes and what the decisions were
+        drawn from (contract, model, adapter, sampling settings). The creation time, the engine
+        description and the prompt texts are descriptions, not content, and are left out."""
+        content = {
+            "tensors": {name: tensor_sha256(t) for name, t in self.tensors().items()},
+            "contract_fingerprint": self.contract_fingerprint,
+            "model_hash": self.model_hash,
+            "adapter_hash": self.adapter_hash,
+            "sampling": self.sampling.to_json(),
+        }
+        return sha256_bytes(json.dumps(content, sort_keys=True).encode())
+
     def decisions(self) -> Iterator[Decision]:
         """Every decision in order: sequence by sequence, step by step."""
         p_off = self.prompt_offsets.tolist()
@@ -350,6 +432,7 @@ class Trace:
             "engine": self.engine,
             "created": self.created,
             "prompt_texts": self.prompt_texts,
+            "contract": self.contract,
             "num_sequences": self.num_sequences,
             "num_decisions": self.num_decisions,
             "payload": {
@@ -371,41 +454,15 @@ class Trace:
 
         Refuses an existing ``path`` unless ``overwrite`` (then the old directory is replaced
         as a whole, never mixed with the new files)."""
-        target = Path(path)
-        if target.exists() and not overwrite:
-            raise FileExistsError(f"{target} exists (pass overwrite=True to replace it)")
-        target.parent.mkdir(parents=True, exist_ok=True)
+        if self.num_decisions == 0:
+            raise TraceError(f"refusing to save: {NO_DECISIONS}")
         payload = safetensors_save(
             {k: v.contiguous() for k, v in self.tensors().items()},
             metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)},
         )
         manifest = self._manifest(sha256_bytes(payload))
         manifest_bytes = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
-
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        old: Path | None = None
-        try:
-            for name, data in ((PAYLOAD, payload), (MANIFEST, manifest_bytes)):
-                with open(tmp / name, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-            _fsync_dir(tmp)
-            if target.exists():
-                old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-                os.rmdir(old)
-                os.rename(target, old)
-            os.rename(tmp, target)
-            _fsync_dir(target.parent)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if old is not None and not target.exists():
-                os.rename(old, target)  # put the previous trace back
-                old = None
-            raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        return target
+        return write_dir(path, {PAYLOAD: payload, MANIFEST: manifest_bytes}, overwrite=overwrite)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Trace:
@@ -414,6 +471,8 @@ class Trace:
         if not root.is_dir():
             raise TraceError(f"trace directory {root} does not exist")
         manifest = _read_manifest(root / MANIFEST)
+        if manifest["num_decisions"] == 0:
+            raise TraceError(f"{root}: {NO_DECISIONS}")
         payload_path = root / PAYLOAD
         if not payload_path.is_file():
             raise TraceError(f"{PAYLOAD} is missing from {root}")
@@ -460,6 +519,7 @@ class Trace:
                 engine=manifest["engine"],
                 created=manifest["created"],
                 prompt_texts=manifest["prompt_texts"],
+                contract=manifest.get("contract"),
             )
         except TraceError as e:
             raise TraceError(f"{root}: {e}") from None
@@ -508,14 +568,3 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     if not isinstance(payload.get("sha256"), str) or not isinstance(payload.get("tensors"), dict):
         raise TraceError("manifest payload needs a 'sha256' string and a 'tensors' object")
     return manifest
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some platforms cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

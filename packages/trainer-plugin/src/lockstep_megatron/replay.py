@@ -3,7 +3,9 @@
 Admission first (contract fingerprint, model hash, adapter hash; the first mismatch is named),
 then each sequence (prompt + sampled tokens) is teacher-forced in micro-batches of the
 trainer's choosing, right-padded, and the logprob of every sampled token is gathered in the
-trace's decision order.
+trace's decision order. A trace drawn by a lane sampler records its sampling rule and seeds:
+each sampled token must then be the rule's draw from the trainer's own row (``TokenRule``),
+or the trace is refused naming the first decision that is not.
 """
 
 from __future__ import annotations
@@ -13,8 +15,14 @@ from pathlib import Path
 
 import torch
 
-from lockstep_exact.contract import ContractMismatch, admit, lane_contract
-from lockstep_exact.hashing import dir_sha256
+from lockstep_exact.contract import (
+    ContractMismatch,
+    contract_from_json,
+    first_difference,
+    lane_contract,
+)
+from lockstep_exact.lanes.ops import check_invoked
+from lockstep_exact.model import model_hash as model_dir_hash
 from lockstep_exact.trace import Trace
 
 from . import export
@@ -26,6 +34,65 @@ class AdmissionError(ContractMismatch):
     """The trace was not sampled from this model, adapter and lane."""
 
 
+class TokenMismatch(AdmissionError):
+    """A sampled token of the trace is not the one the trace's sampling rule draws."""
+
+
+class TokenRule:
+    """The trace's sampling rule, recomputed on the trainer's own logprob rows.
+
+    A trace drawn by a lane sampler records the rule (``sampling.rule``, a byte program
+    ident), its temperature and top-p, and each sequence's seed; the token at position ``q``
+    of sequence ``i`` must be ``P.sample(row, temperature, top_p, seeds[i], q)`` of the row
+    that predicts it. A trace without a rule (built by hand, teacher-forced references) has
+    no draw to check."""
+
+    def __init__(self, trace: Trace, ops):
+        sampling = trace.sampling
+        self.ops = ops
+        self.ident = sampling.rule
+        self.temperature, self.top_p = sampling.temperature, sampling.top_p
+        self.seeds = sampling.seeds
+        if self.ident is None:
+            return
+        mine = ops.program("sample", "sample.gumbel_topp")  # this lane's contract says
+        if self.ident != mine.ident:
+            raise TokenMismatch(
+                f"sampling rule: the trace's tokens were drawn by {self.ident}; this trainer "
+                f"checks {mine.ident}"
+            )
+        if self.temperature != 0 and self.seeds is None:
+            raise TokenMismatch(
+                "sampling rule: the trace records no per-sequence seeds (sampling.seeds), so "
+                "its random draws cannot be checked"
+            )
+
+    def __bool__(self) -> bool:
+        return self.ident is not None
+
+    def check(self, seq: int, rows: torch.Tensor, tokens: torch.Tensor, prompt_len: int) -> None:
+        """Refuse, naming the first such decision, a token the rule does not draw from
+        ``rows`` (fp32 [n, V], row j predicting the token at position prompt_len + j)."""
+        n = tokens.numel()
+        seed = self.seeds[seq] if self.seeds is not None else 0
+        drawn = self.ops.sample(
+            "sample",
+            rows.to(torch.float32),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seeds=[seed] * n,
+            positions=[prompt_len + j for j in range(n)],
+        ).cpu()
+        bad = torch.nonzero(drawn != tokens.cpu()).reshape(-1)
+        if bad.numel():
+            j = int(bad[0])
+            raise TokenMismatch(
+                f"sampled token: sequence {seq}, position {prompt_len + j} (step {j}): the "
+                f"trace has token {int(tokens[j])} but {self.ident} draws {int(drawn[j])} "
+                f"(seed {seed}, temperature {self.temperature}, top_p {self.top_p})"
+            )
+
+
 def admit_trace(
     trace: Trace,
     model_dir: Path,
@@ -34,12 +101,22 @@ def admit_trace(
     control: bool = False,
 ) -> None:
     """Refuse, naming which, a trace of another contract, model or adapter. ``control``
-    (negative controls only) skips the adapter check; contract and model are still admitted."""
-    try:
-        admit(lane_contract(model_dir, backend=backend), trace.contract_fingerprint)
-    except ContractMismatch as err:
-        raise AdmissionError(f"contract fingerprint: {err}") from err
-    model_hash = dir_sha256(model_dir)
+    (negative controls only) skips the adapter check; contract and model are still admitted.
+
+    The contract check here is against what this lane declares: every site the sampler ran
+    must be a site of this lane running the same program. What the trainer itself runs is
+    compared after its probe forward (``admit_invoked``)."""
+    declared = lane_contract(model_dir, backend=backend)
+    if trace.contract is not None:
+        sampler = contract_from_json(trace.contract)
+        where = first_difference(declared.with_sites(sampler.sites), sampler)
+        try:
+            if where is not None:
+                raise ContractMismatch(f"contracts differ at {where}")
+            check_invoked(declared, sampler, "the sampler")
+        except ContractMismatch as err:
+            raise AdmissionError(f"contract fingerprint: {err}") from err
+    model_hash = model_dir_hash(model_dir)
     if trace.model_hash != model_hash:
         raise AdmissionError(
             f"model hash: the trace was sampled from {trace.model_hash}, "
@@ -51,6 +128,52 @@ def admit_trace(
             f"adapter hash: the trace was sampled with adapter {trace.adapter_hash}, "
             f"the trainer has {adapter_hash}"
         )
+
+
+def _without_lora(c):
+    """The sites a negative control compares: not the adapter's, not the token rule's."""
+    return c.with_sites(
+        {k: p for k, p in c.sites.items() if not k.endswith(LORA_SITES) and k != "sample"}
+    )
+
+
+LORA_SITES = (".lora_shrink", ".lora_expand")
+
+
+def admit_invoked(
+    trace: Trace, model: LockstepGPT, model_dir: Path, backend: str, control: bool = False
+) -> None:
+    """The trainer's probe: one forward of the trace's first sequence, then what the trainer
+    ran (its invoked contract) must be what the sampler ran, site by site. A negative control
+    (an adapter other than the trace's, possibly none on one side) compares the non-LoRA sites
+    only."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        rule = None if control else TokenRule(trace, model.ops(device))
+        sampled_logprobs(model, sequences(trace)[:1], rule)  # the rule's site runs too
+    mine = model.invoked_contract(device)
+    try:
+        check_invoked(lane_contract(model_dir, backend=backend), mine, "the Megatron lane")
+    except ContractMismatch as err:
+        raise AdmissionError(f"contract fingerprint: {err}") from err
+    if mine.fingerprint == trace.contract_fingerprint:
+        return
+    where = None
+    if trace.contract is not None:
+        theirs = contract_from_json(trace.contract)
+        if control:
+            mine, theirs = _without_lora(mine), _without_lora(theirs)
+        where = first_difference(mine, theirs)
+        if where is None:
+            return
+    raise AdmissionError(
+        "contract fingerprint: the trainer ran "
+        + (
+            f"another program set ({where}; local = trainer, remote = sampler)"
+            if where
+            else f"{mine.fingerprint}, the trace records {trace.contract_fingerprint}"
+        )
+    )
 
 
 def sequences(trace: Trace) -> list[tuple[torch.Tensor, int]]:
@@ -68,27 +191,41 @@ def pad_batch(seqs: list[torch.Tensor], pad: int = 0) -> torch.Tensor:
     return toks
 
 
-def sampled_logprobs(model: LockstepGPT, batch: list[tuple[torch.Tensor, int]]) -> list:
+def sampled_logprobs(
+    model: LockstepGPT,
+    batch: list[tuple[torch.Tensor, int]],
+    rule: TokenRule | None = None,
+    first: int = 0,
+) -> list:
     """Per sequence, the logprob of each sampled token (teacher forcing over the whole
-    sequence; the last token is never an input)."""
+    sequence; the last token is never an input). With ``rule``, each sampled token is also
+    checked against the rule's draw from its full row (``first``: the trace index of
+    ``batch[0]``)."""
     device = next(model.parameters()).device
     inputs = pad_batch([s[:-1] for s, _ in batch]).to(device)
     lp = model(inputs)
     out = []
     for i, (s, p) in enumerate(batch):
         rows = torch.arange(p - 1, len(s) - 1, device=device)
+        if rule:
+            rule.check(first + i, lp[i, rows], s[p:], p)
         out.append(lp[i, rows, s[p:].to(device)].cpu())
     return out
 
 
-def score(model: LockstepGPT, trace: Trace, micro_batch: int = 3) -> torch.Tensor:
+def score(
+    model: LockstepGPT, trace: Trace, micro_batch: int = 3, control: bool = False
+) -> torch.Tensor:
+    """The trace's decisions' logprobs; the tokens are checked against the trace's sampling
+    rule too, except for a negative control (a perturbed model or adapter draws otherwise)."""
     seqs = sequences(trace)
     if any(p < 1 for _, p in seqs):
         raise ValueError("a sequence with an empty prompt has no logprob for its first token")
+    rule = None if control else TokenRule(trace, model.ops(next(model.parameters()).device))
     out: list[torch.Tensor] = []
     with torch.no_grad():
         for b in range(0, len(seqs), micro_batch):
-            out.extend(sampled_logprobs(model, seqs[b : b + micro_batch]))
+            out.extend(sampled_logprobs(model, seqs[b : b + micro_batch], rule, b))
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float32)
 
 
@@ -110,5 +247,6 @@ def replay(
     model = build(model_dir).eval()
     if adapter_dir is not None:
         export.load_into(model, adapter_dir, model_dir)
-    lps = score(model, trace, micro_batch)
+    admit_invoked(trace, model, Path(model_dir), backend, control)
+    lps = score(model, trace, micro_batch, control)
     return lps, time.perf_counter() - t0

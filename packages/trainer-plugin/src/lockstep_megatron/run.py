@@ -9,9 +9,9 @@ from lockstep_exact.trace import Trace
 
 from . import adapters as AD
 from . import export
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .checkpoint import check_resume, load_checkpoint, save_checkpoint
 from .convert import build
-from .replay import admit_trace
+from .replay import admit_invoked, admit_trace
 from .train import TrainConfig, Trainer
 
 
@@ -31,6 +31,7 @@ def train(request: TrainRequest) -> TrainResult:
     model = build(model_dir)
     if adapter_in is not None:
         export.load_into(model, adapter_in, model_dir)
+    admit_invoked(trace, model, model_dir, request.backend)  # before any backward pass
     before = AD.backbone_hash(model)
     trainer = Trainer(
         model,
@@ -43,21 +44,19 @@ def train(request: TrainRequest) -> TrainResult:
             advantages=getattr(request, "advantages", None),
         ),
     )
+    # What the job continues, beside the trainer's own settings (trace, lr, rank, ...).
     identity = {
         "contract": trace.contract_fingerprint,
         "model_hash": trace.model_hash,
-        "adapter_in": trace.adapter_hash,
+        "adapter_in": export.adapter_hash(adapter_in, model_dir) if adapter_in else None,
+        "steps": request.steps,
+        "backend": request.backend,
     }
     ckpt_root = Path(request.checkpoint_dir) if request.checkpoint_dir else None
     if ckpt_root is not None and (last := latest_checkpoint(ckpt_root)) is not None:
         state = load_checkpoint(last)
-        for key, want in identity.items():
-            if state["identity"].get(key) != want:
-                raise CheckpointError(
-                    f"{last} was trained with {key} {state['identity'].get(key)}, "
-                    f"this job has {want}; refusing to resume"
-                )
-        trainer.load_state(state)
+        check_resume(state["identity"], identity, str(last), free=("steps",))
+        trainer.load_state(state, where=str(last))
     losses = tuple(trainer.step() for _ in range(request.steps))
     if ckpt_root is not None:
         state = {**trainer.state(), "identity": identity}

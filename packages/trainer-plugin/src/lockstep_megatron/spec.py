@@ -1,21 +1,18 @@
 """Megatron ModuleSpecs for the Qwen3 / Qwen3-MoE exact lanes, and the model they build.
 
 The model is a real megatron-core ``GPTModel`` (wrapped in ``Float16Module``): its embedding,
-``TransformerBlock``, ``TransformerLayer`` and ``SelfAttention`` run their own forward; the
-submodules this spec supplies run the shared byte programs at every op site of
-``lanes.qwen3.op_sites`` (through ``surrogate``: exact forward, fp32 VJP backward):
-
-  input_layernorm / pre_mlp_layernorm / q,k_layernorm / final_layernorm  ExactRMSNorm
-  linear_qkv / linear_proj / linear_fc1 / linear_fc2 / expert fcs        ExactLinear (+LoRA)
-  core_attention (rope + attention.blocked per sequence)                ExactCoreAttention
-  self_attn_bda / mlp_bda (residual.add)                                ExactBDA
-  mlp: SwiGLU MLP or router + experts + moe.fold                        ExactMLP / ExactMoE
-  output_layer (gemm.kblock, fp32 out)                                  ExactOutputLayer
-  log_softmax                                                           LockstepGPT.forward
+``TransformerBlock`` and ``TransformerLayer`` (with its ``SelfAttention`` and MLP / MoE
+submodules) are built by Megatron from the specs below and hold every parameter under
+Megatron's names. The op order is not restated here: each layer's forward calls the lane
+composition (``lockstep_exact.lanes.qwen3.Layer``), and the final norm, LM head and
+log_softmax call its final pieces. This module only fills the composition's slots
+(``MegatronSlots``): weights from Megatron's (fused) parameters, LoRA from the fp32 masters
+rounded to bf16, attention per sequence over Megatron's [s, b] batch, expert dispatch. The
+programs run through ``lanes.ops.Ops(grad=True)``: exact forward, textbook VJP backward.
 
 Batches are Megatron's [s, b, h]: sequences right-padded to a common length, each starting at
-position 0. Every program is row-invariant, and attention is causal per sequence, so padding
-rows never reach a real row's bytes.
+position 0. The composition runs on the s*b rows; every program is row-invariant and attention
+is causal per sequence, so padding rows never reach a real row's bytes.
 """
 
 from __future__ import annotations
@@ -23,75 +20,56 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lockstep_exact.contract import geometry_contract
+from lockstep_exact.lanes import qwen3
+from lockstep_exact.lanes.ops import Ops, to_bf16
 from lockstep_exact.lanes.qwen3 import Geometry
-from lockstep_exact.sites import is_recording, record
-
-from . import surrogate as S
 
 BF16 = torch.bfloat16
 
 
-def _rec(site: str | None, t: torch.Tensor, sb: bool = True) -> None:
-    """Record an op site's output under the lane's name (``lockstep bisect``), one sequence:
-    Megatron's [s, b=1, ...] becomes the composition's [T, ...]."""
-    if site is None or not is_recording():
-        return
-    if sb:
-        if t.shape[1] != 1:
-            raise ValueError("op sites are recorded for one sequence at a time (b = 1)")
-        t = t[:, 0]
-    record(site, t)
+class _Slot(nn.Module):
+    """A submodule Megatron builds and the lane composition replaces: it never runs itself."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(
+            f"{type(self).__name__} runs inside the lane composition (ExactLayer), not alone"
+        )
 
 
-# --- norms and residual ------------------------------------------------------------------------
 class ExactRMSNorm(nn.Module):
-    """rmsnorm.qwen3 over the last dim (hidden, or head_dim for the q/k norms)."""
+    """An rmsnorm.qwen3 weight (hidden, or head_dim for the q/k norms)."""
 
     def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-6, **_):
         super().__init__()
-        self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=BF16))
-        self.site: str | None = None
 
     def forward(self, x):
-        y = S.rmsnorm(x, self.weight, self.eps)
-        _rec(self.site, y)
-        return y
+        raise RuntimeError("ExactRMSNorm runs inside the lane composition (ExactLayer)")
 
 
-class ExactBDA(nn.Module):
-    """Megatron's bias-dropout-add slot: no bias, no dropout (fail closed), residual.add."""
+class ExactBDA(_Slot):
+    """Megatron's bias-dropout-add slot: residual.add runs in the composition."""
 
-    def __init__(self):
-        super().__init__()
-        self.site: str | None = None
 
-    def forward(self, training: bool = False, fused: bool = False):
-        def bda(x_with_bias, residual, prob):
-            x, bias = x_with_bias
-            if bias is not None or (training and prob > 0):
-                raise ValueError("the exact lane has no linear bias and no hidden dropout")
-            y = S.residual_add(residual, x)
-            _rec(self.site, y)
-            return y
-
-        return bda
+class ExactCoreAttention(_Slot):
+    """Megatron's core-attention slot: rope + attention.blocked run in the composition."""
 
 
 # --- linear layers -------------------------------------------------------------------------------
 class ExactLinear(nn.Module):
-    """gemm.kblock over a (possibly fused) weight [N, K] whose output columns are split into
-    named parts (the HF projections); LoRA, when added, is per part."""
+    """A (possibly fused) weight [N, K] whose output rows are split into named parts (the HF
+    projections); LoRA, when added, is per part."""
 
     def __init__(self, input_size: int, parts: dict[str, torch.Tensor]):
         super().__init__()
         out = sum(len(c) for c in parts.values())
         self.weight = nn.Parameter(torch.zeros(out, input_size, dtype=BF16), requires_grad=False)
         self.parts = dict(parts)
-        order = torch.cat(list(parts.values()))
-        self.register_buffer("_inverse", torch.argsort(order), persistent=False)
         self.lora = nn.ModuleDict()
-        self.site: str | None = None  # e.g. layers.0.self_attn; parts are recorded under it
 
     def add_lora(self, part: str, rank: int, alpha: float, generator: torch.Generator):
         """A ~ kaiming-like uniform, B = 0 (PEFT's init): a new adapter changes no byte."""
@@ -101,26 +79,13 @@ class ExactLinear(nn.Module):
         b = torch.zeros(len(self.parts[part]), rank, dtype=torch.float32)
         self.lora[part] = LoRA(a, b, alpha / rank)
 
-    def forward(self, x):
-        base = S.gemm(x, self.weight)
-        recording = self.site is not None and is_recording()
-        if not len(self.lora) and not recording:
-            return base, None
-        pieces = []
-        for name, cols in self.parts.items():
-            y = base[..., cols] if len(self.parts) > 1 else base
-            if name in self.lora:
-                ad = self.lora[name]
-                a, b = S.to_bf16(ad.A), S.to_bf16(ad.B)
-                y = S.lora_expand(y, S.lora_shrink(x, a), b, ad.scale)
-            _rec(self.site and f"{self.site}.{name}", y, sb=x.dim() == 3)
-            pieces.append(y)
-        if len(pieces) == 1:
-            return pieces[0], None
-        return torch.cat(pieces, dim=-1)[..., self._inverse], None
+    def part_weight(self, part: str) -> torch.Tensor:
+        if len(self.parts) == 1:
+            return self.weight
+        return self.weight[self.parts[part].to(self.weight.device)]
 
-    def set_site(self, site: str) -> None:
-        self.site = site
+    def forward(self, x):
+        raise RuntimeError("ExactLinear runs inside the lane composition (ExactLayer)")
 
 
 class LoRA(nn.Module):
@@ -165,29 +130,17 @@ def fc1_parts(ffn: int) -> dict[str, torch.Tensor]:
 
 
 class ExactMLP(nn.Module):
-    """linear_fc1 (gate|up), swiglu, linear_fc2 (down)."""
+    """linear_fc1 (gate|up) and linear_fc2 (down) weights."""
 
     def __init__(self, config=None, hidden: int = 0, ffn: int = 0, **_):
         super().__init__()
         hidden = hidden or config.hidden_size
         ffn = ffn or config.ffn_hidden_size
-        self.ffn = ffn
         self.linear_fc1 = ExactLinear(hidden, fc1_parts(ffn))
         self.linear_fc2 = ExactLinear(ffn, {"down_proj": _cols(0, hidden)})
-        self.site: str | None = None
 
-    def set_site(self, site: str) -> None:
-        self.site = site
-        self.linear_fc1.site = self.linear_fc2.site = site
-
-    def rows(self, x):
-        gu, _ = self.linear_fc1(x)
-        act = S.swiglu(gu[..., : self.ffn], gu[..., self.ffn :])
-        _rec(self.site and f"{self.site}.act", act, sb=x.dim() == 3)
-        return self.linear_fc2(act)[0]
-
-    def forward(self, x, padding_mask=None):
-        return self.rows(x), None
+    def linear_for(self, part: str) -> ExactLinear:
+        return self.linear_fc2 if part == "down_proj" else self.linear_fc1
 
 
 class ExactRouter(nn.Module):
@@ -203,87 +156,119 @@ class _Experts(nn.Module):
 
 
 class ExactMoE(nn.Module):
-    """router gemm, router.softmax_topk, per-expert SwiGLU MLP, moe.fold (EP = 1)."""
+    """Router and experts' weights (EP = 1); routing, dispatch and fold run in the composition."""
 
     geometry: Geometry | None = None  # set by the spec (the class is built per geometry)
 
     def __init__(self, config=None, **_):
         super().__init__()
         g = self.geometry
-        self.topk, self.norm_topk = g.topk, g.norm_topk
         self.router = ExactRouter(g.hidden, g.experts)
         self.experts = _Experts(g.hidden, g.moe_intermediate, g.experts)
-        self.site: str | None = None
-
-    def set_site(self, site: str) -> None:
-        self.site = site
-        for e, expert in enumerate(self.experts.local_experts):
-            expert.set_site(f"{site}.experts.{e}")
-
-    def _rec(self, name: str, t: torch.Tensor) -> None:
-        _rec(self.site and f"{self.site}.{name}", t, sb=False)
-
-    def forward(self, x, padding_mask=None):
-        shape = x.shape
-        h = x.reshape(-1, shape[-1])
-        logits = S.gemm(h, self.router.weight)
-        self._rec("gate", logits)
-        ids, weights = S.router_weights(logits, self.topk, self.norm_topk)
-        self._rec("router_ids", ids)
-        self._rec("router_weights", weights)
-        rows_all, slots_all, outs = [], [], []
-        for e in torch.unique(ids).tolist():
-            rows, slot = (ids == e).nonzero(as_tuple=True)
-            outs.append(self.experts.local_experts[e].rows(h[rows]))
-            rows_all.append(rows)
-            slots_all.append(slot)
-        out = h.new_zeros(h.shape[0], self.topk, h.shape[1]).index_put(
-            (torch.cat(rows_all), torch.cat(slots_all)), torch.cat(outs)
-        )
-        y = S.moe_fold(out, weights)
-        self._rec("fold", y)
-        return y.reshape(shape), None
 
 
-# --- attention -----------------------------------------------------------------------------------
-class ExactCoreAttention(nn.Module):
-    """rope.neox then attention.blocked, one sequence at a time (contiguous K/V, from 0)."""
+class MegatronSlots(qwen3.Slots):
+    """The composition's slots over a Megatron model: weights by HF name, LoRA, attention."""
 
-    geometry: Geometry | None = None  # set by the spec (the class is built per geometry)
+    def __init__(self, lane: LockstepGPT, s: int, b: int):
+        self.lane, self.s, self.b = lane, s, b
+        self.grad = torch.is_grad_enabled()
 
-    def __init__(self, config=None, layer_number=1, attn_mask_type=None, **_):
+    def _linear(self, layer: int, name: str) -> tuple[ExactLinear, str] | None:
+        mod = self.lane.gpt.decoder.layers[layer]
+        parts = name.split(".")
+        part = parts[-1]
+        if parts[0] == "self_attn":
+            att = mod.self_attention
+            return (att.linear_proj if part == "o_proj" else att.linear_qkv), part
+        if parts[1] == "experts":
+            return mod.mlp.experts.local_experts[int(parts[2])].linear_for(part), part
+        return mod.mlp.linear_for(part), part
+
+    def weight(self, layer, name):
+        gpt = self.lane.gpt
+        if layer is None:
+            return {
+                "model.embed_tokens.weight": lambda: gpt.embedding.word_embeddings.weight,
+                "model.norm.weight": lambda: gpt.decoder.final_layernorm.weight,
+                "lm_head.weight": lambda: gpt.output_layer.weight,
+            }[name]()
+        mod = gpt.decoder.layers[layer]
+        plain = {
+            "input_layernorm.weight": lambda: mod.input_layernorm.weight,
+            "post_attention_layernorm.weight": lambda: mod.pre_mlp_layernorm.weight,
+            "self_attn.q_norm.weight": lambda: mod.self_attention.q_layernorm.weight,
+            "self_attn.k_norm.weight": lambda: mod.self_attention.k_layernorm.weight,
+            "mlp.gate.weight": lambda: mod.mlp.router.weight,
+        }
+        if name in plain:
+            return plain[name]()
+        linear, part = self._linear(layer, name.removesuffix(".weight"))
+        return linear.part_weight(part)
+
+    def lora(self, layer, name):
+        linear, part = self._linear(layer, name)
+        if part not in linear.lora:
+            return None
+        ad = linear.lora[part]
+        return to_bf16(ad.A, grad=self.grad), to_bf16(ad.B, grad=self.grad), ad.scale
+
+    def attend(self, layer, q, k, v, positions, core):
+        """One sequence per batch column: rows are [s, b]-ordered, each sequence from 0."""
+        s, b = self.s, self.b
+        pos = torch.arange(s, device=q.device)
+        qs, ks, vs = (t.view(s, b, *t.shape[1:]) for t in (q, k, v))
+        outs = [core(qs[:, i], ks[:, i], vs[:, i], pos) for i in range(b)]
+        return torch.stack(outs, dim=1).reshape(q.shape)
+
+
+def _layer_class():
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    class ExactLayer(TransformerLayer):
+        """Megatron's TransformerLayer whose forward is the lane composition's layer."""
+
+        def forward(self, hidden_states, *args, **kwargs):
+            lane: LockstepGPT = self.lane
+            s, b, h = hidden_states.shape
+            slots = MegatronSlots(lane, s, b)
+            rows = hidden_states.reshape(s * b, h)
+            positions = torch.arange(s, device=rows.device).repeat_interleave(b)
+            ops = lane.ops(rows.device)
+            out = qwen3.Layer(lane.geom, self.layer_number - 1, ops, slots)(rows, positions)
+            return out.view(s, b, h), kwargs.get("context")
+
+    return ExactLayer
+
+
+class ExactFinalNorm(nn.Module):
+    """TransformerBlock's final_layernorm slot: the composition's final norm."""
+
+    def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-6, **_):
         super().__init__()
-        self.base = self.geometry.rope_theta
-        self.site: str | None = None  # layers.N.self_attn
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=BF16))
+        self.lane: LockstepGPT | None = None
 
-    def forward(self, query, key, value, attention_mask=None, **_):
-        s, b = query.shape[:2]
-        positions = torch.arange(s, device=query.device)
-        site = self.site if b == 1 else None
-        outs = []
-        for i in range(b):
-            q = S.rope(query[:, i], positions, self.base)
-            k = S.rope(key[:, i], positions, self.base)
-            _rec(site and f"{site}.q_rope", q, sb=False)
-            _rec(site and f"{site}.k_rope", k, sb=False)
-            o = S.attention(q, k, value[:, i], positions)
-            _rec(site and f"{site}.core", o, sb=False)
-            outs.append(o.reshape(s, -1))
-        return torch.stack(outs, dim=1)
+    def forward(self, x):
+        lane = self.lane
+        slots = MegatronSlots(lane, x.shape[0], x.shape[1])
+        rows = qwen3.final_norm(lane.ops(x.device), slots, x.reshape(-1, x.shape[-1]))
+        return rows.view(x.shape)
 
 
 class ExactOutputLayer(nn.Module):
-    """The LM head: gemm.kblock with an fp32 result (replaces GPTModel's ColumnParallelLinear)."""
+    """The LM head slot: the composition's lm_head (gemm.kblock, fp32 out)."""
 
     def __init__(self, weight: nn.Parameter | None):
         super().__init__()
         self.weight = weight  # None when tied: GPTModel passes the embedding weight
+        self.lane: LockstepGPT | None = None
 
     def forward(self, x, weight=None, runtime_gather_output=None):
-        w = weight if weight is not None else self.weight
-        logits = S.gemm(x, w, out_dtype=torch.float32)
-        _rec("lm_head", logits)
-        return logits, None
+        lane = self.lane
+        slots = MegatronSlots(lane, x.shape[0], x.shape[1])
+        rows = qwen3.lm_head(lane.ops(x.device), lane.geom, slots, x.reshape(-1, x.shape[-1]))
+        return rows.view(*x.shape[:-1], rows.shape[-1]), None
 
 
 # --- specs and model -----------------------------------------------------------------------------
@@ -291,15 +276,11 @@ def layer_spec(geom: Geometry):
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_layer import (
-        TransformerLayer,
-        TransformerLayerSubmodules,
-    )
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
     mlp = type("ExactMoE", (ExactMoE,), {"geometry": geom}) if geom.is_moe else ExactMLP
-    core = type("ExactCoreAttention", (ExactCoreAttention,), {"geometry": geom})
     return ModuleSpec(
-        module=TransformerLayer,
+        module=_layer_class(),
         submodules=TransformerLayerSubmodules(
             input_layernorm=ExactRMSNorm,
             self_attention=ModuleSpec(
@@ -307,7 +288,7 @@ def layer_spec(geom: Geometry):
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ExactQKV,
-                    core_attention=core,
+                    core_attention=ExactCoreAttention,
                     linear_proj=ExactProj,
                     q_layernorm=ExactRMSNorm,
                     k_layernorm=ExactRMSNorm,
@@ -325,7 +306,7 @@ def block_spec(geom: Geometry):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     return TransformerBlockSubmodules(
-        layer_specs=[layer_spec(geom)] * geom.layers, layer_norm=ExactRMSNorm
+        layer_specs=[layer_spec(geom)] * geom.layers, layer_norm=ExactFinalNorm
     )
 
 
@@ -388,24 +369,35 @@ class LockstepGPT(nn.Module):
         for p in gpt.parameters():
             p.requires_grad_(False)
         self.model = Float16Module(config, gpt)
-        self._name_sites()
+        self._ops: dict[str, Ops] = {}
+        self._wire()
 
-    def _name_sites(self) -> None:
-        """Give every exact submodule the op-site name the lane composition records."""
+    def _wire(self) -> None:
+        """Point every slot module at this model (its ops, geometry and weights)."""
         gpt = self.gpt
-        gpt.embedding.register_forward_hook(lambda _m, _i, out: _rec("embed_tokens", out))
-        for i, layer in enumerate(gpt.decoder.layers):
-            p = f"layers.{i}"
-            att = layer.self_attention
-            layer.input_layernorm.site = f"{p}.input_layernorm"
-            att.linear_qkv.site = att.linear_proj.site = att.core_attention.site = f"{p}.self_attn"
-            att.q_layernorm.site = f"{p}.self_attn.q_norm"
-            att.k_layernorm.site = f"{p}.self_attn.k_norm"
-            layer.self_attn_bda.site = f"{p}.residual_attn"
-            layer.pre_mlp_layernorm.site = f"{p}.post_attention_layernorm"
-            layer.mlp.set_site(f"{p}.mlp")
-            layer.mlp_bda.site = f"{p}.residual_mlp"
-        gpt.decoder.final_layernorm.site = "norm"
+        for layer in gpt.decoder.layers:
+            object.__setattr__(layer, "lane", self)  # not a submodule: no cycle in the tree
+        object.__setattr__(gpt.decoder.final_layernorm, "lane", self)
+        object.__setattr__(gpt.output_layer, "lane", self)
+
+        def embed(_module, args, kwargs, _out):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            slots = MegatronSlots(self, ids.shape[1], ids.shape[0])
+            rows = qwen3.embed(self.ops(ids.device), slots, ids.t().reshape(-1))
+            return rows.view(ids.shape[1], ids.shape[0], -1)
+
+        gpt.embedding.register_forward_hook(embed, with_kwargs=True)
+
+    def ops(self, device: torch.device) -> Ops:
+        """The lane's programs on ``device``'s backend, read from that backend's contract."""
+        backend = torch.device(device).type
+        if backend not in self._ops:
+            self._ops[backend] = Ops(geometry_contract(self.geom, backend=backend), grad=True)
+        return self._ops[backend]
+
+    def invoked_contract(self, device: torch.device | str = "cpu"):
+        """What this model actually ran on ``device`` (after at least one forward)."""
+        return self.ops(torch.device(device)).invoked_contract()
 
     @property
     def gpt(self):
@@ -414,7 +406,6 @@ class LockstepGPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] (right-padded, each sequence from position 0) -> [b, s, V] float32."""
         logits = self.model(input_ids=tokens, position_ids=None, attention_mask=None)
-        lp = S.log_softmax(logits)
-        if tokens.shape[0] == 1 and is_recording():
-            record("logprobs", lp[0])
-        return lp
+        b, s, v = logits.shape
+        lp = qwen3.logprobs(self.ops(logits.device), logits.reshape(b * s, v))
+        return lp.view(b, s, v)

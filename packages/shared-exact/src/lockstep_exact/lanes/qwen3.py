@@ -14,15 +14,11 @@ from pathlib import Path
 
 import torch
 
-from .. import programs as P
 from ..programs import Program
 from ..sites import record
+from .config import UnsupportedModel, check_config
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3-moe"}
-
-
-class UnsupportedModel(ValueError):
-    """The model uses a feature the exact lane does not cover; nothing falls back."""
 
 
 @dataclass(frozen=True)
@@ -52,57 +48,9 @@ class Geometry:
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping) -> Geometry:
-        arch = (cfg.get("architectures") or ["?"])[0]
-        if arch not in ARCHITECTURES:
-            raise UnsupportedModel(
-                f"architecture {arch!r} has no exact lane; supported: {sorted(ARCHITECTURES)}"
-            )
-        family = ARCHITECTURES[arch]
-        checks = {
-            "quantization_config": (cfg.get("quantization_config") is None, "quantized weights"),
-            "rope_scaling": (not cfg.get("rope_scaling"), "rope_scaling"),
-            "attention_bias": (not cfg.get("attention_bias", False), "attention bias"),
-            "hidden_act": (
-                cfg.get("hidden_act", "silu") == "silu",
-                "an activation other than silu",
-            ),
-            "use_sliding_window": (not cfg.get("use_sliding_window", False), "sliding window"),
-        }
-        if family == "qwen3-moe":
-            checks["decoder_sparse_step"] = (
-                cfg.get("decoder_sparse_step", 1) == 1,
-                "dense layers mixed into the MoE stack",
-            )
-            checks["mlp_only_layers"] = (not cfg.get("mlp_only_layers"), "mlp_only_layers")
-        for key, (ok, what) in checks.items():
-            if not ok:
-                raise UnsupportedModel(
-                    f"the exact lane does not support {what} ({key!r} = {cfg.get(key)!r})"
-                )
-        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
-        if dtype != "bfloat16":
-            raise UnsupportedModel(f"the exact lane runs bf16 checkpoints; config says {dtype!r}")
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        return cls(
-            family=family,
-            hidden=hidden,
-            layers=int(cfg["num_hidden_layers"]),
-            heads=heads,
-            kv_heads=int(cfg.get("num_key_value_heads", heads)),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            vocab=int(cfg["vocab_size"]),
-            intermediate=int(cfg.get("intermediate_size", 0)),
-            eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 1000000.0)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            experts=int(cfg.get("num_experts", 0)) if family == "qwen3-moe" else 0,
-            topk=int(cfg.get("num_experts_per_tok", 0)) if family == "qwen3-moe" else 0,
-            moe_intermediate=int(cfg.get("moe_intermediate_size", 0))
-            if family == "qwen3-moe"
-            else 0,
-            norm_topk=bool(cfg.get("norm_topk_prob", True)),
-        )
+        """The lane's geometry from an HF ``config.json`` dict; ``UnsupportedModel`` naming
+        any key or value the lane does not implement (the allow-list is ``lanes.config``)."""
+        return cls(**check_config(cfg))
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> Geometry:
@@ -112,142 +60,210 @@ class Geometry:
         return cls.from_hf_config(json.loads(path.read_text()))
 
 
+PROJECTIONS_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+PROJECTIONS_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
 def op_sites(geom: Geometry) -> dict[str, Program]:
-    """Every op site of the lane and the program (with parameters) that runs there."""
+    """Every op site of the lane (its contract key) and the program, with parameters, run there.
+
+    Keys are the paths the composition calls with every index replaced by ``*``
+    (``lanes.ops.site_key``): one name per site, in the contract, in recorded sites and in
+    errors. Each projection also has its LoRA sites (``<projection>.lora_shrink`` /
+    ``.lora_expand``), run when an adapter covers it.
+    """
     gemm = Program.of("gemm.kblock", bk=32, out="bf16")
     norm = Program.of("rmsnorm.qwen3", eps=geom.eps)
-    sites = {
-        "embed": Program.of("embedding.gather"),
-        "layers.input_norm": norm,
-        "layers.attn.qkv_proj": gemm,
-        "layers.attn.qk_norm": norm,
-        "layers.attn.rope": Program.of("rope.neox", base=geom.rope_theta),
-        "layers.attn.core": Program.of("attention.blocked", block=32),
-        "layers.attn.o_proj": gemm,
-        "layers.residual": Program.of("residual.add"),
-        "layers.post_norm": norm,
-    }
+    rope = Program.of("rope.neox", base=geom.rope_theta)
+    shrink, expand = Program.of("lora.shrink", bk=32), Program.of("lora.expand", bk=32)
+    sites: dict[str, Program] = {"embed_tokens": Program.of("embedding.gather")}
+
+    def proj(path: str) -> None:
+        sites[path] = gemm
+        sites[f"{path}.lora_shrink"] = shrink
+        sites[f"{path}.lora_expand"] = expand
+
+    layer = "layers.*"
+    sites[f"{layer}.input_layernorm"] = norm
+    for p in ("q_proj", "k_proj", "v_proj"):
+        proj(f"{layer}.self_attn.{p}")
+    sites[f"{layer}.self_attn.q_norm"] = norm
+    sites[f"{layer}.self_attn.k_norm"] = norm
+    sites[f"{layer}.self_attn.q_rope"] = rope
+    sites[f"{layer}.self_attn.k_rope"] = rope
+    sites[f"{layer}.self_attn.core"] = Program.of("attention.blocked", block=32)
+    proj(f"{layer}.self_attn.o_proj")
+    sites[f"{layer}.residual_attn"] = Program.of("residual.add")
+    sites[f"{layer}.post_attention_layernorm"] = norm
     if geom.is_moe:
-        sites.update(
-            {
-                "layers.moe.router_gemm": gemm,
-                "layers.moe.router": Program.of(
-                    "router.softmax_topk", k=geom.topk, normalize=geom.norm_topk
-                ),
-                "layers.moe.experts.gate_up_proj": gemm,
-                "layers.moe.experts.act": Program.of("swiglu"),
-                "layers.moe.experts.down_proj": gemm,
-                "layers.moe.fold": Program.of("moe.fold", acc="bf16"),
-            }
+        sites[f"{layer}.mlp.gate"] = gemm
+        sites[f"{layer}.mlp.router"] = Program.of(
+            "router.softmax_topk", k=geom.topk, normalize=geom.norm_topk
         )
+        mlp = f"{layer}.mlp.experts.*"
+        sites[f"{layer}.mlp.fold"] = Program.of("moe.fold", acc="bf16")
     else:
-        sites.update(
-            {
-                "layers.mlp.gate_up_proj": gemm,
-                "layers.mlp.act": Program.of("swiglu"),
-                "layers.mlp.down_proj": gemm,
-            }
-        )
-    sites.update(
-        {
-            "final_norm": norm,
-            "lm_head": Program.of("gemm.kblock", bk=32, out="fp32"),
-            "logprobs": Program.of("log_softmax.tree"),
-            "lora.shrink": Program.of("lora.shrink", bk=32),
-            "lora.expand": Program.of("lora.expand", bk=32),
-        }
-    )
+        mlp = f"{layer}.mlp"
+    proj(f"{mlp}.gate_proj")
+    proj(f"{mlp}.up_proj")
+    sites[f"{mlp}.act"] = Program.of("swiglu")
+    proj(f"{mlp}.down_proj")
+    sites[f"{layer}.residual_mlp"] = Program.of("residual.add")
+    sites["norm"] = norm
+    sites["lm_head"] = Program.of("gemm.kblock", bk=32, out="fp32")
+    sites["logprobs"] = Program.of("log_softmax.tree")
+    sites["sample"] = Program.of("sample.gumbel_topp")  # the token drawn from the logprobs row
     return sites
 
 
 # --- composition -----------------------------------------------------------------------------
 LoRA = tuple[torch.Tensor, torch.Tensor, float]  # (A [r, K], B [N, r], scale)
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# attend(path, q, k, v, positions, core): the engine's attention slot. q/k/v are this step's
+# rows (after rope); the engine stores k/v in its own cache, gathers each sequence's keys and
+# values, and calls core(q_rows, keys, values, positions_of_those_rows) per sequence.
+Core = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Core], torch.Tensor]
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, lora: LoRA | None = None) -> torch.Tensor:
+class Slots:
+    """What an engine supplies to the composition; the composition owns every op and its order.
+
+    ``weight``: a backbone tensor by HF name (suffix after ``model.layers.N.``, or the full name
+    for the embedding, final norm and LM head). ``lora``: the adapter factors covering a
+    projection, already bf16, or None. ``attend``: attention over the engine's own cache.
+    ``dispatch``: run ``expert(e, rows_hidden)`` for every routed (token, slot) and return
+    [T, k, H] in slot order (the default runs the experts present, lowest id first, locally).
+    """
+
+    def weight(self, layer: int | None, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def lora(self, layer: int, name: str) -> LoRA | None:
+        return None
+
+    def attend(self, layer, q, k, v, positions, core: Core) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dispatch(self, layer: int, h, ids, expert: Callable[[int, torch.Tensor], torch.Tensor]):
+        return local_dispatch(h, ids, expert)
+
+
+def local_dispatch(h, ids, expert):
+    """Every expert routed to by some row, in ascending id, on the rows that chose it; the
+    results land at (row, slot) of a [T, k, H] tensor (out of place: autograd sees it)."""
+    rows_all, slots_all, outs = [], [], []
+    for e in torch.unique(ids).tolist():
+        rows, slot = (ids == e).nonzero(as_tuple=True)
+        outs.append(expert(e, h[rows]))
+        rows_all.append(rows)
+        slots_all.append(slot)
+    out = h.new_zeros(h.shape[0], ids.shape[1], h.shape[1])
+    if not outs:
+        return out
+    return out.index_put((torch.cat(rows_all), torch.cat(slots_all)), torch.cat(outs))
+
+
+def linear(ops, path: str, x, w, lora: LoRA | None = None):
     """gemm.kblock, plus lora.shrink/lora.expand when an adapter covers this projection."""
-    y = P.gemm(x, w)
+    y = ops.gemm(path, x, w)
     if lora is not None:
         a, b, scale = lora
-        y = P.lora_expand(y, P.lora_shrink(x, a), b, scale)
+        y = ops.lora_expand(
+            f"{path}.lora_expand", y, ops.lora_shrink(f"{path}.lora_shrink", x, a), b, scale
+        )
     return y
 
 
 class Layer:
-    """Weights of one decoder layer by HF name (suffix after ``model.layers.N.``)."""
+    """One decoder layer of the lane: the only place its op order is written."""
 
-    def __init__(
-        self,
-        geom: Geometry,
-        index: int,
-        weights: Mapping[str, torch.Tensor],
-        adapters: Mapping[str, LoRA] | None = None,
-    ):
-        self.geom = geom
-        self.index = index
-        self.w = weights
-        self.lora = adapters or {}
+    def __init__(self, geom: Geometry, index: int, ops, slots: Slots):
+        self.geom, self.index, self.ops, self.slots = geom, index, ops, slots
+        self.site = f"layers.{index}"
 
-    def proj(self, x, name):
-        out = linear(x, self.w[name], self.lora.get(name))
-        return record(f"{self.site}.{name.removesuffix('.weight')}", out)
+    def w(self, name: str) -> torch.Tensor:
+        return self.slots.weight(self.index, name)
 
-    @property
-    def site(self) -> str:
-        return f"layers.{self.index}"
+    def proj(self, x, name: str):
+        """``name`` like ``self_attn.q_proj`` or ``mlp.experts.3.down_proj``."""
+        lora = self.slots.lora(self.index, name)
+        return linear(self.ops, f"{self.site}.{name}", x, self.w(f"{name}.weight"), lora)
 
-    def attention(self, h, positions, attend: Attend):
-        g = self.geom
+    def attention(self, h, positions):
+        g, ops, s = self.geom, self.ops, f"{self.site}.self_attn"
         t = h.shape[0]
-        q = self.proj(h, "self_attn.q_proj.weight").view(t, g.heads, g.head_dim)
-        k = self.proj(h, "self_attn.k_proj.weight").view(t, g.kv_heads, g.head_dim)
-        v = self.proj(h, "self_attn.v_proj.weight").view(t, g.kv_heads, g.head_dim)
-        q = record(
-            f"{self.site}.self_attn.q_norm", P.rmsnorm(q, self.w["self_attn.q_norm.weight"], g.eps)
-        )
-        k = record(
-            f"{self.site}.self_attn.k_norm", P.rmsnorm(k, self.w["self_attn.k_norm.weight"], g.eps)
-        )
-        q = record(f"{self.site}.self_attn.q_rope", P.rope(q, positions, g.rope_theta))
-        k = record(f"{self.site}.self_attn.k_rope", P.rope(k, positions, g.rope_theta))
-        o = record(f"{self.site}.self_attn.core", attend(self.index, q, k, v))
-        return self.proj(o.reshape(t, g.heads * g.head_dim), "self_attn.o_proj.weight")
+        q = self.proj(h, "self_attn.q_proj").view(t, g.heads, g.head_dim)
+        k = self.proj(h, "self_attn.k_proj").view(t, g.kv_heads, g.head_dim)
+        v = self.proj(h, "self_attn.v_proj").view(t, g.kv_heads, g.head_dim)
+        q = ops.rmsnorm(f"{s}.q_norm", q, self.w("self_attn.q_norm.weight"))
+        k = ops.rmsnorm(f"{s}.k_norm", k, self.w("self_attn.k_norm.weight"))
+        q = ops.rope(f"{s}.q_rope", q, positions)
+        k = ops.rope(f"{s}.k_rope", k, positions)
 
-    def mlp(self, h):
-        if not self.geom.is_moe:
-            gate = self.proj(h, "mlp.gate_proj.weight")
-            up = self.proj(h, "mlp.up_proj.weight")
-            act = record(f"{self.site}.mlp.act", P.swiglu(gate, up))
-            return self.proj(act, "mlp.down_proj.weight")
-        g = self.geom
-        logits = record(f"{self.site}.mlp.gate", P.gemm(h, self.w["mlp.gate.weight"]))
-        ids, weights = P.router_topk(logits, g.topk, normalize=g.norm_topk)
-        record(f"{self.site}.mlp.router_ids", ids)
-        record(f"{self.site}.mlp.router_weights", weights)
-        out = torch.empty(h.shape[0], g.topk, g.hidden, dtype=h.dtype, device=h.device)
-        for e in torch.unique(ids).tolist():
-            rows, slot = (ids == e).nonzero(as_tuple=True)
-            x = h[rows]
-            pre = f"mlp.experts.{e}."
-            act = P.swiglu(
-                self.proj(x, pre + "gate_proj.weight"), self.proj(x, pre + "up_proj.weight")
-            )
-            record(f"{self.site}.{pre}act", act)
-            out[rows, slot] = self.proj(act, pre + "down_proj.weight")
-        return record(f"{self.site}.mlp.fold", P.moe_fold(out, weights))
+        def core(qq, kk, vv, pos):
+            return ops.attention(f"{s}.core", qq, kk, vv, pos)
 
-    def __call__(self, h, positions, attend: Attend):
-        g = self.geom
-        x = record(
-            f"{self.site}.input_layernorm", P.rmsnorm(h, self.w["input_layernorm.weight"], g.eps)
+        o = self.slots.attend(self.index, q, k, v, positions, core)
+        o = record(f"{s}.core", o)  # all rows of the step (core records per sequence)
+        return self.proj(o.reshape(t, g.heads * g.head_dim), "self_attn.o_proj")
+
+    def mlp(self, h, pre: str = "mlp."):
+        gate = self.proj(h, pre + "gate_proj")
+        up = self.proj(h, pre + "up_proj")
+        act = self.ops.swiglu(f"{self.site}.{pre}act", gate, up)
+        return self.proj(act, pre + "down_proj")
+
+    def moe(self, h):
+        ops, s = self.ops, f"{self.site}.mlp"
+        logits = ops.gemm(f"{s}.gate", h, self.w("mlp.gate.weight"))
+        ids, weights = ops.router(f"{s}.router", logits)
+        out = self.slots.dispatch(self.index, h, ids, lambda e, x: self.mlp(x, f"mlp.experts.{e}."))
+        return ops.moe_fold(f"{s}.fold", out, weights)
+
+    def __call__(self, h, positions):
+        ops, s = self.ops, self.site
+        x = ops.rmsnorm(f"{s}.input_layernorm", h, self.w("input_layernorm.weight"))
+        h = ops.residual_add(f"{s}.residual_attn", h, self.attention(x, positions))
+        x = ops.rmsnorm(
+            f"{s}.post_attention_layernorm", h, self.w("post_attention_layernorm.weight")
         )
-        h = record(
-            f"{self.site}.residual_attn", P.residual_add(h, self.attention(x, positions, attend))
-        )
-        x = P.rmsnorm(h, self.w["post_attention_layernorm.weight"], g.eps)
-        m = self.mlp(record(f"{self.site}.post_attention_layernorm", x))
-        return record(f"{self.site}.residual_mlp", P.residual_add(h, m))
+        m = self.moe(x) if self.geom.is_moe else self.mlp(x)
+        return ops.residual_add(f"{s}.residual_mlp", h, m)
+
+
+def embed(ops, slots: Slots, tokens):
+    return ops.embed("embed_tokens", slots.weight(None, "model.embed_tokens.weight"), tokens)
+
+
+def layers(ops, geom: Geometry, slots: Slots, h, positions):
+    for i in range(geom.layers):
+        h = Layer(geom, i, ops, slots)(h, positions)
+    return h
+
+
+def final_norm(ops, slots: Slots, h):
+    return ops.rmsnorm("norm", h, slots.weight(None, "model.norm.weight"))
+
+
+def lm_head(ops, geom: Geometry, slots: Slots, hn):
+    """fp32 logits [T, V] from the normed hidden states."""
+    name = "model.embed_tokens.weight" if geom.tie_embeddings else "lm_head.weight"
+    return ops.gemm("lm_head", hn, slots.weight(None, name))
+
+
+def final_logits(ops, geom: Geometry, slots: Slots, h):
+    """final norm, then the fp32 LM head: [T, V] float32 logits."""
+    return lm_head(ops, geom, slots, final_norm(ops, slots, h))
+
+
+def logprobs(ops, logits):
+    return ops.log_softmax("logprobs", logits)
+
+
+def forward(ops, geom: Geometry, slots: Slots, tokens, positions):
+    """The whole lane over rows: token ids [T] at ``positions`` -> [T, V] log-probabilities."""
+    h = layers(ops, geom, slots, embed(ops, slots, tokens), positions)
+    return logprobs(ops, final_logits(ops, geom, slots, h))
 
 
 def split_layers(
@@ -261,18 +277,40 @@ def split_layers(
     return layers
 
 
-def final_logits(h, weights: Mapping[str, torch.Tensor], geom: Geometry) -> torch.Tensor:
-    """final norm, then the fp32 LM head: [T, V] float32 logits."""
-    hn = record("norm", P.rmsnorm(h, weights["model.norm.weight"], geom.eps))
-    head = (
-        weights["model.embed_tokens.weight"] if geom.tie_embeddings else weights["lm_head.weight"]
-    )
-    return record("lm_head", P.gemm(hn, head, out_dtype=torch.float32))
+class DictSlots(Slots):
+    """Weights and adapters from HF-named dicts; contiguous K/V of one sequence from 0.
+
+    The reference engine (``forward_logprobs``) and the base of the serving engine's slots.
+    ``adapters`` maps HF weight names (``model.layers.0.self_attn.q_proj.weight``) to LoRA.
+    """
+
+    def __init__(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        geom: Geometry,
+        adapters: Mapping[str, LoRA] | None = None,
+        *,
+        per_layer: list[dict[str, torch.Tensor]] | None = None,
+    ):
+        self.weights = weights
+        self.per_layer = per_layer if per_layer is not None else split_layers(weights, geom)
+        self.adapters = adapters or {}
+
+    def weight(self, layer, name):
+        return self.weights[name] if layer is None else self.per_layer[layer][name]
+
+    def lora(self, layer, name):
+        return self.adapters.get(f"model.layers.{layer}.{name}.weight")
+
+    def attend(self, layer, q, k, v, positions, core):
+        return core(q, k, v, positions)
 
 
-def final_logprobs(h, weights: Mapping[str, torch.Tensor], geom: Geometry) -> torch.Tensor:
-    """final_logits, then log_softmax: [T, V] float32 log-probabilities."""
-    return record("logprobs", P.log_softmax(final_logits(h, weights, geom)))
+def default_ops(geom: Geometry, backend: str = "cpu"):
+    from ..contract import geometry_contract
+    from .ops import Ops
+
+    return Ops(geometry_contract(geom, backend=backend))
 
 
 def forward_logprobs(
@@ -280,19 +318,14 @@ def forward_logprobs(
     geom: Geometry,
     tokens: torch.Tensor,
     adapters: Mapping[str, LoRA] | None = None,
+    *,
+    ops=None,
 ) -> torch.Tensor:
     """Reference forward of one sequence (contiguous K/V): [T, V] log-probabilities.
 
-    Row t is the distribution of token t+1 given tokens 0..t.
+    Row t is the distribution of token t+1 given tokens 0..t. ``ops`` defaults to the lane's
+    own contract on the tokens' backend.
     """
-    positions = torch.arange(tokens.shape[0])
-    h = record("embed_tokens", weights["model.embed_tokens.weight"][tokens])
-    for i, lw in enumerate(split_layers(weights, geom)):
-        prefix = f"model.layers.{i}."
-        layer_ad = {
-            k[len(prefix) :]: v for k, v in (adapters or {}).items() if k.startswith(prefix)
-        }
-        h = Layer(geom, i, lw, layer_ad)(
-            h, positions, lambda _i, q, k, v: P.attention(q, k, v, positions)
-        )
-    return final_logprobs(h, weights, geom)
+    ops = ops or default_ops(geom, tokens.device.type)
+    positions = torch.arange(tokens.shape[0], device=tokens.device)
+    return forward(ops, geom, DictSlots(weights, geom, adapters), tokens, positions)

@@ -1,0 +1,209 @@
+"""The lane's sampler in vLLM: every token of a lane model is drawn by ``sample.gumbel_topp``.
+
+Two patches (rows of ``patches.TABLE``), both inert for stock models:
+
+- ``InputProcessor.process_inputs`` (the front end, where a request is admitted): a request to
+  a lane engine whose sampling parameters would change the rule (top_k, min_p, penalties,
+  logit bias, allowed tokens, bad words, min_tokens, structured output, a thinking budget,
+  watermarking, a seed outside int64) is refused there, with ``VLLMValidationError`` naming
+  the parameter: the request fails, the engine keeps serving. A random request (temperature >
+  0) that brought no seed gets a fresh one from ``secrets`` written into its own copy of the
+  parameters, so it stays random as in stock vLLM and keeps one seed for its whole life
+  (preemption included); such a draw cannot be replayed, because nobody recorded the seed.
+  Traces need explicit seeds: ``capture`` passes one per sequence and records them.
+- ``GPUModelRunner._sample`` (the worker, which the CPU runner inherits): for a lane model the
+  row of each request is ``log_softmax.tree`` of its logits, and its token is the contract's
+  ``sample`` site (``sample.gumbel_topp`` of row, temperature, top_p, seed, position), with
+  ``position`` the absolute position of the token being chosen (the sequence length once
+  this step's tokens are in). vLLM's
+  torch generators are never used, and the runner's copy of them is emptied each step, so
+  vLLM's rewind of a discarded partial-prefill draw (which crashes on CPU generators) has
+  nothing to rewind: seeded requests and chunked prefill mix. Reported logprobs are the raw
+  rows, gathered exactly as vLLM's own sampler gathers them.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+
+from lockstep_exact import programs as P
+from lockstep_exact.sites import paused
+
+from .patches import LaneRefused
+
+RULE = P.Program.of("sample.gumbel_topp")
+# vLLM's own greedy threshold: a temperature below it is greedy (SamplingParams forces the
+# others up to 1e-2), and the lane's rule gets temperature 0 for it.
+GREEDY_BELOW = 1e-5
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def request_problem(sp) -> tuple[str, object, str] | None:
+    """(parameter, value, why) for the first sampling parameter the lane's rule does not
+    implement, or None. ``sp`` is a vLLM SamplingParams after the engine filled it in."""
+
+    checks = (
+        ("top_k", sp.top_k, sp.top_k not in (0, -1), "top-k truncation"),
+        ("min_p", sp.min_p, sp.min_p > 0, "min-p truncation"),
+        ("presence_penalty", sp.presence_penalty, sp.presence_penalty != 0, "a penalty"),
+        ("frequency_penalty", sp.frequency_penalty, sp.frequency_penalty != 0, "a penalty"),
+        ("repetition_penalty", sp.repetition_penalty, sp.repetition_penalty != 1, "a penalty"),
+        ("logit_bias", sp.logit_bias, bool(sp.logit_bias), "a logit bias"),
+        ("allowed_token_ids", sp.allowed_token_ids, sp.allowed_token_ids is not None, "a mask"),
+        ("bad_words", sp.bad_words, bool(sp.bad_words), "a mask"),
+        (
+            "min_tokens",
+            sp.min_tokens,
+            sp.min_tokens > 0,
+            "a mask over the stop tokens (EOS included, even with ignore_eos)",
+        ),
+        (
+            "structured_outputs",
+            sp.structured_outputs,
+            sp.structured_outputs is not None,
+            "a grammar mask",
+        ),
+        (
+            "thinking_token_budget",
+            sp.thinking_token_budget,
+            sp.thinking_token_budget is not None,
+            "forced tokens",
+        ),
+        ("watermarking", sp.watermarking, bool(sp.watermarking), "a watermark bias"),
+        (
+            "seed",
+            sp.seed,
+            sp.seed is not None and not _INT64[0] <= sp.seed <= _INT64[1],
+            "a seed outside int64",
+        ),
+    )
+    for name, value, bad, why in checks:
+        if bad:
+            return name, value, why
+    return None
+
+
+def refusal(sp) -> str | None:
+    found = request_problem(sp)
+    if found is None:
+        return None
+    name, value, why = found
+    return (
+        f"Lockstep exact lane: {name}={value!r} is not supported: it would change the token "
+        f"distribution ({why}), and the lane draws every token with {RULE.ident} "
+        "(temperature and top_p only)"
+    )
+
+
+def is_lane_config(model_config) -> bool:
+    from .vllm_plugin import ARCHITECTURES
+
+    archs = getattr(model_config, "architectures", None) or getattr(
+        getattr(model_config, "hf_config", None), "architectures", None
+    )
+    return bool(archs) and archs[0] in ARCHITECTURES
+
+
+def prepare(sp) -> None:
+    """Refuse (VLLMValidationError, naming the parameter) or make ready one request's own
+    SamplingParams for the lane: a random request without a seed gets a fresh one."""
+    message = refusal(sp)
+    if message is not None:
+        from vllm.exceptions import VLLMValidationError
+
+        name = request_problem(sp)[0]
+        raise VLLMValidationError(message, parameter=name, value=getattr(sp, name))
+    if sp.seed is None and sp.temperature >= GREEDY_BELOW:
+        sp.seed = secrets.randbits(63)
+
+
+def process_inputs(self, request_id, prompt, params, *args, **kwargs):
+    """InputProcessor.process_inputs: the original, then the lane's admission of the request
+    (on the request's own copy of the parameters: the caller's object is never touched)."""
+    from .patches import TABLE
+
+    original = TABLE.original("InputProcessor.process_inputs")
+    request = original(self, request_id, prompt, params, *args, **kwargs)
+    sp = getattr(request, "sampling_params", None)
+    if sp is not None and is_lane_config(self.model_config):
+        prepare(sp)
+    return request
+
+
+def _is_lane_runner(runner) -> bool:
+    from .vllm_model import LIVE
+
+    model = getattr(runner, "model", None)
+    return model is not None and model in LIVE
+
+
+def rows_of(runner, n: int):
+    """(temperature, top_p, seed, position) per row of the runner's batch, for the rule."""
+    temps, tops, seeds = [], [], []
+    for rid in runner.input_batch.req_ids[:n]:
+        sp = runner.requests[rid].sampling_params
+        message = refusal(sp)
+        if message is not None:  # admission refuses these; a request that slipped by stops here
+            raise LaneRefused(f"request {rid}: {message}")
+        if sp.temperature < GREEDY_BELOW:
+            temps.append(0.0)
+            tops.append(1.0)
+            seeds.append(0)
+            continue
+        if sp.seed is None:
+            raise LaneRefused(
+                f"request {rid} reached the lane's sampler without a seed (admission gives every "
+                "random request one; was the plugin's InputProcessor patch bypassed?)"
+            )
+        temps.append(float(sp.temperature))
+        tops.append(float(sp.top_p))
+        seeds.append(int(sp.seed))
+    # The token being chosen sits right after this step's tokens: its absolute position is the
+    # sequence length once they are computed.
+    positions = runner.optimistic_seq_lens_cpu[:n].to(torch.int64)
+    return temps, tops, seeds, positions
+
+
+def lane_sample(self, logits, spec_decode_metadata):
+    """GPUModelRunner._sample: the rule for lane models, vLLM's sampler for every other."""
+    from .patches import TABLE
+
+    if not _is_lane_runner(self):
+        return TABLE.original("GPUModelRunner._sample")(self, logits, spec_decode_metadata)
+    from vllm.v1.outputs import LogprobsTensors, SamplerOutput
+
+    if spec_decode_metadata is not None:
+        raise LaneRefused("speculative decoding reached the lane's sampler; it is not exact")
+    md = self.input_batch.sampling_metadata
+    n = self.input_batch.num_reqs
+    if logits.shape[0] != n:
+        raise LaneRefused(f"the lane's sampler got {logits.shape[0]} logit rows for {n} requests")
+    # Lane requests never draw from torch generators (see the module docstring).
+    self.input_batch.generators.clear()
+    # The raw rows, from the lane's logprobs site (what Sampler.compute_logprobs gives too).
+    ops = self.model.ops
+    with paused():  # bisect records the logprobs site from the model's forward, every row
+        raw = ops.log_softmax("logprobs", logits.to(torch.float32))
+    temps, tops, seeds, positions = rows_of(self, n)
+    tokens = ops.sample(
+        "sample", raw, temperature=temps, top_p=tops, seeds=seeds, positions=positions
+    )
+
+    num_logprobs = md.max_num_logprobs
+    specific = None
+    if md.logprob_token_ids:
+        specific = self.sampler.gather_specific_token_logprobs(raw, md.logprob_token_ids, tokens)
+    if num_logprobs is None:
+        logprobs_tensors = specific
+    elif num_logprobs == -1:
+        logprobs_tensors = LogprobsTensors(torch.empty(0), raw, torch.empty(0))
+    else:
+        logprobs_tensors = self.sampler.gather_logprobs(raw, num_logprobs, token_ids=tokens)
+    if specific is not None and num_logprobs is not None:
+        logprobs_tensors = specific
+    return SamplerOutput(
+        sampled_token_ids=tokens.to(torch.int32).unsqueeze(-1),
+        logprobs_tensors=logprobs_tensors,
+    )

@@ -1,0 +1,205 @@
+"""Contract execution: the one way a lane composition calls a byte program.
+
+``Ops(contract)`` is handed to the composition. Every call names its op site by its full path
+(``layers.3.self_attn.q_proj``); the site's contract key is that path with every numeric part
+replaced by ``*`` (``layers.*.self_attn.q_proj``), so one name serves the contract, the recorded
+sites of ``lockstep bisect``, and error messages. The call reads the site's program and
+parameters from the contract and runs that, nothing else: editing the contract moves the bytes.
+
+Every call is also logged in ``invoked`` (site key -> the program it ran). The contract an
+engine reports is built from that log (``invoked_contract``) after a forward it really ran, so
+admission compares what each half executed, not what one function says both would execute.
+With ``grad=True`` every program is wrapped as an autograd function (exact forward, the
+textbook op's VJP backward: ``programs.vjp``), which is how a trainer runs the same composition.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+
+from .. import programs as P
+from ..contract import Contract, ContractMismatch
+from ..programs import Program
+from ..programs import vjp as V
+from ..sites import record
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
+
+
+def site_key(path: str) -> str:
+    """``layers.3.mlp.experts.12.down_proj`` -> ``layers.*.mlp.experts.*.down_proj``."""
+    return _INDEX.sub("*", path)
+
+
+class SiteNotInContract(ContractMismatch):
+    """The composition reached an op site its contract does not name."""
+
+
+class Ops:
+    """The byte programs of one contract, called by op-site path."""
+
+    def __init__(self, contract: Contract, *, grad: bool = False):
+        self.contract = contract
+        self.grad = grad
+        self.invoked: dict[str, Program] = {}
+
+    # --- bookkeeping -----------------------------------------------------------------------
+    def program(self, path: str, expect: str) -> Program:
+        """The contract's program at ``path``; it must be a ``expect`` program."""
+        key = site_key(path)
+        prog = self.contract.sites.get(key)
+        if prog is None:
+            raise SiteNotInContract(
+                f"op site {key!r} is not in the contract of lane {self.contract.lane}; "
+                "the composition and the contract disagree"
+            )
+        if prog.name != expect:
+            raise ContractMismatch(
+                f"op site {key!r}: the contract names {prog.ident}, the composition runs a "
+                f"{expect} program there"
+            )
+        return prog
+
+    def _ran(self, path: str, prog: Program) -> None:
+        key = site_key(path)
+        seen = self.invoked.setdefault(key, prog)
+        if seen != prog:
+            raise ContractMismatch(
+                f"op site {key!r} ran two programs in one lane: {seen.ident} and {prog.ident}"
+            )
+
+    def invoked_contract(self) -> Contract:
+        """The contract of what this engine actually ran: its sites are the invoked log."""
+        if not self.invoked:
+            raise RuntimeError(
+                "no op site has run yet: the invoked contract comes from a real forward"
+            )
+        c = self.contract
+        return Contract(
+            c.lane, c.dtype, c.backend, c.layout, c.geometry, dict(self.invoked), c.pins
+        )
+
+    def _call(self, path: str, prog: Program, fn: Callable, ideal: Callable, *xs):
+        self._ran(path, prog)
+        out = V.exact(fn, ideal, *xs) if self.grad else fn(*xs)
+        return record(path, out)
+
+    # --- the programs ------------------------------------------------------------------------
+    def embed(self, path: str, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        prog = self.program(path, "embedding.gather")
+        self._ran(path, prog)
+        return record(path, table[ids])
+
+    def gemm(self, path: str, x, w):
+        prog = self.program(path, "gemm.kblock")
+        out = {"bf16": torch.bfloat16, "fp32": torch.float32}[prog.param("out")]
+        bk = prog.param("bk")
+        return self._call(path, prog, lambda a, b: P.gemm(a, b, bk=bk, out_dtype=out), V.gemm, x, w)
+
+    def rmsnorm(self, path: str, x, w):
+        prog = self.program(path, "rmsnorm.qwen3")
+        eps = prog.param("eps")
+        return self._call(path, prog, lambda a, b: P.rmsnorm(a, b, eps), V.rmsnorm(eps), x, w)
+
+    def residual_add(self, path: str, a, b):
+        prog = self.program(path, "residual.add")
+        return self._call(path, prog, P.residual_add, V.residual_add, a, b)
+
+    def swiglu(self, path: str, gate, up):
+        prog = self.program(path, "swiglu")
+        return self._call(path, prog, P.swiglu, V.swiglu, gate, up)
+
+    def rope(self, path: str, x, positions):
+        prog = self.program(path, "rope.neox")
+        base = prog.param("base")
+        return self._call(
+            path, prog, lambda a: P.rope(a, positions, base), V.rope(positions, base), x
+        )
+
+    def attention(self, path: str, q, k, v, positions):
+        """One sequence: q [T, Hq, D] at ``positions``, k/v [S, Hkv, D] from position 0."""
+        prog = self.program(path, "attention.blocked")
+        block = prog.param("block")
+        return self._call(
+            path,
+            prog,
+            lambda a, b, c: P.attention(a, b, c, positions, block=block),
+            V.attention(positions),
+            q,
+            k,
+            v,
+        )
+
+    def router(self, path: str, logits):
+        """(expert ids [T, k], weights [T, k] bf16); ids are recorded as ``<path>.ids``."""
+        prog = self.program(path, "router.softmax_topk")
+        k, normalize = prog.param("k"), prog.param("normalize")
+        ids, wts = P.router_topk(logits.detach(), k, normalize=normalize)
+        record(f"{path}.ids", ids)
+        weights = self._call(path, prog, lambda _lg: wts, V.router_weights(ids, normalize), logits)
+        return ids, weights
+
+    def moe_fold(self, path: str, expert_out, weights):
+        prog = self.program(path, "moe.fold")
+        acc = prog.param("acc")
+        return self._call(
+            path, prog, lambda y, w: P.moe_fold(y, w, acc=acc), V.moe_fold, expert_out, weights
+        )
+
+    def lora_shrink(self, path: str, x, a):
+        prog = self.program(path, "lora.shrink")
+        bk = prog.param("bk")
+        return self._call(path, prog, lambda u, v: P.lora_shrink(u, v, bk=bk), V.lora_shrink, x, a)
+
+    def lora_expand(self, path: str, base, t, b, scale: float):
+        prog = self.program(path, "lora.expand")
+        bk = prog.param("bk")
+        return self._call(
+            path,
+            prog,
+            lambda y, u, v: P.lora_expand(y, u, v, scale, bk=bk),
+            V.lora_expand(scale),
+            base,
+            t,
+            b,
+        )
+
+    def log_softmax(self, path: str, logits):
+        prog = self.program(path, "log_softmax.tree")
+        return self._call(path, prog, P.log_softmax, V.log_softmax, logits)
+
+    def sample(self, path: str, logprobs, *, temperature, top_p, seeds, positions):
+        """int64 [T]: each fp32 log-probability row's token under the contract's sampling rule.
+
+        A decision, not a tensor site: logged in ``invoked`` but not recorded for bisect."""
+        prog = self.program(path, "sample.gumbel_topp")
+        self._ran(path, prog)
+        return P.sample(
+            logprobs,
+            temperature=temperature,
+            top_p=top_p,
+            seeds=seeds,
+            positions=positions,
+            rounds=prog.param("rounds"),
+        )
+
+
+def check_invoked(declared: Contract, invoked: Contract, who: str) -> None:
+    """Every site ``who`` ran must be a declared site running the declared program."""
+    for key in sorted(invoked.sites):
+        want = declared.sites.get(key)
+        got = invoked.sites[key]
+        if want is None:
+            raise ContractMismatch(f"{who} ran op site {key!r}, which its contract does not name")
+        if want != got:
+            raise ContractMismatch(
+                f"{who} ran {got.ident} at op site {key!r}; its contract says {want.ident}"
+            )
+
+
+def to_bf16(x: torch.Tensor, *, grad: bool) -> torch.Tensor:
+    """An fp32 master seen in bf16 (RNE), with a straight-through gradient when training."""
+    return V.exact(P.round_bf16, V.identity, x) if grad else P.round_bf16(x)

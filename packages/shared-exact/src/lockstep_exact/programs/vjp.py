@@ -1,0 +1,130 @@
+"""Exact forward, standard-math backward: the byte programs as autograd functions.
+
+A trainer differentiates the programs it runs. ``exact(program, ideal, *inputs)`` returns the
+program's output in the forward (its bytes are the contract's); in the backward it recomputes
+``ideal`` (the textbook op the program approximates) on fp32 copies of the inputs and returns
+its vector-Jacobian product, cast to each input's dtype. The ideal op of every program lives
+here, beside the programs, so any trainer gets the same gradients: ``lanes.ops.Ops(grad=True)``
+is the one user in this repository.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+F32 = torch.float32
+
+
+class _Exact(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, program, ideal, *xs):
+        ctx.ideal = ideal
+        ctx.save_for_backward(*xs)
+        with torch.no_grad():
+            return program(*xs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xs = ctx.saved_tensors
+        wanted = [i for i, x in enumerate(xs) if ctx.needs_input_grad[i + 2]]
+        grads: list[torch.Tensor | None] = [None] * len(xs)
+        if wanted:
+            with torch.enable_grad():
+                xf = [x.detach().to(F32) if x.is_floating_point() else x for x in xs]
+                for i in wanted:
+                    xf[i].requires_grad_(True)
+                out = ctx.ideal(*xf)
+                got = torch.autograd.grad(out, [xf[i] for i in wanted], grad.to(F32))
+            for i, g in zip(wanted, got, strict=True):
+                grads[i] = g.to(xs[i].dtype)
+        return (None, None, *grads)
+
+
+def exact(program: Callable, ideal: Callable, *xs: torch.Tensor) -> torch.Tensor:
+    """``program(*xs)`` forward, the VJP of ``ideal`` backward (no graph when nothing needs it)."""
+    if not torch.is_grad_enabled() or not any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in xs
+    ):
+        return program(*xs)
+    return _Exact.apply(program, ideal, *xs)
+
+
+# --- the ideal op of each program (fp32 inputs) ------------------------------------------------
+def gemm(x, w):
+    return x @ w.T
+
+
+def rmsnorm(eps: float):
+    return lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def residual_add(a, b):
+    return a + b
+
+
+def swiglu(gate, up):
+    return torch.nn.functional.silu(gate) * up
+
+
+def rope(positions: torch.Tensor, base: float):
+    """Rotation by theta, with the cpu program's own fp32 tables (its VJP rotates by -theta)."""
+
+    def ideal(x):
+        from .cpu import rope_tables
+
+        half = x.shape[-1] // 2
+        cos_t, sin_t = rope_tables(base, x.shape[-1], int(positions.max()) + 1)
+        pos = positions.to(cos_t.device)
+        cos = cos_t[pos][:, None, :].to(x.device)
+        sin = sin_t[pos][:, None, :].to(x.device)
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    return ideal
+
+
+def attention(positions: torch.Tensor):
+    """Causal GQA of one sequence: q [T, Hq, D], k/v [S, Hkv, D], query t at ``positions[t]``."""
+
+    def ideal(q, k, v):
+        g = q.shape[1] // k.shape[1]
+        kk = k.repeat_interleave(g, dim=1).transpose(0, 1)  # [Hq, S, D]
+        vv = v.repeat_interleave(g, dim=1).transpose(0, 1)
+        s = (q.transpose(0, 1) @ kk.transpose(1, 2)) / (q.shape[-1] ** 0.5)  # [Hq, T, S]
+        keys = torch.arange(k.shape[0], device=k.device)
+        s = s.masked_fill(keys[None, None, :] > positions[None, :, None], float("-inf"))
+        return (torch.softmax(s, dim=-1) @ vv).transpose(0, 1)
+
+    return ideal
+
+
+def router_weights(ids: torch.Tensor, normalize: bool):
+    """The chosen experts' softmax weights (renormalized); the ids carry no gradient."""
+
+    def ideal(logits):
+        w = torch.gather(torch.softmax(logits, dim=-1), 1, ids)
+        return w / w.sum(-1, keepdim=True) if normalize else w
+
+    return ideal
+
+
+def moe_fold(y, w):
+    return (w[..., None] * y).sum(1)
+
+
+def lora_shrink(x, a):
+    return x @ a.T
+
+
+def lora_expand(scale: float):
+    return lambda y, t, b: y + scale * (t @ b.T)
+
+
+def log_softmax(z):
+    return torch.log_softmax(z, dim=-1)
+
+
+def identity(x):
+    return x
