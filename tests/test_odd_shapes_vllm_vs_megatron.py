@@ -73,6 +73,7 @@ def test_a_one_ulp_k_norm_in_the_trainers_copy_is_caught_at_head_dim_16(pm, odd)
         [trace.sampled(i) for i in range(trace.num_sequences)],
         [trace.sequence_logprobs(i) for i in range(trace.num_sequences)],
         contract_fingerprint=trace.contract_fingerprint,
+        contract=trace.contract,
         model_hash=model_hash(copy),
     ).save(root / "forged")
     cmp = compare(trace.logprobs, replay(pm, copy, forged))

@@ -69,6 +69,7 @@ def test_a_one_ulp_model_copy_reports_the_first_differing_decision(pm, lane):
         [original.sampled(i) for i in range(original.num_sequences)],
         [original.sequence_logprobs(i) for i in range(original.num_sequences)],
         contract_fingerprint=original.contract_fingerprint,
+        contract=original.contract,
         model_hash=dir_hash(copy),
     ).save(root / "forged")
     cmp = compare(original.logprobs, replay(pm, copy, forged))

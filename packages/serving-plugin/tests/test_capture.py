@@ -69,9 +69,11 @@ def test_capture_records_the_lane_contract_and_model_hash(captured):
     geom = qwen3.Geometry.from_model_dir(model_dir)
     ops = qwen3.default_ops(geom)
     weights = load_file(str(model_dir / "model.safetensors"))
-    qwen3.forward_logprobs(weights, geom, trace.prompt(0), ops=ops)
+    lp = qwen3.forward_logprobs(weights, geom, trace.prompt(0), ops=ops)
+    ops.sample("sample", lp[-1:], temperature=1.0, top_p=1.0, seeds=[3], positions=[1])
     assert trace.contract == ops.invoked_contract().to_json()
     assert trace.contract_fingerprint == ops.invoked_contract().fingerprint
+    assert trace.sampling.rule == ops.contract.sites["sample"].ident
     assert trace.contract_fingerprint != lane_contract(model_dir).fingerprint  # no LoRA ran
     assert trace.model_hash == dir_hash(model_dir)
     assert trace.adapter_hash is None

@@ -6,10 +6,19 @@ import pytest
 import torch
 
 from lockstep_exact import programs as P
+from lockstep_exact.contract import Contract
+from lockstep_exact.lanes.ops import Ops
 from lockstep_exact.trace import SamplingSettings, Trace
-from lockstep_megatron.replay import TokenMismatch, TokenRule
+from lockstep_megatron.replay import TokenMismatch
+from lockstep_megatron.replay import TokenRule as _TokenRule
 
 RULE = "sample.gumbel_topp@1{rounds=3}"
+# A contract whose sample site is the rule: the trainer reads its rule from its contract.
+OPS = Ops(Contract("t", "bf16", "cpu", {}, {}, {"sample": P.Program.of("sample.gumbel_topp")}))
+
+
+def TokenRule(trace):  # noqa: N802 (reads like the class under test)
+    return _TokenRule(trace, OPS)
 
 
 def _trace(sampling: SamplingSettings) -> Trace:

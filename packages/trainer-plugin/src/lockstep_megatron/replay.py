@@ -130,11 +130,9 @@ def admit_trace(
         )
 
 
-def _without_lora(c):
-    """The sites a negative control compares: not the adapter's, not the token rule's."""
-    return c.with_sites(
-        {k: p for k, p in c.sites.items() if not k.endswith(LORA_SITES) and k != "sample"}
-    )
+def _without(c, suffixes: tuple[str, ...]):
+    """``c`` without the sites whose key ends with one of ``suffixes``."""
+    return c.with_sites({k: p for k, p in c.sites.items() if not k.endswith(suffixes)})
 
 
 LORA_SITES = (".lora_shrink", ".lora_expand")
@@ -146,12 +144,15 @@ def admit_invoked(
     """The trainer's probe: one forward of the trace's first sequence, then what the trainer
     ran (its invoked contract) must be what the sampler ran, site by site. A negative control
     (an adapter other than the trace's, possibly none on one side) compares the non-LoRA sites
-    only."""
+    only, and a trace with no recorded rule is compared without the rule's ``sample`` site."""
     device = next(model.parameters()).device
     with torch.no_grad():
         rule = None if control else TokenRule(trace, model.ops(device))
         sampled_logprobs(model, sequences(trace)[:1], rule)  # the rule's site runs too
     mine = model.invoked_contract(device)
+    # Sites the trainer has no cause to run on this trace are not compared: a control's
+    # adapter sites (either side may run none) and the rule's, when no rule is checked.
+    skip = (LORA_SITES if control else ()) + (() if rule else ("sample",))
     try:
         check_invoked(lane_contract(model_dir, backend=backend), mine, "the Megatron lane")
     except ContractMismatch as err:
@@ -161,8 +162,7 @@ def admit_invoked(
     where = None
     if trace.contract is not None:
         theirs = contract_from_json(trace.contract)
-        if control:
-            mine, theirs = _without_lora(mine), _without_lora(theirs)
+        mine, theirs = _without(mine, skip), _without(theirs, skip)
         where = first_difference(mine, theirs)
         if where is None:
             return
