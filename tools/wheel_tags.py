@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
 import sys
 import tomllib
 from importlib import metadata
@@ -53,6 +54,14 @@ def _record_hash(data: bytes) -> str:
     return f"sha256={digest}"
 
 
+def _replace(path: Path, data: bytes) -> None:
+    """Write a new file and rename it over ``path``: uv installs by hard link from its cache,
+    and writing into the linked file would change the cached wheel too."""
+    tmp = path.with_name(path.name + ".lockstep-tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def fix(dist: metadata.Distribution, wheel_name: str) -> bool:
     """Rewrite ``dist``'s WHEEL tags to those of ``wheel_name``; True if anything changed."""
     files = {str(f): f for f in dist.files or ()}
@@ -67,14 +76,14 @@ def fix(dist: metadata.Distribution, wheel_name: str) -> bool:
         return False
     kept = [line for line in lines if not line.startswith("Tag:")]
     new = ("\n".join(kept + [f"Tag: {t}" for t in want]) + "\n").encode()
-    wheel_file.write_bytes(new)
+    _replace(wheel_file, new)
     record = Path(dist.locate_file(files[f"{info}/RECORD"]))
     rows = record.read_text().splitlines()
     rows = [
         f"{info}/WHEEL,{_record_hash(new)},{len(new)}" if r.startswith(f"{info}/WHEEL,") else r
         for r in rows
     ]
-    record.write_text("\n".join(rows) + "\n")
+    _replace(record, ("\n".join(rows) + "\n").encode())
     print(f"wheel_tags: {info}/WHEEL said {have}, its wheel file is {wheel_name}: now {want}")
     return True
 
