@@ -37,3 +37,37 @@ def capture(pm, model, out, adapter=None, seed=3, **options):
         )
     )
     return Trace.load(out)
+
+
+def nudged_copy(model, out, key: str, index: int = 0):
+    """A copy of the model directory with one element of weight ``key`` one bf16 ulp off."""
+    from safetensors.torch import load_file, save_file
+
+    from lockstep_exact.parity import nudge_ulp
+
+    out.mkdir()
+    for f in model.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    w = load_file(str(model / "model.safetensors"))
+    w[key] = nudge_ulp(w[key], index)
+    save_file(w, str(out / "model.safetensors"))
+    return out
+
+
+def forge(trace: Trace, out, *, sampled=None, keep_rule: bool = True, **fields):
+    """``trace`` saved again at ``out`` with some of its content replaced: other sampled tokens,
+    another model hash, ... ``keep_rule=False`` drops the sampling rule (no token check)."""
+    n = trace.num_sequences
+    return Trace.from_sequences(
+        [trace.prompt(i) for i in range(n)],
+        sampled if sampled is not None else [trace.sampled(i) for i in range(n)],
+        [trace.sequence_logprobs(i) for i in range(n)],
+        **{
+            "contract_fingerprint": trace.contract_fingerprint,
+            "contract": trace.contract,
+            "model_hash": trace.model_hash,
+            **({"sampling": trace.sampling, "engine": trace.engine} if keep_rule else {}),
+            **fields,
+        },
+    ).save(out)

@@ -9,15 +9,13 @@ block sizes that are no multiple of 32 (16, 48, 5). 8 prompts x 8 decisions each
 from __future__ import annotations
 
 import pytest
-from cross_support import capture, replay
-from safetensors.torch import load_file, save_file
+from cross_support import capture, forge, nudged_copy, replay
 
 from lockstep_exact.k3 import compare
 from lockstep_exact.model import model_hash
 from lockstep_exact.parity import nudge_ulp
 from lockstep_exact.plugins import manager
 from lockstep_exact.tiny import make_tiny
-from lockstep_exact.trace import Trace
 
 pytestmark = pytest.mark.engine
 
@@ -58,23 +56,9 @@ def test_megatron_replays_odd_shape_captures_byte_for_byte(pm, odd):
 @pytest.mark.parametrize("odd", ["hd16-moe"], indirect=True)
 def test_a_one_ulp_k_norm_in_the_trainers_copy_is_caught_at_head_dim_16(pm, odd):
     _, root, model, trace = odd
-    copy = root / "nudged"
-    copy.mkdir()
-    for f in model.iterdir():
-        if f.is_file() and f.name != "model.safetensors":
-            (copy / f.name).write_bytes(f.read_bytes())
-    w = load_file(str(model / "model.safetensors"))
     key = "model.layers.0.self_attn.k_norm.weight"  # every key the cache holds in layer 0
-    w[key] = nudge_ulp(w[key], 0)
-    save_file(w, str(copy / "model.safetensors"))
+    copy = nudged_copy(model, root / "nudged", key)
     # The sampler's bytes, admitted as if sampled from the copy: only the model differs.
-    forged = Trace.from_sequences(
-        [trace.prompt(i) for i in range(trace.num_sequences)],
-        [trace.sampled(i) for i in range(trace.num_sequences)],
-        [trace.sequence_logprobs(i) for i in range(trace.num_sequences)],
-        contract_fingerprint=trace.contract_fingerprint,
-        contract=trace.contract,
-        model_hash=model_hash(copy),
-    ).save(root / "forged")
+    forged = forge(trace, root / "forged", keep_rule=False, model_hash=model_hash(copy))
     cmp = compare(trace.logprobs, replay(pm, copy, forged))
     assert not cmp.exact and cmp.first_diff is not None and cmp.k3_max > 0.0

@@ -10,10 +10,11 @@ is refused, naming that decision.
 from __future__ import annotations
 
 import pytest
+from cross_support import forge, replay
 
 from lockstep_exact.k3 import compare
 from lockstep_exact.plugins import manager
-from lockstep_exact.requests import CaptureRequest, ReplayRequest
+from lockstep_exact.requests import CaptureRequest
 from lockstep_exact.tiny import default_prompts, make_tiny
 from lockstep_exact.trace import Trace
 
@@ -51,12 +52,6 @@ def chunked(pm, tmp_path_factory):
     return root, model, out
 
 
-def replay(pm, model, trace_dir):
-    return pm.hook.lockstep_replay(
-        request=ReplayRequest(model_dir=model, trace_dir=trace_dir, micro_batch=3)
-    ).logprobs
-
-
 def test_a_chunked_prefill_capture_records_the_rule_and_every_seed(chunked):
     _, _, trace_dir = chunked
     trace = Trace.load(trace_dir)
@@ -82,16 +77,7 @@ def test_a_trace_with_one_token_changed_is_refused_naming_the_decision(pm, chunk
     sampled = [original.sampled(i).clone() for i in range(original.num_sequences)]
     old = int(sampled[seq][step])
     sampled[seq][step] = (old + 1) % 1024
-    forged = Trace.from_sequences(
-        [original.prompt(i) for i in range(original.num_sequences)],
-        sampled,
-        [original.sequence_logprobs(i) for i in range(original.num_sequences)],
-        contract_fingerprint=original.contract_fingerprint,
-        contract=original.contract,
-        model_hash=original.model_hash,
-        sampling=original.sampling,
-        engine=original.engine,
-    ).save(root / "forged")
+    forged = forge(original, root / "forged", sampled=sampled)
     position = len(original.prompt(seq)) + step
     with pytest.raises(TokenMismatch) as err:
         replay(pm, model, forged)

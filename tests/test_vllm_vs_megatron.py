@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cross_support import capture, replay
+from cross_support import capture, forge, nudged_copy, replay
 
 from lockstep_exact.adapters import make_adapter
 from lockstep_exact.k3 import compare
@@ -50,28 +50,10 @@ def test_megatron_replays_every_vllm_decision_byte_for_byte(pm, lane):
 
 def test_a_one_ulp_model_copy_reports_the_first_differing_decision(pm, lane):
     root, model, trace_dir = lane
-    from safetensors.torch import load_file, save_file
-
-    from lockstep_exact.parity import nudge_ulp
-
-    copy = root / "nudged"
-    copy.mkdir()
-    for f in model.iterdir():
-        if f.is_file() and f.name != "model.safetensors":
-            (copy / f.name).write_bytes(f.read_bytes())
-    w = load_file(str(model / "model.safetensors"))
-    w["model.norm.weight"] = nudge_ulp(w["model.norm.weight"], 0)
-    save_file(w, str(copy / "model.safetensors"))
+    copy = nudged_copy(model, root / "nudged", "model.norm.weight")
     original = Trace.load(trace_dir)
     # The sampler's bytes, admitted as if sampled from the copy: only the model differs.
-    forged = Trace.from_sequences(
-        [original.prompt(i) for i in range(original.num_sequences)],
-        [original.sampled(i) for i in range(original.num_sequences)],
-        [original.sequence_logprobs(i) for i in range(original.num_sequences)],
-        contract_fingerprint=original.contract_fingerprint,
-        contract=original.contract,
-        model_hash=dir_hash(copy),
-    ).save(root / "forged")
+    forged = forge(original, root / "forged", keep_rule=False, model_hash=dir_hash(copy))
     cmp = compare(original.logprobs, replay(pm, copy, forged))
     assert not cmp.exact and cmp.first_diff is not None and cmp.k3_max > 0.0
 
