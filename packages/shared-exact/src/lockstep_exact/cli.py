@@ -16,14 +16,14 @@ from pathlib import Path
 
 from . import __version__
 
-QUIET_COMMANDS = ("qualify", "capture", "replay", "bisect")
+QUIET_COMMANDS = ("qualify", "capture", "replay", "bisect", "train")
 
 
 def _engine_log(args) -> Path:
     """Where a command's engine output goes: ``--log``, else in or beside its output."""
     if args.log:
         return Path(args.log)
-    if args.command == "qualify":
+    if args.command in ("qualify", "train"):
         return Path(args.out) / "engine.log"
     if args.command == "capture":  # the trace directory is written whole: the log goes beside
         return _beside(Path(args.out), ".log")
@@ -267,6 +267,45 @@ def _cmd_qualify(args) -> int:
     return 0 if rep.passed else 1
 
 
+def _cmd_train(args) -> int:
+    import time
+
+    from .plugins import manager
+    from .train_loop import GRPOConfig, TrainStopped, run_grpo
+
+    if args.algo != "grpo":
+        raise ValueError(f"--algo {args.algo}: only grpo is built so far (sft and opd are not)")
+    if args.task != "toy":
+        raise ValueError(f"--task {args.task}: only the built-in toy task exists so far")
+    config = GRPOConfig(
+        steps=args.steps,
+        group=args.group,
+        prompts=args.prompts,
+        decisions=args.decisions,
+        lr=args.lr,
+        seed=args.seed,
+    )
+    config.check()  # before any engine starts
+    out = Path(args.out)
+    t0 = time.perf_counter()
+    stopped = None
+    with _engines(args) as console:
+
+        def say(msg: str) -> None:
+            console.say(f"[{time.perf_counter() - t0:7.1f}s] {msg}")
+
+        try:
+            run_grpo(manager(), Path(args.model), out, config, progress=say)
+        except TrainStopped as err:
+            stopped = err
+    print(f"metrics: {out / 'metrics.jsonl'}")
+    print(f"engine log: {args.engine_log}")
+    if stopped is not None:
+        print(f"lockstep train: STOPPED: {stopped}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _cmd_bisect(args) -> int:
     from .bisect import bisect
     from .plugins import manager
@@ -355,6 +394,19 @@ def build_parser() -> argparse.ArgumentParser:
     qual.add_argument("--out", default="lockstep-qualify", help="report and traces go here")
     qual.add_argument("--sampler-model", help="debugging: the sampler reads this copy of --model")
     qual.set_defaults(func=_cmd_qualify)
+
+    tr = sub.add_parser("train", help="GRPO on a LoRA adapter, byte-exact replay at every step")
+    tr.add_argument("--model", required=True)
+    tr.add_argument("--algo", choices=("grpo", "sft", "opd"), default="grpo")
+    tr.add_argument("--task", default="toy", help="the reward: the built-in toy task")
+    tr.add_argument("--steps", type=int, default=10)
+    tr.add_argument("--group", type=int, default=4, help="completions per prompt")
+    tr.add_argument("--prompts", type=int, default=4, help="how many built-in prompts")
+    tr.add_argument("--decisions", type=int, default=8, help="sampled tokens per completion")
+    tr.add_argument("--lr", type=float, default=2e-2)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--out", default="lockstep-train", help="metrics, traces and adapters")
+    tr.set_defaults(func=_cmd_train)
 
     bis = sub.add_parser("bisect", help="name the first op site whose bytes differ")
     bis.add_argument("--model", required=True)
