@@ -154,3 +154,17 @@ def test_qualify_refuses_a_damaged_adapter_by_name(tmp_path, capsys, damage):
     gate = json.loads((tmp_path / "q" / "report.json").read_text())["gates"][0]
     assert not gate["passed"] and expected in gate["error"], gate["error"]
     assert "NOT QUALIFIED" in capsys.readouterr().out
+
+
+def test_the_ladders_adapters_have_a_rank_an_odd_top_k_divides(tmp_path):
+    from lockstep_exact.adapters import load_adapter, make_adapter
+    from lockstep_exact.model import ModelDir
+    from lockstep_exact.plugins import manager
+    from lockstep_exact.qualify import Ladder
+
+    moe = make_tiny(tmp_path / "m", arch="qwen3-moe", hidden=64, vocab=300, experts=4, topk=3)
+    ladder = Ladder(manager(), moe, tmp_path / "q")
+    assert ladder.rank == 9  # rank 8 raised to a multiple of 3: each expert gets rank 3
+    a = make_adapter(moe, tmp_path / "A", rank=ladder.rank, seed=2)  # refused at rank 8
+    assert load_adapter(a, ModelDir(moe)).rank == 9
+    assert Ladder(manager(), _tiny(tmp_path), tmp_path / "q2").rank == 8

@@ -119,3 +119,53 @@ def test_capture_with_an_adapter_records_its_hash_and_the_adapted_bytes(tiny_mod
         ref = qwen3.forward_logprobs(weights, geom, seq, adapters=adapter.modules)
         want += [ref[len(prompt) - 1 + j, int(t)] for j, t in enumerate(sampled)]
     assert_same_bytes_and_control(torch.stack(want), trace.logprobs, "adapted trace vs reference")
+
+
+def test_the_default_max_model_len_stays_within_the_models_positions(tiny_models, tmp_path):
+    import json
+    import shutil
+
+    from lockstep_exact.model import ModelDir
+    from lockstep_serving.capture import _default_max_model_len
+
+    short = tmp_path / "short"
+    shutil.copytree(tiny_models["qwen3"], short)
+    cfg = json.loads((short / "config.json").read_text())
+    assert _default_max_model_len(ModelDir(short)) == min(2048, cfg["max_position_embeddings"])
+    cfg["max_position_embeddings"] = 512  # what transformers' configs of small models often say
+    (short / "config.json").write_text(json.dumps(cfg))
+    assert _default_max_model_len(ModelDir(short)) == 512
+
+
+@pytest.mark.engine
+def test_a_model_with_512_positions_captures(tiny_models, tmp_path):
+    import json
+    import shutil
+
+    short = tmp_path / "short"
+    shutil.copytree(tiny_models["qwen3"], short)
+    cfg = json.loads((short / "config.json").read_text())
+    cfg["max_position_embeddings"] = 512  # vLLM refused this under a fixed max_model_len 2048
+    (short / "config.json").write_text(json.dumps(cfg))
+    request = CaptureRequest(
+        model_dir=short, prompts=tuple(default_prompts(2)), decisions=3, out_dir=None, seed=1
+    )
+    assert _hook().lockstep_capture(request=request).num_decisions == 2 * 3
+
+
+def test_a_model_without_a_tokenizer_is_refused_before_the_engine_starts(tiny_models, tmp_path):
+    import shutil
+
+    from lockstep_serving.patches import LaneRefused
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_models["qwen3"], bare)
+    for f in bare.glob("*token*"):
+        f.unlink()
+    request = CaptureRequest(
+        model_dir=bare, prompts=tuple(default_prompts(1)), decisions=1, out_dir=None, seed=1
+    )
+    with pytest.raises(
+        LaneRefused, match=r"bare has no tokenizer \(tokenizer.json, tokenizer.model, vocab.json\)"
+    ):
+        _hook().lockstep_capture(request=request)

@@ -380,3 +380,14 @@ def test_a_malformed_adapter_config_is_refused(moe, tmp_path, config, message):
     bad = _foreign(tmp_path / "bad", tensors, **config)
     with pytest.raises(AdapterError, match=message):
         load_adapter(bad, moe[1])
+
+
+def test_a_peft_adapter_of_a_base_model_of_other_shapes_is_refused(dense, tmp_path):
+    wide = make_tiny(tmp_path / "wide", arch="qwen3", hidden=96, heads=6, head_dim=16, vocab=300)
+    ad = peft_adapter(wide, tmp_path / "p", r=3, lora_alpha=5, target_modules=["q_proj"])
+    with pytest.raises(
+        AdapterError,
+        match=r"self_attn\.q_proj: factors \(3, 96\)/.*, expected \(3, 64\)/.*: the "
+        "adapter was made for a base model of other shapes",
+    ):
+        load_adapter(ad, ModelDir(dense[0]))

@@ -99,3 +99,25 @@ def test_replay_of_a_trace_without_decisions_exits_2_naming_it(tmp_path, capsys)
         f"lockstep replay: error: {path}: the trace has no decisions (no sampled tokens): "
         "there is nothing to replay" in captured.err
     )
+
+
+@pytest.mark.parametrize("index", ["1", "-1"])
+def test_bisect_of_a_decision_the_trace_lacks_exits_2_naming_the_range(tmp_path, capsys, index):
+    import torch
+
+    from lockstep_exact.trace import Trace
+
+    one = Trace.from_sequences(
+        [[1, 2]],
+        [[3]],
+        [torch.tensor([-0.5], dtype=torch.float32)],
+        contract_fingerprint="c" * 64,
+        model_hash="m" * 64,
+    )
+    path = one.save(tmp_path / "trace")
+    argv = ["bisect", "--model", str(tmp_path), "--trace", str(path), "--decision", index]
+    assert main(argv) == 2
+    assert (
+        f"lockstep bisect: error: the trace has 1 decisions; no decision {index} "
+        "(choose --decision from 0 to 0)" in capsys.readouterr().err
+    )

@@ -62,3 +62,55 @@ def test_a_directory_without_config_or_with_bad_json_is_refused(tmp_path):
     (tmp_path / "config.json").write_text("{")
     with pytest.raises(UnsupportedModel, match="config.json is not valid JSON"):
         ModelDir(tmp_path)
+
+
+def test_a_tokenizer_with_ids_past_the_vocab_size_is_refused(tiny, tmp_path):
+    other = copy(tiny, tmp_path / "other")
+    cfg = json.loads((other / "config.json").read_text())
+    tok = json.loads((other / "tokenizer.json").read_text())
+    top = max(tok["model"]["vocab"].values())
+    cfg["vocab_size"] = top  # one short: the tokenizer's last id has no embedding row
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        UnsupportedModel,
+        match=f"has token id {top} but config.json vocab_size is {top}: the tokenizer belongs "
+        "to another model",
+    ):
+        ModelDir(other)
+    cfg["vocab_size"] = top + 1
+    (other / "config.json").write_text(json.dumps(cfg))
+    assert ModelDir(other).config["vocab_size"] == top + 1
+
+
+def test_a_truncated_or_damaged_weight_file_is_refused(tiny, tmp_path):
+    import os
+
+    cut = copy(tiny, tmp_path / "cut")
+    weights = cut / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size - 100)
+    with pytest.raises(
+        UnsupportedModel, match="model.safetensors cannot be read: corrupted or trunc"
+    ):
+        ModelDir(cut)
+    damaged = copy(tiny, tmp_path / "damaged")
+    data = bytearray((damaged / "model.safetensors").read_bytes())
+    data[10:20] = b"\xff" * 10  # inside the JSON header
+    (damaged / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(UnsupportedModel, match="cannot be read: corrupted or truncated"):
+        ModelDir(damaged)
+
+
+@pytest.mark.parametrize(("dtype", "name"), [("float32", "F32"), ("float16", "F16")])
+def test_weights_other_than_bf16_are_refused(tiny, tmp_path, dtype, name):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    other = copy(tiny, tmp_path / "other")
+    weights = load_file(str(other / "model.safetensors"))
+    save_file(
+        {k: v.to(getattr(torch, dtype)) for k, v in weights.items()}, other / "model.safetensors"
+    )
+    with pytest.raises(
+        UnsupportedModel, match=rf"is {name} \(\d+ tensor\(s\) not bf16\); the exact"
+    ):
+        ModelDir(other)

@@ -167,3 +167,22 @@ def test_a_trace_whose_sampler_ran_another_program_is_refused_naming_the_site(
     ).save(tmp_path / "trace")
     with pytest.raises(AdmissionError, match=r"block=64.*'layers\.\*\.self_attn\.core'"):
         replay(dense_dir, forged)
+
+
+@pytest.mark.parametrize("field", ["prompt_tokens", "sampled_tokens"])
+def test_replay_refuses_a_token_id_past_the_vocabulary(dense_dir, dense_trace, tmp_path, field):
+    import dataclasses
+
+    from lockstep_exact.lanes.qwen3 import Geometry
+
+    original = Trace.load(dense_trace)
+    vocab = Geometry.from_model_dir(dense_dir).vocab
+    ids = getattr(original, field).clone()
+    ids[1] = vocab  # a consistent, hashed trace with an id the embedding has no row for
+    forged = dataclasses.replace(original, **{field: ids}).save(tmp_path / "trace")
+    with pytest.raises(
+        AdmissionError,
+        match=rf"{field}\[1\] = {vocab} is past the model's vocabulary \({vocab} ids\): the "
+        "trace was edited or made for another model",
+    ):
+        replay(dense_dir, forged)

@@ -10,13 +10,32 @@ from __future__ import annotations
 
 import os
 
-from lockstep_exact.model import model_hash
+from lockstep_exact.model import ModelDir, model_hash
 from lockstep_exact.trace import SamplingSettings, Trace
 
 from . import __version__
 from .lora import adapter_hash
 from .offline import engine_args, invoked_contract, lane_fingerprint, sampled_logprobs
 from .patches import LaneRefused
+
+TOKENIZERS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one of them
+
+
+def _default_max_model_len(model: ModelDir) -> int:
+    """2048 tokens, or fewer where the model's ``max_position_embeddings`` says so (vLLM refuses
+    a longer ``max_model_len`` than the config allows)."""
+    limit = model.config.get("max_position_embeddings")
+    return min(2048, int(limit)) if isinstance(limit, int) and limit > 0 else 2048
+
+
+def _check_tokenizer(model: ModelDir) -> None:
+    """A capture turns prompt texts into token ids: refuse a model directory without a
+    tokenizer rather than let the engine guess one."""
+    if not any((model.path / f).is_file() for f in TOKENIZERS):
+        raise LaneRefused(
+            f"{model.path} has no tokenizer ({', '.join(TOKENIZERS)}): copy the "
+            "tokenizer files the model was trained with next to its config.json"
+        )
 
 
 def capture(request) -> Trace:
@@ -25,13 +44,15 @@ def capture(request) -> Trace:
     # The offline capture runs the engine core in this process unless the caller chose otherwise.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    model = ModelDir(request.model_dir)  # refuses, naming it, what the lane cannot run
+    _check_tokenizer(model)
     import vllm
     from vllm import LLM, SamplingParams
 
     options = dict(request.options)
     temperature = float(request.temperature)
     top_p = float(request.top_p)
-    options.setdefault("max_model_len", 2048)
+    options.setdefault("max_model_len", _default_max_model_len(model))
     options.setdefault("use_tqdm_on_load", False)  # one engine per capture: keep output short
     # Chunked prefill is the caller's choice: the lane's sampler never rewinds a generator.
     options.setdefault("max_num_batched_tokens", options["max_model_len"])

@@ -507,7 +507,8 @@ def load_adapter(
         if a.shape != (r, n_in) or b.shape != (n_out, r):
             raise AdapterError(
                 f"{name}: factors {tuple(a.shape)}/{tuple(b.shape)}, expected "
-                f"({r}, {n_in})/({n_out}, {r})"
+                f"({r}, {n_in})/({n_out}, {r}): the adapter was made for a base model of "
+                "other shapes"
             )
         a_m = float(_pattern_value(alpha_pattern, key, alpha))
         modules[name + ".weight"] = (a, b, a_m / r)

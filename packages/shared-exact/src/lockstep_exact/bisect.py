@@ -66,7 +66,10 @@ def decision_tokens(trace, index: int) -> tuple[tuple[int, ...], int]:
             sampled = trace.sampled(d.seq_index).tolist()
             context = prompt + sampled[: d.step]
             return tuple(context), len(context) - 1
-    raise IndexError(f"the trace has {trace.num_decisions} decisions; no decision {index}")
+    raise ValueError(
+        f"the trace has {trace.num_decisions} decisions; no decision {index} "
+        f"(choose --decision from 0 to {trace.num_decisions - 1})"
+    )
 
 
 def bisect(

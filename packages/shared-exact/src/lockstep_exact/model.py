@@ -36,6 +36,49 @@ def model_hash(path: str | os.PathLike[str]) -> str:
     return dir_sha256(path, MODEL_PATTERNS)
 
 
+def _check_tokenizer_ids(path: Path, config: dict[str, Any]) -> None:
+    """Refuse a ``tokenizer.json`` whose token ids reach past the model's ``vocab_size``: the
+    engines would index the embedding out of bounds on the first such prompt token."""
+    tok_path = path / "tokenizer.json"
+    vocab_size = config.get("vocab_size")
+    if not tok_path.is_file() or not isinstance(vocab_size, int):
+        return
+    try:
+        tok = json.loads(tok_path.read_text())
+    except json.JSONDecodeError as err:
+        raise UnsupportedModel(f"{tok_path} is not valid JSON ({err})") from err
+    vocab = (tok.get("model") or {}).get("vocab")
+    ids = list(vocab.values()) if isinstance(vocab, dict) else []
+    ids += [t["id"] for t in tok.get("added_tokens") or () if isinstance(t.get("id"), int)]
+    ids = [i for i in ids if isinstance(i, int)]
+    if ids and max(ids) >= vocab_size:
+        raise UnsupportedModel(
+            f"{tok_path} has token id {max(ids)} but config.json vocab_size is {vocab_size}: "
+            "the tokenizer belongs to another model; use the tokenizer the model was made with"
+        )
+
+
+def _check_weight_files(path: Path) -> None:
+    """Refuse a ``*.safetensors`` file that cannot be read (truncated, damaged header) or that
+    holds floating-point tensors other than bf16; only the headers are read."""
+    from safetensors import safe_open
+
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                dtypes = {k: st.get_slice(k).get_dtype() for k in st.keys()}  # noqa: SIM118
+        except Exception as err:  # safetensors raises several types for damaged files
+            raise UnsupportedModel(
+                f"{f} cannot be read: corrupted or truncated ({err}); copy the weights again"
+            ) from err
+        bad = sorted(k for k, d in dtypes.items() if d.startswith("F"))  # BF16 passes
+        if bad:
+            raise UnsupportedModel(
+                f"{f}: {bad[0]} is {dtypes[bad[0]]} ({len(bad)} tensor(s) not bf16); the exact "
+                "lane runs bf16 weights: save the model with torch_dtype=bfloat16"
+            )
+
+
 class ModelDir:
     """An HF model directory the exact lane runs; raises ``UnsupportedModel`` otherwise.
 
@@ -54,6 +97,8 @@ class ModelDir:
         except json.JSONDecodeError as err:
             raise UnsupportedModel(f"{cfg_path} is not valid JSON ({err})") from err
         self.geometry = Geometry.from_hf_config(self.config)
+        _check_tokenizer_ids(self.path, self.config)
+        _check_weight_files(self.path)
 
     @classmethod
     def of(cls, model: str | os.PathLike[str] | ModelDir) -> ModelDir:

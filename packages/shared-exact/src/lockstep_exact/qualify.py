@@ -85,7 +85,7 @@ class Ladder:
         adapter_dir: Path | None = None,
         prompts: tuple[str, ...] | None = None,
         progress: Callable[[str], None] = print,
-        rank: int = 8,
+        rank: int | None = None,
         sampler_model: Path | None = None,
     ):
         self.pm = pm
@@ -97,9 +97,12 @@ class Ladder:
         self.user_adapter = Path(adapter_dir) if adapter_dir else None
         self.prompts = tuple(prompts or default_prompts(8))
         self.say = progress
-        self.rank = rank
         self.model_dir = ModelDir(self.model)
         self.geom = self.model_dir.geometry
+        # The ladder's adapters: rank 8, raised to a multiple of top-k for an MoE (grouped
+        # expert LoRA gives each routed expert rank r // topk).
+        topk = self.geom.topk if self.geom.is_moe else 1
+        self.rank = rank if rank is not None else 8 + (-8) % topk
         self.contract = self.model_dir.contract()
         self._capture = require_hook(pm, "lockstep_capture", "sampler", "lockstep-serving")
         self._replay = require_hook(pm, "lockstep_replay", "trainer", "lockstep-megatron")

@@ -122,6 +122,15 @@ def admit_trace(
             f"model hash: the trace was sampled from {trace.model_hash}, "
             f"{model_dir} hashes to {model_hash}"
         )
+    vocab = int(declared.geometry["vocab"])
+    for name in ("prompt_tokens", "sampled_tokens"):
+        ids = getattr(trace, name)
+        if ids.numel() and int(ids.max()) >= vocab:
+            i = int(ids.argmax())
+            raise AdmissionError(
+                f"{name}[{i}] = {int(ids[i])} is past the model's vocabulary ({vocab} ids): "
+                "the trace was edited or made for another model; capture it again"
+            )
     adapter_hash = export.adapter_hash(adapter_dir, model_dir) if adapter_dir else None
     if not control and trace.adapter_hash != adapter_hash:
         raise AdmissionError(
