@@ -35,7 +35,7 @@ def peft_tensors(model: LockstepGPT) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_peft(model: LockstepGPT, out_dir: str | Path, model_dir: str | Path) -> Path:
+def export_peft(model: LockstepGPT, out_dir: str | Path, model_dir: str | Path | ModelDir) -> Path:
     """Write the trained adapter, bound to ``model_dir``'s model hash and contract."""
     cfg = model.lora_config
     base = ModelDir.of(model_dir)
@@ -58,11 +58,11 @@ def read_adapter(adapter_dir: str | Path, model_dir: str | Path | ModelDir) -> A
     return load_adapter(adapter_dir, base, contract=base.contract().fingerprint)
 
 
-def adapter_hash(adapter_dir: str | Path, model_dir: str | Path) -> str:
+def adapter_hash(adapter_dir: str | Path, model_dir: str | Path | ModelDir) -> str:
     return read_adapter(adapter_dir, model_dir).sha256
 
 
-def load_into(model: LockstepGPT, adapter_dir: str | Path, model_dir: str | Path) -> str:
+def load_into(model: LockstepGPT, adapter_dir: str | Path, model_dir: str | Path | ModelDir) -> str:
     """Attach the adapter in ``adapter_dir`` to ``model`` (fp32 masters holding the bf16
     values exactly); returns the adapter hash."""
     adapter = read_adapter(adapter_dir, model_dir)

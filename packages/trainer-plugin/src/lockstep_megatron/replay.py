@@ -19,10 +19,9 @@ from lockstep_exact.contract import (
     ContractMismatch,
     contract_from_json,
     first_difference,
-    lane_contract,
 )
 from lockstep_exact.lanes.ops import check_invoked
-from lockstep_exact.model import model_hash as model_dir_hash
+from lockstep_exact.model import ModelDir
 from lockstep_exact.trace import Trace
 
 from . import export
@@ -95,7 +94,7 @@ class TokenRule:
 
 def admit_trace(
     trace: Trace,
-    model_dir: Path,
+    model_dir: Path | ModelDir,
     adapter_dir: Path | None,
     backend: str = "cpu",
     control: bool = False,
@@ -105,8 +104,10 @@ def admit_trace(
 
     The contract check here is against what this lane declares: every site the sampler ran
     must be a site of this lane running the same program. What the trainer itself runs is
-    compared after its probe forward (``admit_invoked``)."""
-    declared = lane_contract(model_dir, backend=backend)
+    compared after its probe forward (``admit_invoked``). ``model_dir`` may be a parsed
+    ``ModelDir``: its model hash (the weights read in full) is then computed once per job."""
+    base = ModelDir.of(model_dir)
+    declared = base.contract(backend)
     if trace.contract is not None:
         sampler = contract_from_json(trace.contract)
         where = first_difference(declared.with_sites(sampler.sites), sampler)
@@ -116,11 +117,10 @@ def admit_trace(
             check_invoked(declared, sampler, "the sampler")
         except ContractMismatch as err:
             raise AdmissionError(f"contract fingerprint: {err}") from err
-    model_hash = model_dir_hash(model_dir)
-    if trace.model_hash != model_hash:
+    if trace.model_hash != base.model_hash:
         raise AdmissionError(
             f"model hash: the trace was sampled from {trace.model_hash}, "
-            f"{model_dir} hashes to {model_hash}"
+            f"{base.path} hashes to {base.model_hash}"
         )
     vocab = int(declared.geometry["vocab"])
     for name in ("prompt_tokens", "sampled_tokens"):
@@ -131,7 +131,7 @@ def admit_trace(
                 f"{name}[{i}] = {int(ids[i])} is past the model's vocabulary ({vocab} ids): "
                 "the trace was edited or made for another model; capture it again"
             )
-    adapter_hash = export.adapter_hash(adapter_dir, model_dir) if adapter_dir else None
+    adapter_hash = export.adapter_hash(adapter_dir, base) if adapter_dir else None
     if not control and trace.adapter_hash != adapter_hash:
         raise AdmissionError(
             f"adapter hash: the trace was sampled with adapter {trace.adapter_hash}, "
@@ -148,7 +148,11 @@ LORA_SITES = (".lora_shrink", ".lora_expand")
 
 
 def admit_invoked(
-    trace: Trace, model: LockstepGPT, model_dir: Path, backend: str, control: bool = False
+    trace: Trace,
+    model: LockstepGPT,
+    model_dir: Path | ModelDir,
+    backend: str,
+    control: bool = False,
 ) -> None:
     """The trainer's probe: one forward of the trace's first sequence, then what the trainer
     ran (its invoked contract) must be what the sampler ran, site by site. A negative control
@@ -163,7 +167,7 @@ def admit_invoked(
     # adapter sites (either side may run none) and the rule's, when no rule is checked.
     skip = (LORA_SITES if control else ()) + (() if rule else ("sample",))
     try:
-        check_invoked(lane_contract(model_dir, backend=backend), mine, "the Megatron lane")
+        check_invoked(ModelDir.of(model_dir).contract(backend), mine, "the Megatron lane")
     except ContractMismatch as err:
         raise AdmissionError(f"contract fingerprint: {err}") from err
     if mine.fingerprint == trace.contract_fingerprint:
@@ -251,11 +255,12 @@ def replay(
         raise NotImplementedError(f"the Megatron exact lane runs on cpu here, not {backend!r}")
     trace = Trace.load(trace_dir)
     adapter = Path(adapter_dir) if adapter_dir else None
-    admit_trace(trace, Path(model_dir), adapter, backend, control)
+    base = ModelDir(model_dir)  # parsed and hashed once for every check below
+    admit_trace(trace, base, adapter, backend, control)
     t0 = time.perf_counter()
-    model = build(model_dir).eval()
+    model = build(base.path).eval()
     if adapter_dir is not None:
-        export.load_into(model, adapter_dir, model_dir)
-    admit_invoked(trace, model, Path(model_dir), backend, control)
+        export.load_into(model, adapter_dir, base)
+    admit_invoked(trace, model, base, backend, control)
     lps = score(model, trace, micro_batch, control)
     return lps, time.perf_counter() - t0

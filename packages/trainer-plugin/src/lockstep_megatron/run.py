@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lockstep_exact.model import ModelDir
 from lockstep_exact.requests import TrainRequest, TrainResult
 from lockstep_exact.trace import Trace
 
@@ -24,11 +25,11 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def train(request: TrainRequest) -> TrainResult:
-    model_dir = Path(request.model_dir)
+    model_dir = ModelDir(request.model_dir)  # parsed and hashed once for every check below
     adapter_in = Path(request.adapter_in) if request.adapter_in else None
     trace = Trace.load(request.trace_dir)
     admit_trace(trace, model_dir, adapter_in, request.backend)
-    model = build(model_dir)
+    model = build(model_dir.path)
     if adapter_in is not None:
         export.load_into(model, adapter_in, model_dir)
     admit_invoked(trace, model, model_dir, request.backend)  # before any backward pass
