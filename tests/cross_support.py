@@ -71,3 +71,24 @@ def forge(trace: Trace, out, *, sampled=None, keep_rule: bool = True, **fields):
             **fields,
         },
     ).save(out)
+
+
+def merged_model(model, adapter, out):
+    """A copy of the model directory with the adapter's deltas merged into its bf16 weights
+    (``W + scale * B @ A`` in fp32, rounded once): a teacher that is the base model fine-tuned,
+    as another model directory."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from lockstep_exact.adapters import load_adapter
+    from lockstep_exact.model import ModelDir
+
+    out.mkdir()
+    for f in model.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    w = load_file(str(model / "model.safetensors"))
+    for key, (a, b, scale) in load_adapter(adapter, ModelDir(model)).modules.items():
+        w[key] = (w[key].float() + scale * (b.float() @ a.float())).to(torch.bfloat16)
+    save_file(w, str(out / "model.safetensors"))
+    return out

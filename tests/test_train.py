@@ -1,47 +1,103 @@
-"""`lockstep train` (GRPO, toy task): every step's decisions replay byte-equal in the trainer,
-a one-ulp difference stops the run before any update, and the policy learns the task."""
+"""``lockstep train`` with the real engines: one long-lived vLLM engine and one Megatron model.
+
+Every step's decisions replay byte-equal in the trainer before any update; a one-ulp
+difference stops the run (bisect runs, the last checkpoint stays intact); GRPO learns the toy
+task (an inverted reward drives it the other way); on-policy distillation learns from a
+teacher that is the base model fine-tuned; SFT, GRPO and OPD chain on one adapter; a resumed
+run is byte-identical to an uninterrupted one; bad settings are refused before any engine.
+"""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
+import torch
+from cross_support import merged_model
 
 from lockstep_exact import hookimpl
 from lockstep_exact.cli import main
+from lockstep_exact.hashing import sha256_file
 from lockstep_exact.parity import nudge_ulp
 from lockstep_exact.plugins import manager
-from lockstep_exact.requests import ReplayResult
+from lockstep_exact.rewards import ToyTask
 from lockstep_exact.tiny import make_tiny
+from lockstep_exact.trace import Trace
 from lockstep_exact.train_loop import (
-    GRPOConfig,
-    ToyTask,
+    TrainConfig,
+    TrainSetupError,
     TrainStopped,
-    group_advantages,
-    run_grpo,
+    load_checkpoint,
+    run_train,
 )
 
 
-def test_group_advantages_normalize_within_each_group():
-    adv = group_advantages([0.0, 1.0, 0.5, 0.5], 2)
-    assert adv == [-1.0, 1.0, 0.0, 0.0]  # the second group's rewards are equal: no signal
+class Quiet:
+    """A progress sink that keeps the lines (the default prints them)."""
+
+    def __init__(self):
+        self.lines = []
+
+    def say(self, message):
+        self.lines.append(message)
+
+    def start(self, total, done):
+        self.lines.append(f"start {done}/{total}")
+
+    def step(self, row, total):
+        self.lines.append(f"step {row['step']}/{total}")
+
+    def close(self):
+        pass
 
 
-def test_toy_task_rewards_the_target_block():
-    import torch
+def _rows(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
-    task = ToyTask(vocab=1024)
-    assert task.reward(torch.tensor([0, 255, 256, 1023])) == 0.5
+
+def _means(rows, k, key="reward_mean"):
+    first = sum(r[key] for r in rows[:k]) / k
+    last = sum(r[key] for r in rows[-k:]) / k
+    return first, last
+
+
+def _exact_every_step(rows):
+    for r in rows:
+        assert r["decisions"] == r["equal"] > 0 and r["k3_max"] == 0.0, r
+
+
+@pytest.fixture(scope="module")
+def tiny_dense(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "qwen3", arch="qwen3", seed=0)
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tiny_dense, tmp_path_factory):
+    """Ten GRPO steps on the toy task (the learning test reads them; OPD's teacher is made
+    from one of their adapters)."""
+    out = tmp_path_factory.mktemp("grpo") / "run"
+    progress = Quiet()
+    rows = run_train(manager(), tiny_dense, out, TrainConfig(steps=10), progress=progress)
+    return out, rows, progress
+
+
+# ----------------------------------------------------------------------------- refusals
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--algo", "sft"], "--algo sft: only grpo is built so far"),
-        (["--task", "gsm8k"], "--task gsm8k: only the built-in toy task exists so far"),
-        (["--group", "1"], "--group must be an int >= 2"),
+        (["--algo", "ppo"], "--algo 'ppo': choose one of ('grpo', 'opd', 'sft')"),
+        (["--group", "1"], "--group must be an int >= 2 for grpo"),
         (["--steps", "0"], "--steps must be an int >= 1"),
         (["--lr", "0"], "--lr must be > 0"),
+        (["--clip", "1.5"], "--clip must be in (0, 1)"),
+        (["--algo", "opd"], "--algo opd needs --teacher DIR"),
+        (["--algo", "sft"], "--algo sft needs --data FILE"),
+        (["--teacher", "x"], "--teacher is for --algo opd, not grpo"),
+        (["--task", "gsm8k"], "--task 'gsm8k': the built-in task is 'toy'"),
+        (["--prompts", "9"], "--prompts must be in [1, 8] with the built-in prompts"),
     ],
 )
 def test_train_refuses_bad_settings_before_any_engine(tmp_path, capsys, argv, message):
@@ -51,68 +107,415 @@ def test_train_refuses_bad_settings_before_any_engine(tmp_path, capsys, argv, me
     assert not (tmp_path / "o").exists()
 
 
-class _OneUlpOff:
-    """A trainer-side wrapper that moves one replayed log-probability by one ulp."""
-
-    @hookimpl(wrapper=True)
-    def lockstep_replay(self, request):
-        result = yield
-        return ReplayResult(
-            logprobs=nudge_ulp(result.logprobs, 3), engine=result.engine, seconds=result.seconds
-        )
+def _refused(tmp_path, model, capsys, *argv):
+    rc = main(["train", "--model", str(model), "--out", str(tmp_path / "o"), *argv])
+    assert rc == 2
+    return capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def tiny_dense(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("tiny") / "qwen3", arch="qwen3", seed=0)
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--reward", "nocolon"], "expected MODULE:FUNCTION"),
+        (["--reward", "lockstep_missing_mod:f"], "cannot import module 'lockstep_missing_mod'"),
+        (["--reward", "json:nothing"], "module 'json'"),
+        (["--reward", "hook"], "no installed plugin implements lockstep_reward"),
+        (["--data", "/no/such.jsonl"], "--data /no/such.jsonl: no such file"),
+    ],
+)
+def test_train_refuses_a_reward_or_data_it_cannot_use(tiny_dense, tmp_path, capsys, argv, message):
+    assert message in _refused(tmp_path, tiny_dense, capsys, *argv)
+    assert not (tmp_path / "o" / "run.json").exists()  # only the engine log is there
+
+
+def test_train_names_the_bad_line_of_a_data_file(tiny_dense, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "c"}\n')
+    err = _refused(tmp_path, tiny_dense, capsys, "--algo", "sft", "--data", str(data))
+    assert "line 2: 'completion' must be a non-empty string" in err
+
+
+def test_a_teacher_with_another_tokenizer_is_refused(tiny_dense, tmp_path, capsys):
+    other = make_tiny(tmp_path / "t", arch="qwen3", vocab=1280)
+    err = _refused(tmp_path, tiny_dense, capsys, "--algo", "opd", "--teacher", str(other))
+    assert f"--teacher {other} has another tokenizer" in err
+    assert "vocabulary 1280 vs 1024 ids" in err
+
+
+def test_resume_needs_a_run_and_a_run_is_never_overwritten(tiny_dense, tmp_path, capsys):
+    err = _refused(tmp_path, tiny_dense, capsys, "--resume")
+    assert "holds no run (no run.json)" in err
+    (tmp_path / "o").mkdir(exist_ok=True)  # the refused run's engine log may be there
+    (tmp_path / "o" / "run.json").write_text("{}")
+    err = _refused(tmp_path, tiny_dense, capsys)
+    assert "already holds a run (run.json); continue it with --resume" in err
+    assert (tmp_path / "o" / "run.json").read_text() == "{}"
+
+
+# ----------------------------------------------------------------------------- GRPO
 
 
 @pytest.mark.engine
-def test_one_ulp_in_a_replay_stops_the_run_before_any_update(tiny_dense, tmp_path):
-    pm = manager()
-    pm.register(_OneUlpOff())
-    with pytest.raises(TrainStopped, match="decision 3 is not byte-equal") as err:
-        run_grpo(pm, tiny_dense, tmp_path, GRPOConfig(steps=2, group=2, prompts=2, decisions=4))
-    assert "no update was made, the last adapter is none" in str(err.value)
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 1 and rows[0]["equal"] == rows[0]["decisions"] - 1 == 15
-    assert not (tmp_path / "adapters").exists()
-
-
-def _means(rows, k):
-    first = sum(r["reward_mean"] for r in rows[:k]) / k
-    last = sum(r["reward_mean"] for r in rows[-k:]) / k
-    return first, last
-
-
-@pytest.mark.engine
-def test_grpo_on_the_toy_task_is_exact_at_every_step_and_learns(tiny_dense, tmp_path, capsys):
-    steps = 10
-    rc = main(["train", "--model", str(tiny_dense), "--steps", str(steps), "--out", str(tmp_path)])
-    assert rc == 0
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    for r in rows:
-        assert r["decisions"] == r["equal"] == 4 * 4 * 8 and r["k3_max"] == 0.0
+def test_grpo_on_the_toy_task_is_exact_at_every_step_and_learns(grpo_run):
+    out, rows, progress = grpo_run
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    _exact_every_step(rows)
+    assert all(r["decisions"] == 4 * 4 * 8 for r in rows)
     first, last = _means(rows, 3)
     assert first < 0.5 and last > first + 0.4, (first, last)  # starts near 1/4 (random)
-    out = capsys.readouterr().out
-    assert f"step {steps}/{steps}" in out and "engine log:" in out
+    # One engine for the run; each step's adapter hot-loaded under a new id.
+    assert {r["engine_starts"] for r in rows} == {1}
+    assert [r["adapter_id"] for r in rows] == list(range(1, 11))
+    assert [r["adapter_in"] for r in rows] == [f"adapters/step-{k:04d}" for k in range(10)]
+    for r in rows:  # every trace records the adapter the trainer exported before its step
+        trace = Trace.load(out / r["trace"])
+        meta = json.loads((out / r["adapter_in"] / "adapter_config.json").read_text())
+        assert trace.adapter_hash and meta  # admitted by the trainer: same hash
+    assert _rows(out) == rows
+    report = (out / "report.html").read_text()
+    assert "exact at every step" in report and report.count("<svg") == 2
+    assert progress.lines[-1] == "step 10/10"
+    load_checkpoint(out / "checkpoints" / "step-0010")  # intact
 
 
 @pytest.mark.engine
 def test_control_the_inverted_reward_drives_the_target_share_down(tiny_dense, tmp_path):
-    """The same run rewarding the complement of the target block: the block's share falls,
-    so the rise above comes from the advantages' sign, not from drift of any update."""
+    """Rewarding the complement of the target block: the block's share falls, so the rise
+    above comes from the advantages' sign, not from drift of any update."""
     task = ToyTask(vocab=1024)
-    rows = run_grpo(
+    rows = run_train(
         manager(),
         tiny_dense,
         tmp_path,
-        GRPOConfig(steps=10),
-        progress=lambda _: None,
-        reward=lambda sampled: 1.0 - task.reward(sampled),
+        TrainConfig(steps=12),
+        progress=Quiet(),
+        reward=lambda c: 1.0 - task(c),
     )
-    assert all(r["decisions"] == r["equal"] for r in rows)
+    _exact_every_step(rows)
     first, last = _means(rows, 3)  # means of the inverted reward: 1 - the block's share
-    assert 1.0 - last < 1.0 - first - 0.15 and 1.0 - last < 0.15, (first, last)
+    assert 1.0 - last < 1.0 - first - 0.1 and 1.0 - last < 0.15, (first, last)
+
+
+class _OneUlpOff:
+    """A trainer wrapper whose policy moves one recomputed log-probability by one ulp from the
+    ``at``-th trace it scores on."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    @hookimpl(wrapper=True)
+    def lockstep_trainer_session(self, request):
+        session = yield
+        if request.role != "policy":
+            return session
+        at, real = self.at, session.logprobs
+        calls = []
+
+        def logprobs(trace):
+            calls.append(1)
+            lps = real(trace)
+            return nudge_ulp(lps, 3) if len(calls) >= at else lps
+
+        session.logprobs = logprobs
+        return session
+
+
+@pytest.mark.engine
+def test_one_ulp_stops_the_run_before_any_update_and_bisects(tiny_dense, tmp_path):
+    pm = manager()
+    pm.register(_OneUlpOff(at=2))
+    config = TrainConfig(steps=3, group=2, prompts=2, decisions=4)
+    with pytest.raises(TrainStopped) as err:
+        run_train(pm, tiny_dense, tmp_path, config, progress=Quiet())
+    message = str(err.value)
+    assert "step 2: the trainer's log-probability of decision 3 is not byte-equal" in message
+    assert "no update was made; last checkpoint checkpoints/step-0001" in message
+    assert "bisect: every op site is byte-equal on both halves" in message  # moved after them
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["stopped"]
+    assert rows[1]["equal"] == rows[1]["decisions"] - 1 == 15
+    assert not (tmp_path / "adapters" / "step-0002").exists()  # no update
+    load_checkpoint(tmp_path / "checkpoints" / "step-0001")  # intact
+    assert json.loads((tmp_path / "bisect.json").read_text())["decision"] == 3
+    assert "STOPPED" in (tmp_path / "report.html").read_text()
+
+
+def _files(out, step):
+    """What a step leaves, by content. (An adapter file's bytes are not compared whole:
+    safetensors writes its metadata in a per-process hash order.)"""
+    from safetensors.torch import load_file
+
+    from lockstep_exact.hashing import tensor_sha256
+
+    adapter = out / "adapters" / f"step-{step:04d}"
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    return {
+        "adapter": {k: tensor_sha256(v) for k, v in tensors.items()},
+        "adapter_config": (adapter / "adapter_config.json").read_bytes(),
+        "masters": sha256_file(out / "checkpoints" / f"step-{step:04d}" / "adapters.safetensors"),
+        "optimizer": sha256_file(
+            out / "checkpoints" / f"step-{step:04d}" / "optimizer.safetensors"
+        ),
+        "logprobs": Trace.load(out / "traces" / f"step-{step:04d}").sha256(),
+    }
+
+
+@pytest.mark.engine
+def test_a_resumed_run_is_byte_identical_to_an_uninterrupted_one(tiny_dense, tmp_path):
+    config = dict(group=2, prompts=2, decisions=4)
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    run_train(manager(), tiny_dense, whole, TrainConfig(steps=4, **config), progress=Quiet())
+    run_train(manager(), tiny_dense, parts, TrainConfig(steps=2, **config), progress=Quiet())
+    progress = Quiet()
+    rows = run_train(
+        manager(),
+        tiny_dense,
+        parts,
+        TrainConfig(steps=4, **config),
+        progress=progress,
+        resume=True,
+    )
+    assert "start 2/4" in progress.lines
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert _files(whole, step) == _files(parts, step), step
+    drop = ("seconds", "engine_starts", "adapter_id")
+    strip = [{k: v for k, v in r.items() if k not in drop} for r in _rows(whole)]
+    assert strip == [{k: v for k, v in r.items() if k not in drop} for r in rows]
+    with pytest.raises(TrainSetupError, match="was run with lr = 0.02, this run has 0.01"):
+        run_train(
+            manager(), tiny_dense, parts, TrainConfig(steps=5, lr=1e-2, **config), resume=True
+        )
+    other = make_tiny(tmp_path / "other", arch="qwen3", seed=1)
+    with pytest.raises(TrainSetupError, match="was run with model_hash = "):
+        run_train(manager(), other, parts, TrainConfig(steps=5, **config), resume=True)
+    with pytest.raises(TrainSetupError, match="was run with reward = None, this run has 'x:y'"):
+        run_train(
+            manager(),
+            tiny_dense,
+            parts,
+            TrainConfig(steps=5, reward="x:y", **config),
+            reward=lambda c: 0.0,
+            resume=True,
+        )
+    assert [r["step"] for r in _rows(parts)] == [1, 2, 3, 4]  # nothing lost
+
+
+@pytest.mark.engine
+def test_a_reward_that_raises_stops_the_run_naming_it(tiny_dense, tmp_path, capsys, monkeypatch):
+    (tmp_path / "lockstep_test_rewards_a.py").write_text(
+        "calls = []\n"
+        "def flaky(c):\n"
+        "    calls.append(c.index)\n"
+        "    if len(calls) > 4:\n"
+        "        raise KeyError('answer')\n"
+        "    return 0.5\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    out = tmp_path / "o"
+    argv = ["train", "--model", str(tiny_dense), "--out", str(out), "--steps", "3"]
+    rc = main(
+        [
+            *argv,
+            "--group",
+            "2",
+            "--prompts",
+            "2",
+            "--decisions",
+            "4",
+            "--reward",
+            "lockstep_test_rewards_a:flaky",
+        ]
+    )
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert (
+        "step 2: the reward lockstep_test_rewards_a:flaky on completion 0 (prompt " in captured.err
+    )
+    assert "raised KeyError: 'answer'; no update was made" in captured.err
+    assert "step 1/3" in captured.out and "report:" in captured.out
+    assert [r["step"] for r in _rows(out)] == [1]
+    load_checkpoint(out / "checkpoints" / "step-0001")
+
+
+# ----------------------------------------------------------------------------- OPD, SFT
+
+
+class _ToyHook:
+    @hookimpl
+    def lockstep_reward(self, completion):
+        return ToyTask(vocab=1024)(completion)
+
+
+@pytest.mark.engine
+def test_on_policy_distillation_learns_from_a_finetuned_teacher(tiny_dense, grpo_run, tmp_path):
+    """The teacher is the base model with a GRPO adapter merged in: distilling it lowers the
+    reverse KL and raises the toy reward the student never saw (read through the reward
+    hook)."""
+    teacher = merged_model(tiny_dense, grpo_run[0] / "adapters" / "step-0006", tmp_path / "t")
+    pm = manager()
+    pm.register(_ToyHook())
+    config = TrainConfig(algo="opd", teacher=str(teacher), steps=8, reward="hook")
+    rows = run_train(pm, tiny_dense, tmp_path / "o", config, progress=Quiet())
+    _exact_every_step(rows)
+    first, last = _means(rows, 3, "reverse_kl")
+    assert last < 0.75 * first, (first, last)
+    first, last = _means(rows, 3)
+    assert last > first + 0.1, (first, last)
+
+
+@pytest.mark.engine
+def test_a_teacher_changed_on_disk_stops_the_run(tiny_dense, tmp_path):
+    teacher = tmp_path / "t"
+    teacher.mkdir()
+    for f in tiny_dense.iterdir():
+        (teacher / f.name).write_bytes(f.read_bytes())
+    calls = []
+
+    def reward(c):  # at step 2, someone rewrites the teacher's config on disk
+        calls.append(c)
+        if len(calls) == 5:
+            cfg = teacher / "config.json"
+            cfg.write_text(cfg.read_text() + " ")
+        return 0.0
+
+    config = TrainConfig(algo="opd", teacher=str(teacher), steps=3, group=2, prompts=2)
+    with pytest.raises(TrainStopped, match=f"step 2: the teacher's model directory {teacher} "):
+        run_train(manager(), tiny_dense, tmp_path / "o", config, progress=Quiet(), reward=reward)
+    assert not (tmp_path / "o" / "adapters" / "step-0002").exists()
+
+
+SFT_ROWS = [
+    ("What is two plus two?", " Four, of course."),
+    ("Name a color.", " Blue, like the sky."),
+    ("Say hello.", " Hello there, friend."),
+    ("Count to three.", " One, two, three."),
+    ("What do cats say?", " Meow, mostly at night."),
+]
+
+
+@pytest.mark.engine
+def test_sft_then_grpo_then_opd_on_one_adapter(tiny_dense, grpo_run, tmp_path, capsys):
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in SFT_ROWS))
+    sft = tmp_path / "sft"
+    small = ["--group", "2", "--prompts", "4", "--decisions", "4"]
+    rc = main(
+        [
+            "train",
+            "--model",
+            str(tiny_dense),
+            "--algo",
+            "sft",
+            "--data",
+            str(data),
+            "--steps",
+            "6",
+            "--out",
+            str(sft),
+            *small,
+        ]
+    )
+    assert rc == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "step 6/6" in out and f"adapter: {sft / 'adapters' / 'step-0006'}" in out
+    rows = _rows(sft)
+    _exact_every_step(rows)
+    assert rows[-1]["loss"] < 0.5 * rows[0]["loss"], [r["loss"] for r in rows]
+    grpo = tmp_path / "grpo"
+    rc = main(
+        [
+            "train",
+            "--model",
+            str(tiny_dense),
+            "--adapter",
+            str(sft / "adapters" / "step-0006"),
+            "--steps",
+            "2",
+            "--out",
+            str(grpo),
+            "--reference",
+            *small,
+        ]
+    )
+    assert rc == 0, capsys.readouterr().err
+    rows = _rows(grpo)
+    _exact_every_step(rows)
+    assert rows[0]["kl"] > 0  # the SFT adapter moved the policy off the base model
+    teacher = merged_model(tiny_dense, grpo_run[0] / "adapters" / "step-0006", tmp_path / "t")
+    opd = tmp_path / "opd"
+    rc = main(
+        [
+            "train",
+            "--model",
+            str(tiny_dense),
+            "--adapter",
+            str(grpo / "adapters" / "step-0002"),
+            "--algo",
+            "opd",
+            "--teacher",
+            str(teacher),
+            "--steps",
+            "2",
+            "--out",
+            str(opd),
+            *small,
+        ]
+    )
+    assert rc == 0, capsys.readouterr().err
+    _exact_every_step(_rows(opd))
+    first = Trace.load(opd / "traces" / "step-0001")
+    from lockstep_exact.adapters import load_adapter
+    from lockstep_exact.model import ModelDir
+
+    assert (
+        first.adapter_hash
+        == load_adapter(grpo / "adapters" / "step-0002", ModelDir(tiny_dense)).sha256
+    )
+
+
+@pytest.mark.engine
+def test_grpo_on_moe_with_a_reference_is_exact_at_every_step(tmp_path):
+    moe = make_tiny(tmp_path / "moe", arch="qwen3-moe", seed=0)
+    config = TrainConfig(steps=3, group=2, prompts=2, decisions=6, reference=True)
+    rows = run_train(manager(), moe, tmp_path / "o", config, progress=Quiet())
+    _exact_every_step(rows)
+    assert rows[0]["kl"] == 0.0  # a fresh adapter (B = 0) is the base model, byte for byte
+    assert rows[-1]["kl"] > 0.0
+    assert torch.tensor([r["kl"] for r in rows]).isfinite().all()
+
+
+class _Tty:
+    def __init__(self):
+        self.text = ""
+
+    def isatty(self):
+        return True
+
+    def write(self, s):
+        self.text += s
+
+    def flush(self):
+        pass
+
+
+def test_on_a_terminal_progress_is_one_bar_redrawn_in_place():
+    from lockstep_exact.cli import _Bar
+    from lockstep_exact.quiet import Console
+
+    stream = _Tty()
+    bar = _Bar(Console(stream, None), 0.0)
+    row = {
+        "step": 1,
+        "reward_mean": 0.25,
+        "k3_max": 0.0,
+        "equal": 8,
+        "decisions": 8,
+        "seconds": 1.5,
+    }
+    bar.step(row, 4)
+    bar.step({**row, "step": 2}, 4)
+    bar.close()
+    assert stream.text.count("\r\033[K[") == 2 and stream.text.endswith("\n")
+    assert "[############............] step 2/4  reward 0.250  K3 max 0  equal 8/8" in stream.text

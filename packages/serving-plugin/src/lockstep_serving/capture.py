@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from lockstep_exact.model import ModelDir, model_hash
+from lockstep_exact.model import ModelDir
 from lockstep_exact.trace import SamplingSettings, Trace
 
 from . import __version__
@@ -38,24 +38,86 @@ def _check_tokenizer(model: ModelDir) -> None:
         )
 
 
-def capture(request) -> Trace:
+def check_model(request) -> ModelDir:
+    """What every engine start checks first: the backend, the model (refused, naming what
+    the lane cannot run) and its tokenizer."""
     if request.backend != "cpu":
         raise LaneRefused(f"backend {request.backend!r}: this plugin serves the cpu lane only")
-    # The offline capture runs the engine core in this process unless the caller chose otherwise.
+    # The offline engine runs its core in this process unless the caller chose otherwise.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    model = ModelDir(request.model_dir)  # refuses, naming it, what the lane cannot run
+    model = ModelDir(request.model_dir)
     _check_tokenizer(model)
-    import vllm
-    from vllm import LLM, SamplingParams
+    return model
 
-    options = dict(request.options)
-    temperature = float(request.temperature)
-    top_p = float(request.top_p)
+
+def engine_options(model: ModelDir, options: dict) -> dict:
+    options = dict(options)
     options.setdefault("max_model_len", _default_max_model_len(model))
     options.setdefault("use_tqdm_on_load", False)  # one engine per capture: keep output short
     # Chunked prefill is the caller's choice: the lane's sampler never rewinds a generator.
     options.setdefault("max_num_batched_tokens", options["max_model_len"])
+    return options
+
+
+def sampling_params(n: int, decisions: int, seed: int, temperature: float, top_p: float):
+    """One SamplingParams per prompt: seed ``seed + i``, exactly ``decisions`` tokens."""
+    from vllm import SamplingParams
+
+    # No min_tokens: it masks EOS (even with ignore_eos), which the rule would not do.
+    return [
+        SamplingParams(
+            temperature=float(temperature),
+            top_p=float(top_p),
+            max_tokens=decisions,
+            ignore_eos=True,
+            logprobs=0,
+            seed=seed + i,
+        )
+        for i in range(n)
+    ]
+
+
+def build_trace(
+    outs, params, invoked, model: ModelDir, adapter_hash_: str | None, *, prompts, seed, batch
+) -> Trace:
+    """The Trace of one generate call: raw FP32 logprobs, the invoked contract, the rule."""
+    import vllm
+
+    temperature = params[0].temperature if params else 1.0
+    return Trace.from_sequences(
+        [list(o.prompt_token_ids) for o in outs],
+        [list(o.outputs[0].token_ids) for o in outs],
+        [sampled_logprobs(o.outputs[0]) for o in outs],
+        contract_fingerprint=invoked.fingerprint,
+        contract=invoked.to_json(),
+        model_hash=model.model_hash,
+        adapter_hash=adapter_hash_,
+        # What the engine used: SamplingParams raises a temperature in (0, 1e-2) to 1e-2 and
+        # sets top-p 1 for greedy requests.
+        sampling=SamplingSettings(
+            temperature=temperature,
+            top_p=params[0].top_p if params else 1.0,
+            seed=seed,
+            seeds=tuple(sp.seed for sp in params),
+            rule=invoked.sites["sample"].ident,  # the rule the engine ran
+        ),
+        engine={
+            "name": "vllm",
+            "version": vllm.__version__,
+            "plugin": f"lockstep-serving {__version__}",
+            "logprobs_mode": "raw_logprobs",
+            "batch": batch,
+        },
+        prompt_texts=list(prompts),
+    )
+
+
+def capture(request) -> Trace:
+    model = check_model(request)  # refuses, naming it, what the lane cannot run
+    from vllm import LLM
+
+    options = engine_options(model, request.options)
     lora_request = None
     if request.adapter_dir is not None:
         from .lora import lora_request_for
@@ -65,19 +127,10 @@ def capture(request) -> Trace:
     llm = LLM(**engine_args(request.model_dir, contract=request.contract, **options))
     try:
         lane_fingerprint(llm)  # one contract across workers, or refuse
-        # No min_tokens: it masks EOS (even with ignore_eos), which the rule would not do.
-        params = [
-            SamplingParams(
-                temperature=temperature,
-                top_p=top_p,
-                max_tokens=request.decisions,
-                ignore_eos=True,
-                logprobs=0,
-                seed=request.seed + i,
-            )
-            for i in range(len(request.prompts))
-        ]
         prompts = list(request.prompts)
+        params = sampling_params(
+            len(prompts), request.decisions, request.seed, request.temperature, request.top_p
+        )
         if request.batch:
             outs = llm.generate(prompts, params, lora_request=lora_request, use_tqdm=False)
         else:
@@ -89,33 +142,15 @@ def capture(request) -> Trace:
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
-    trace = Trace.from_sequences(
-        [list(o.prompt_token_ids) for o in outs],
-        [list(o.outputs[0].token_ids) for o in outs],
-        [sampled_logprobs(o.outputs[0]) for o in outs],
-        contract_fingerprint=invoked.fingerprint,
-        contract=invoked.to_json(),
-        model_hash=model_hash(request.model_dir),
-        adapter_hash=adapter_hash(request.adapter_dir, request.model_dir)
-        if request.adapter_dir
-        else None,
-        # What the engine used: SamplingParams raises a temperature in (0, 1e-2) to 1e-2 and
-        # sets top-p 1 for greedy requests.
-        sampling=SamplingSettings(
-            temperature=params[0].temperature if params else temperature,
-            top_p=params[0].top_p if params else top_p,
-            seed=request.seed,
-            seeds=tuple(sp.seed for sp in params),
-            rule=invoked.sites["sample"].ident,  # the rule the engine ran
-        ),
-        engine={
-            "name": "vllm",
-            "version": vllm.__version__,
-            "plugin": f"lockstep-serving {__version__}",
-            "logprobs_mode": "raw_logprobs",
-            "batch": request.batch,
-        },
-        prompt_texts=prompts,
+    trace = build_trace(
+        outs,
+        params,
+        invoked,
+        model,
+        adapter_hash(request.adapter_dir, model) if request.adapter_dir else None,
+        prompts=prompts,
+        seed=request.seed,
+        batch=request.batch,
     )
     if request.out_dir is not None:
         trace.save(request.out_dir)

@@ -35,7 +35,7 @@ def adapter_hash(adapter_dir, model_dir) -> str:
     model hash in the trace."""
     from lockstep_exact.model import ModelDir
 
-    base = ModelDir(model_dir)
+    base = ModelDir.of(model_dir)
     return load_adapter(adapter_dir, base, contract=base.contract().fingerprint).sha256
 
 

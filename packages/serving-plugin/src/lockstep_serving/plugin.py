@@ -60,6 +60,16 @@ def lockstep_capture(request):
 
 
 @hookimpl
+def lockstep_sampler_session(request):
+    from ._release import check
+
+    check()
+    from .session import VllmSampler
+
+    return VllmSampler(request)
+
+
+@hookimpl
 def lockstep_load_adapter(adapter_dir, model_dir, role):
     if role != "sampler":
         return None

@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from . import __version__
@@ -267,38 +268,101 @@ def _cmd_qualify(args) -> int:
     return 0 if rep.passed else 1
 
 
+class _Bar:
+    """``lockstep train``'s progress: on a terminal, one bar line redrawn in place (step,
+    reward, K3 max, step time); elsewhere (a pipe, a log, CI), one line per step."""
+
+    def __init__(self, console, t0: float):
+        self.console, self.t0 = console, t0
+        stream = console.stream
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.total, self.done, self.live = 0, 0, False
+
+    def _clear(self) -> None:
+        if self.live:
+            self.console.stream.write("\r\033[K")
+            self.live = False
+
+    def say(self, message: str) -> None:
+        self._clear()
+        self.console.say(f"[{time.perf_counter() - self.t0:7.1f}s] {message}")
+
+    def start(self, total: int, done: int) -> None:
+        self.total, self.done = total, done
+        if done:
+            self.say(f"resuming after step {done} of {total}")
+
+    def step(self, row: dict, total: int) -> None:
+        from .train_loop import step_line
+
+        self.done = row["step"]
+        if not self.tty:
+            self.say(step_line(row, total))
+            return
+        width = 24
+        filled = round(width * self.done / max(total, 1))
+        bar = "#" * filled + "." * (width - filled)
+        self.console.stream.write(
+            f"\r\033[K[{bar}] step {self.done}/{total}  reward {row['reward_mean']:.3f}  "
+            f"K3 max {row['k3_max']:g}  equal {row['equal']}/{row['decisions']}  "
+            f"{row['seconds']:.1f}s/step"
+        )
+        self.console.stream.flush()
+        self.live = True
+
+    def close(self) -> None:
+        if self.live:
+            self.console.stream.write("\n")
+            self.console.stream.flush()
+            self.live = False
+
+
 def _cmd_train(args) -> int:
-    import time
-
     from .plugins import manager
-    from .train_loop import GRPOConfig, TrainStopped, run_grpo
+    from .train_loop import TrainConfig, TrainStopped, run_train
 
-    if args.algo != "grpo":
-        raise ValueError(f"--algo {args.algo}: only grpo is built so far (sft and opd are not)")
-    if args.task != "toy":
-        raise ValueError(f"--task {args.task}: only the built-in toy task exists so far")
-    config = GRPOConfig(
+    config = TrainConfig(
+        algo=args.algo,
         steps=args.steps,
         group=args.group,
         prompts=args.prompts,
         decisions=args.decisions,
         lr=args.lr,
+        inner_steps=args.inner_steps,
+        micro_batch=args.micro_batch,
+        rank=args.rank,
         seed=args.seed,
+        clip=args.clip,
+        reference=args.reference,
+        kl_coef=args.kl_coef,
+        teacher=args.teacher,
+        data=args.data,
+        task=args.task,
+        reward=args.reward,
+        adapter=args.adapter,
+        checkpoint_every=args.checkpoint_every,
     )
     config.check()  # before any engine starts
     out = Path(args.out)
     t0 = time.perf_counter()
     stopped = None
     with _engines(args) as console:
-
-        def say(msg: str) -> None:
-            console.say(f"[{time.perf_counter() - t0:7.1f}s] {msg}")
-
+        bar = _Bar(console, t0)
         try:
-            run_grpo(manager(), Path(args.model), out, config, progress=say)
+            rows = run_train(
+                manager(), Path(args.model), out, config, progress=bar, resume=args.resume
+            )
         except TrainStopped as err:
-            stopped = err
-    print(f"metrics: {out / 'metrics.jsonl'}")
+            stopped, rows = err, []
+    if rows:
+        last = rows[-1]
+        print(
+            f"trained {len(rows)} steps ({config.algo}): reward {rows[0]['reward_mean']:.3f} -> "
+            f"{last['reward_mean']:.3f}; every decision byte-equal: "
+            f"{all(r['equal'] == r['decisions'] for r in rows)}"
+        )
+        print(f"adapter: {out / last['adapter_out']}")
+    print(f"report: {out / 'report.html'} (and metrics.jsonl)")
     print(f"engine log: {args.engine_log}")
     if stopped is not None:
         print(f"lockstep train: STOPPED: {stopped}", file=sys.stderr)
@@ -395,17 +459,31 @@ def build_parser() -> argparse.ArgumentParser:
     qual.add_argument("--sampler-model", help="debugging: the sampler reads this copy of --model")
     qual.set_defaults(func=_cmd_qualify)
 
-    tr = sub.add_parser("train", help="GRPO on a LoRA adapter, byte-exact replay at every step")
+    tr = sub.add_parser(
+        "train", help="SFT, GRPO or on-policy distillation on a LoRA adapter, exact every step"
+    )
     tr.add_argument("--model", required=True)
-    tr.add_argument("--algo", choices=("grpo", "sft", "opd"), default="grpo")
-    tr.add_argument("--task", default="toy", help="the reward: the built-in toy task")
+    tr.add_argument("--algo", default="grpo", help="grpo (default), opd or sft")
+    tr.add_argument("--task", default="toy", help="the built-in reward when --reward is absent")
+    tr.add_argument("--reward", help="MODULE:FUNCTION taking a Completion, or 'hook'")
+    tr.add_argument("--data", help='JSONL rows {"prompt": ...} (sft: and "completion")')
+    tr.add_argument("--teacher", help="opd: the teacher's model directory (same tokenizer)")
+    tr.add_argument("--reference", action="store_true", help="k3 KL to the frozen base model")
+    tr.add_argument("--kl-coef", type=float, default=0.05, dest="kl_coef")
+    tr.add_argument("--adapter", help="start from this adapter (e.g. the last of an SFT run)")
     tr.add_argument("--steps", type=int, default=10)
     tr.add_argument("--group", type=int, default=4, help="completions per prompt")
-    tr.add_argument("--prompts", type=int, default=4, help="how many built-in prompts")
+    tr.add_argument("--prompts", type=int, default=4, help="prompts (sft: examples) per step")
     tr.add_argument("--decisions", type=int, default=8, help="sampled tokens per completion")
-    tr.add_argument("--lr", type=float, default=2e-2)
+    tr.add_argument("--lr", type=float, help="AdamW learning rate (grpo 2e-2, opd and sft 5e-3)")
+    tr.add_argument("--inner-steps", type=int, dest="inner_steps", help="optimizer steps/step")
+    tr.add_argument("--micro-batch", type=int, default=4, dest="micro_batch")
+    tr.add_argument("--rank", type=int, default=8, help="LoRA rank of a fresh adapter")
+    tr.add_argument("--clip", type=float, default=0.2, help="PPO clip")
+    tr.add_argument("--checkpoint-every", type=int, default=1, dest="checkpoint_every")
     tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--out", default="lockstep-train", help="metrics, traces and adapters")
+    tr.add_argument("--out", default="lockstep-train", help="metrics, traces, adapters, report")
+    tr.add_argument("--resume", action="store_true", help="continue the run in --out")
     tr.set_defaults(func=_cmd_train)
 
     bis = sub.add_parser("bisect", help="name the first op site whose bytes differ")

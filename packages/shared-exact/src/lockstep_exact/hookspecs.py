@@ -85,6 +85,42 @@ def lockstep_train_step(request):
 
 
 @hookspec(firstresult=True)
+def lockstep_sampler_session(request):
+    """Start a long-lived sampler on the exact lane (``lockstep train``).
+
+    ``request`` is a ``SamplerSessionRequest``. Return an object with
+    ``sample(prompts, decisions, seed, adapter_dir=None) -> Trace`` (every new adapter
+    directory is loaded into the running engine under a new adapter id: no restart),
+    ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``starts`` (engines started: 1)
+    and ``close()``. Answered by the serving plugin.
+    """
+
+
+@hookspec(firstresult=True)
+def lockstep_trainer_session(request):
+    """Build a long-lived trainer model (``lockstep train``).
+
+    ``request`` is a ``TrainerSessionRequest``. A ``policy`` session holds LoRA adapters and
+    their optimizer: ``export(dir) -> (path, hash)``, ``logprobs(trace)`` (admits the trace
+    against the last export and the lane, checks its tokens against the sampling rule, returns
+    fp32 logprobs per decision), ``update(seqs, old, loss, inner_steps) -> losses`` (refuses
+    to run a backward pass unless its forward reproduces ``old`` byte for byte),
+    ``state_files()`` / ``load_state_files(files)`` (a checkpoint), ``backbone_hash()``. A
+    ``frozen`` session scores traces (``logprobs(trace)``) and reports ``backbone_hash()``.
+    Answered by the trainer plugin.
+    """
+
+
+@hookspec(firstresult=True)
+def lockstep_reward(completion):
+    """The reward of one sampled completion (a float), for ``lockstep train --reward hook``.
+
+    ``completion`` is a ``lockstep_exact.rewards.Completion`` (prompt text and ids, sampled
+    ids and text, the data row it came from). Return None to leave it to another plugin.
+    """
+
+
+@hookspec(firstresult=True)
 def lockstep_load_adapter(adapter_dir, model_dir, role):
     """Validate an adapter directory for ``role`` and return its hash.
 

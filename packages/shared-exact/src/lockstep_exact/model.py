@@ -36,6 +36,24 @@ def model_hash(path: str | os.PathLike[str]) -> str:
     return dir_sha256(path, MODEL_PATTERNS)
 
 
+# The files that define which text a token id stands for (not its padding side or length cap).
+VOCABULARY_FILES: tuple[str, ...] = (
+    "tokenizer.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+def tokenizer_hash(path: str | os.PathLike[str]) -> str | None:
+    """sha256 of a model directory's vocabulary files (``VOCABULARY_FILES``), or None when it
+    has none: two models whose token ids mean the same text hash the same."""
+    root = Path(path)
+    if not any((root / f).is_file() for f in VOCABULARY_FILES):
+        return None
+    return dir_sha256(root, VOCABULARY_FILES)
+
+
 def _check_tokenizer_ids(path: Path, config: dict[str, Any]) -> None:
     """Refuse a ``tokenizer.json`` whose token ids reach past the model's ``vocab_size``: the
     engines would index the embedding out of bounds on the first such prompt token."""

@@ -80,6 +80,33 @@ class TrainRequest:
 
 
 @dataclass(frozen=True)
+class SamplerSessionRequest:
+    """Start one long-lived sampling engine on the exact lane (``lockstep train``)."""
+
+    model_dir: Path
+    backend: str = "cpu"
+    contract: str | None = None  # expected fingerprint; None: the lane's own
+    max_lora_rank: int = 16  # the largest adapter rank the engine will be handed
+    options: dict = field(default_factory=dict)  # engine-specific knobs
+
+
+@dataclass(frozen=True)
+class TrainerSessionRequest:
+    """Build one long-lived trainer model: ``role="policy"`` (LoRA adapters and AdamW, the
+    backbone frozen) or ``role="frozen"`` (a reference or teacher: no adapter, no grad)."""
+
+    model_dir: Path
+    role: str = "policy"
+    backend: str = "cpu"
+    adapter_in: Path | None = None  # start from this adapter (policy); None: fresh, B = 0
+    rank: int = 8
+    alpha: float = 16.0
+    lr: float = 1e-3
+    seed: int = 0
+    micro_batch: int = 4
+
+
+@dataclass(frozen=True)
 class TrainResult:
     losses: tuple[float, ...]
     backbone_hash_before: str

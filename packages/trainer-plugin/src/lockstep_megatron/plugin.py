@@ -86,6 +86,13 @@ def lockstep_train_step(request):
 
 
 @hookimpl
+def lockstep_trainer_session(request):
+    from .session import open_session
+
+    return open_session(request)
+
+
+@hookimpl
 def lockstep_load_adapter(adapter_dir, model_dir, role):
     if role != ROLE:
         return None
