@@ -303,13 +303,20 @@ def test_a_resumed_run_is_byte_identical_to_an_uninterrupted_one(tiny_dense, tmp
 
 @pytest.mark.engine
 def test_a_reward_that_raises_stops_the_run_naming_it(tiny_dense, tmp_path, capsys, monkeypatch):
+    """A user's reward reads its data row (``example``); the step whose reward raises
+    stops before any update, and the step before is kept."""
     (tmp_path / "lockstep_test_rewards_a.py").write_text(
         "calls = []\n"
         "def flaky(c):\n"
         "    calls.append(c.index)\n"
+        "    assert c.example['answer'] == c.prompt.upper() and isinstance(c.text, str)\n"
         "    if len(calls) > 4:\n"
         "        raise KeyError('answer')\n"
         "    return 0.5\n"
+    )
+    data = tmp_path / "rows.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": p, "answer": p.upper()}) + "\n" for p in ("ab", "cd", "ef"))
     )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
@@ -326,6 +333,8 @@ def test_a_reward_that_raises_stops_the_run_naming_it(tiny_dense, tmp_path, caps
             "4",
             "--reward",
             "lockstep_test_rewards_a:flaky",
+            "--data",
+            str(data),
         ]
     )
     captured = capsys.readouterr()
