@@ -136,6 +136,31 @@ def test_gemm_every_tiling_gives_the_same_bytes(shape, bk, out_dtype):
     assert_detects_one_ulp(ref, outs[name], index=min(11, ref.numel() - 1))
 
 
+@pytest.mark.parametrize("bk", [16, 32])
+@pytest.mark.parametrize("out_dtype", [BF16, F32])
+def test_gemm_wider_k_steps_give_the_same_bytes(bk, out_dtype):
+    """The bitwise gate that lets bk = 16 and 32 load 64 columns of K per loop step."""
+    cuda = backend()
+    for m, n, k in ((1, 96, 128), (77, 4096, 4096), (300, 1000, 4096), (5, 64, 192)):
+        x = cuda_rand(m, k, seed=64)
+        w = cuda_rand(n, k, seed=65, scale=0.05)
+        ref = cuda.gemm(x, w, bk=bk, out_dtype=out_dtype, block_k=bk)
+        wide = cuda.gemm(x, w, bk=bk, out_dtype=out_dtype)
+        assert_same_bytes(wide, ref, f"bk={bk} {m}x{n}x{k}: default steps vs {bk}")
+        for step in (2 * bk, 4 * bk):
+            if step <= 64 and k % step == 0:
+                out = cuda.gemm(x, w, bk=bk, out_dtype=out_dtype, block_k=step)
+                assert_same_bytes(out, ref, f"bk={bk} {m}x{n}x{k}: steps of {step} vs {bk}")
+    assert_detects_one_ulp(ref, wide, index=min(11, ref.numel() - 1))
+
+
+def test_gemm_refuses_a_k_step_that_does_not_divide_k():
+    x = cuda_rand(3, 96)
+    w = cuda_rand(8, 96)
+    with pytest.raises(ValueError, match="that divides K \\(96\\), got 64"):
+        backend().gemm(x, w, bk=32, block_k=64)
+
+
 def test_gemm_bytes_are_those_of_the_row_alone_inside_a_3d_batch():
     x = cuda_rand(4, 33, 512, seed=5)
     w = cuda_rand(640, 512, seed=6, scale=0.05)
@@ -203,6 +228,69 @@ def test_softmax_row_bytes_do_not_depend_on_batch(vocab, log):
     x64 = x[:64].to(F64)
     ref = torch.log_softmax(x64, -1) if log else torch.softmax(x64, -1)
     assert rel_err(out[:64], ref) < (1e-6 if log else 1e-5)
+
+
+def special_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows where an order could show: zeros of both signs, NaN, +inf, all but one -inf."""
+    x[3] = 0.0
+    x[4, ::2] = -0.0
+    x[5, 7] = float("nan")
+    x[6, 100] = float("inf")
+    x[7] = float("-inf")
+    x[7, 5] = 1.0
+    return x
+
+
+@pytest.mark.parametrize("vocab", [50000, 151936])
+@pytest.mark.parametrize("log", [True, False])
+def test_softmax_split_gives_the_same_bytes(vocab, log):
+    """The bitwise gate that lets few long rows spread over many programs per row."""
+    cuda = backend()
+    fn = cuda.log_softmax if log else cuda.softmax
+    x = special_rows(cuda_rand(67, vocab, seed=60, scale=4.0, dtype=F32))
+    one = fn(x, split=False)
+    split = fn(x, split=True)
+    assert_same_bytes(split, one, f"{fn.__name__}: split vs one program per row")
+    assert_same_bytes(fn(x[9:10]), one[9:10], f"{fn.__name__}: one row (split by default)")
+    assert_detects_one_ulp(one, split, index=vocab + 11)
+
+
+def test_softmax_split_refuses_a_row_length_off_the_16_grid():
+    x = cuda_rand(2, 32769, dtype=F32)
+    with pytest.raises(ValueError, match="multiple of 16, got 32769"):
+        backend().log_softmax(x, split=True)
+
+
+def misaligned_copy(x: torch.Tensor) -> torch.Tensor:
+    """The same values in a contiguous view whose storage starts off a 16-byte boundary."""
+    flat = torch.empty(x.numel() + 8, dtype=x.dtype, device=x.device)
+    view = flat[1 : 1 + x.numel()].view(x.shape)
+    view.copy_(x)
+    assert view.is_contiguous() and view.data_ptr() % 16 != 0
+    return view
+
+
+@pytest.mark.parametrize(
+    "what,width",
+    [("rmsnorm", 128), ("rmsnorm", 4096), ("log_softmax", 1024), ("log_softmax", 151936),
+     ("softmax", 4096), ("softmax", 151936)],
+)  # fmt: skip
+def test_a_misaligned_input_gives_the_bytes_of_an_aligned_one(what, width):
+    """Triton compiles 16-byte aligned and misaligned pointers apart (load widths); the bytes
+    must not follow."""
+    if what == "rmsnorm":
+        x = cuda_rand(300, width, seed=61, scale=3.0)
+        w = cuda_rand(width, seed=62).abs() + 0.5
+
+        def fn(a):
+            return P.rmsnorm(a, w, 1e-6)
+    else:
+        x = cuda_rand(300, width, seed=63, scale=4.0, dtype=F32)
+        fn = getattr(P, what)
+    ref = fn(x)
+    out = fn(misaligned_copy(x))
+    assert_same_bytes(out, ref, f"{what} width {width}: misaligned input")
+    assert_detects_one_ulp(ref, out, index=width + 3)
 
 
 def test_router_topk_breaks_ties_to_the_lowest_expert_id():

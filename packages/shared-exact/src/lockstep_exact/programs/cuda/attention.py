@@ -9,6 +9,8 @@ kernel with the same merge code, so the operation sequence of a row is the same 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +26,16 @@ _PREFILL_TILE = (128, 8)
 _DECODE_TILE = (64, 4)
 _NUM_STAGES = 3
 _COMBINE_ROWS = 16
+
+
+@functools.cache
+def _default_scale(d: int) -> float:
+    return float(default_scale(d).item())  # fp32 by construction (IEEE sqrt and division)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @triton.jit
@@ -111,6 +123,25 @@ def _finish(o_ptr, t, head, stride_ot, stride_oh, l_g, a_g, row_ok, D: tl.conste
 
 
 @triton.jit
+def _one_segment(
+    q, k_base, v_base, stride_ks, stride_vs, pos, kv_lim, j_last, j_full, scale,
+    o_ptr, t, head, stride_ot, stride_oh, row_ok,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    """Rows whose keys all lie in the first segment: the same merge from the initial state,
+    with no second accumulator live across the key loop (the registers it would cost)."""
+    m, l_s, acc = _segment(
+        q, k_base, v_base, stride_ks, stride_vs, pos, kv_lim, 0, j_last + 1, j_full,
+        scale, BLOCK_M, BLOCK_N, D,
+    )  # fmt: skip
+    m_g = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_g = tl.zeros([BLOCK_M], tl.float32)
+    a_g = tl.zeros([BLOCK_M, D], tl.float32)
+    m_g, l_g, a_g = _merge(m_g, l_g, a_g, m, l_s, acc, pos >= 0)
+    _finish(o_ptr, t, head, stride_ot, stride_oh, l_g, a_g, row_ok, D)
+
+
+@triton.jit
 def _attn_kernel(
     q_ptr,
     k_ptr,
@@ -139,6 +170,7 @@ def _attn_kernel(
     SEG_BLOCKS: tl.constexpr,
     SEG: tl.constexpr,
     SPLIT: tl.constexpr,
+    ONE_SEG: tl.constexpr,
 ):
     n_tiles = tl.cdiv(n_rows, BLOCK_M)
     tile = n_tiles - 1 - tl.program_id(0)  # the longest rows first
@@ -171,18 +203,18 @@ def _attn_kernel(
             tl.store(m_buf + at, m, mask=row_ok)
             tl.store(l_buf + at, l_s, mask=row_ok)
             tl.store(a_buf + at[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
-    elif j_last < SEG_BLOCKS:
-        # One segment: the same merge from the initial state, with no second accumulator
-        # live across the key loop (the registers it would cost).
-        m, l_s, acc = _segment(
-            q, k_base, v_base, stride_ks, stride_vs, pos, kv_lim, 0, j_last + 1, j_full,
-            scale, BLOCK_M, BLOCK_N, D,
+    elif ONE_SEG:
+        # The cache holds no key past the first segment: only the one-segment path is
+        # compiled, so no registers are reserved for the multi-segment loop.
+        _one_segment(
+            q, k_base, v_base, stride_ks, stride_vs, pos, kv_lim, j_last, j_full, scale,
+            o_ptr, t, head, stride_ot, stride_oh, row_ok, BLOCK_M, BLOCK_N, D,
         )  # fmt: skip
-        m_g = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_g = tl.zeros([BLOCK_M], tl.float32)
-        a_g = tl.zeros([BLOCK_M, D], tl.float32)
-        m_g, l_g, a_g = _merge(m_g, l_g, a_g, m, l_s, acc, pos >= 0)
-        _finish(o_ptr, t, head, stride_ot, stride_oh, l_g, a_g, row_ok, D)
+    elif j_last < SEG_BLOCKS:
+        _one_segment(
+            q, k_base, v_base, stride_ks, stride_vs, pos, kv_lim, j_last, j_full, scale,
+            o_ptr, t, head, stride_ot, stride_oh, row_ok, BLOCK_M, BLOCK_N, D,
+        )  # fmt: skip
     else:
         m_g = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_g = tl.zeros([BLOCK_M], tl.float32)
@@ -280,9 +312,10 @@ def attention(
         require(int(positions.min()) >= 0, "attention: negative position")
         require(int(positions.max()) < s_len, "attention: a query position has no key in k/v")
     if scale is None:
-        scale = default_scale(d)
-    scale_f = float(scale.item() if isinstance(scale, torch.Tensor) else scale)
-    require(torch.tensor(scale_f, dtype=F32).item() == scale_f, "attention: scale must be fp32")
+        scale_f = _default_scale(d)
+    else:
+        scale_f = float(scale.item() if isinstance(scale, torch.Tensor) else scale)
+        require(torch.tensor(scale_f, dtype=F32).item() == scale_f, "attention: scale must be fp32")
     require(max(q.numel(), k.numel()) < 2**31, "attention (cuda): tensor too large")
     g = h_q // h_kv
     pos = positions.to(device=q.device, dtype=torch.int32).contiguous()
@@ -293,9 +326,16 @@ def attention(
     n_rows = n_q * g
     n_seg = triton.cdiv(s_len, SEGMENT)
     if split is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        split = n_seg > 1 and triton.cdiv(n_rows, _PREFILL_TILE[0]) * h_kv < sms
-    block_m, num_warps = _DECODE_TILE if split else _PREFILL_TILE
+        sms = _sm_count(
+            q.device.index if q.device.index is not None else torch.cuda.current_device()
+        )
+        few = triton.cdiv(n_rows, _PREFILL_TILE[0]) * h_kv < sms
+        split = n_seg > 1 and few
+    else:
+        few = False
+    # Few rows (decode, short chunks) take the smaller tile, split or not: fewer idle rows
+    # per program. Gated bitwise like the split (decode and chunks against the prefill).
+    block_m, num_warps = _DECODE_TILE if split or few else _PREFILL_TILE
     n_tiles = triton.cdiv(n_rows, block_m)
     if split:
         m_buf = torch.empty(n_seg, h_kv, n_rows, dtype=F32, device=q.device)
@@ -311,7 +351,7 @@ def attention(
         qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1),
         vc.stride(0), vc.stride(1), out.stride(0), out.stride(1),
         G=g, D=d, BLOCK_M=block_m, BLOCK_N=block, SEG_BLOCKS=SEGMENT // block, SEG=SEGMENT,
-        SPLIT=bool(split),
+        SPLIT=bool(split), ONE_SEG=n_seg == 1,
         num_warps=num_warps, num_stages=_NUM_STAGES, **EXACT,
     )  # fmt: skip
     if split:

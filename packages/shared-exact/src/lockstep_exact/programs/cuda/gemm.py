@@ -33,20 +33,43 @@ TILINGS: dict[str, Tiles] = {
     "m128n128w4": Tiles(128, 128, 4, 4),
     "m64n128": Tiles(64, 128, 4, 4),
     "m64n64": Tiles(64, 64, 4, 4),
+    "m64n64s6": Tiles(64, 64, 4, 6),
     "m64n32": Tiles(64, 32, 4, 5),
+    "m64n32s8": Tiles(64, 32, 4, 8),
 }
+
+# Multiprocessors of the H200 the small-M choice below was timed on (issue 12, docs/gpu.md).
+_SMS = 132
 
 
 def pick_tiling(m: int, n: int, bk: int = 32) -> str:
-    """Shape-based choice among byte-identical tilings (timed on the H200, docs/gpu.md)."""
+    """Shape-based choice among byte-identical tilings (timed on the H200, docs/gpu.md).
+
+    Up to 256 rows the kernel streams the weight: the choice keeps about one to two waves of
+    programs in flight, narrow tiles with deep pipelines where N alone gives few programs.
+    """
     wide = bk >= 64
-    if m <= 4:
-        return "m64n128"
     if m <= 256:
-        return "m64n64" if wide else "m64n32"
+        tiles_m = triton.cdiv(m, 64)
+        progs64 = tiles_m * triton.cdiv(n, 64)
+        if progs64 < _SMS:
+            return "m64n32s8"
+        if tiles_m * triton.cdiv(n, 128) >= 2 * _SMS:
+            return "m64n128"
+        if wide and progs64 >= 2 * _SMS:
+            return "m64n64"
+        return "m64n64s6"
     if m <= 2048:
         return "m256n128" if wide else "m128n128w4"
     return "m128n256" if wide else "m256n128"
+
+
+def k_step(bk: int, k: int) -> int:
+    """Columns of K per loop step: bk doubled while it stays <= 64 and divides K."""
+    step = bk
+    while step < 64 and k % (2 * step) == 0:
+        step *= 2
+    return step
 
 
 @triton.jit
@@ -65,6 +88,7 @@ def _gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
+    FEW_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -77,23 +101,33 @@ def _gemm_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    # Rows/columns past the edge re-read valid ones; their results are never stored.
-    a_ptrs = x_ptr + (rm % M)[:, None] * stride_xm + rk[None, :]
+    # Rows/columns past the edge re-read valid ones; their results are never stored. With
+    # fewer rows than the tile (FEW_M) the missing rows are zero-filled instead of re-read
+    # (many copies of one row are slow to load). An output row sees only its own x row, so
+    # neither moves a byte of it.
+    m_ok = rm < M
+    a_ptrs = x_ptr + (rm if FEW_M else rm % M)[:, None] * stride_xm + rk[None, :]
     b_ptrs = w_ptr + (rn % N)[None, :] * stride_wn + rk[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
-            a = tl.load(a_ptrs)
+            if FEW_M:  # noqa: SIM108 (a constexpr branch, not a ternary)
+                a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
         else:
             k_ok = rk < K - kb * BLOCK_K  # a ragged last block is padded with +0 products
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            if FEW_M:
+                a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (rn[None, :] < N))
 
 
 def gemm(
@@ -103,6 +137,7 @@ def gemm(
     bk: int = 32,
     out_dtype=torch.bfloat16,
     tiling: str | None = None,
+    block_k: int | None = None,
 ):
     """x [..., K] bf16 times w [N, K]^T bf16.
 
@@ -112,6 +147,10 @@ def gemm(
     step is the hardware's, fixed). A ragged last block is padded with +0 products. One RNE
     rounding to ``out_dtype`` at the end. No split-K, no atomics: an element's operation
     sequence depends on K and bk only, never on M, its row, or the tiling.
+
+    A block of ``bk`` is bk/16 k16 steps into one accumulator, so two consecutive blocks are
+    the steps of one block of 2*bk: where K allows, the kernel loads ``block_k`` (None: up to
+    64) columns per loop step. Gated bitwise (test_gemm_wider_k_steps_give_the_same_bytes).
     """
     require_cuda(x, w)
     require(x.dtype == BF16 and w.dtype == BF16, "gemm (cuda): bf16 x and w required")
@@ -131,7 +170,16 @@ def gemm(
     if k_dim == 0:
         return y.zero_().reshape(*lead, n_dim)
     require(max(x2.numel(), wc.numel(), y.numel()) < 2**31, "gemm (cuda): tensor too large")
-    t = TILINGS[tiling or pick_tiling(m_dim, n_dim, bk)]
+    if block_k is None:
+        block_k = k_step(bk, k_dim)
+    require(
+        block_k in (bk, 2 * bk, 4 * bk)
+        and block_k <= 64
+        and (block_k == bk or k_dim % block_k == 0),
+        f"gemm (cuda): block_k must be bk ({bk}) or a multiple of it up to 64 that divides "
+        f"K ({k_dim}), got {block_k}",
+    )
+    t = TILINGS[tiling or pick_tiling(m_dim, n_dim, block_k)]
     grid = (triton.cdiv(m_dim, t.block_m) * triton.cdiv(n_dim, t.block_n),)
     _gemm_kernel[grid](
         x2,
@@ -145,9 +193,10 @@ def gemm(
         y.stride(0),
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
-        BLOCK_K=bk,
+        BLOCK_K=block_k,
         GROUP_M=t.group_m,
-        EVEN_K=k_dim % bk == 0,
+        EVEN_K=k_dim % block_k == 0,
+        FEW_M=m_dim < t.block_m,
         num_warps=t.num_warps,
         num_stages=t.num_stages,
     )
