@@ -165,12 +165,50 @@ def geometry_contract(geom, *, backend: str = "cpu", tp: int = 1, ep: int = 1) -
     """The contract of the Qwen3-family exact lane for a ``lanes.qwen3.Geometry``."""
     from .lanes import qwen3
 
-    return Contract(
-        lane=f"{geom.family}/bf16/{backend}/tp{tp}ep{ep}",
+    contract = Contract(
+        lane=f"{geom.family}/bf16/{backend}",
         dtype="bf16",
         backend=backend,
-        layout={"tp": tp, "ep": ep},
+        layout={"k_parts": qwen3.K_PARTS},
         geometry=geom.as_dict(),
         sites=qwen3.op_sites(geom),
         pins=environment_pins(backend),
     )
+    check_layout(contract, tp=tp, ep=ep)
+    return contract
+
+
+class LayoutRefused(ContractMismatch):
+    """A tensor- or expert-parallel size the lane's contract cannot run with one device's
+    bytes."""
+
+
+def check_layout(contract: Contract, *, tp: int = 1, ep: int = 1) -> None:
+    """Refuse, naming both numbers, a layout that does not divide what it splits: every
+    row-parallel site's K partitions, the heads, the kv heads, the MLP width (tp); the experts
+    (ep). The layout is not part of the contract: one contract admits every layout that
+    divides it."""
+    g = contract.geometry
+    for name, value in (("tp", tp), ("ep", ep)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise LayoutRefused(f"layout: {name} must be an int >= 1, got {value!r}")
+    if tp > 1:
+        for key, prog in sorted(contract.sites.items()):
+            if prog.name == "gemm.kpart" and prog.param("parts") % tp:
+                raise LayoutRefused(
+                    f"layout: tp {tp} does not divide the {prog.param('parts')} K partitions of "
+                    f"op site {key!r} ({prog.ident})"
+                )
+        width = "moe_intermediate" if g.get("experts") else "intermediate"
+        for what in ("heads", "kv_heads", width):
+            if int(g[what]) % tp:
+                raise LayoutRefused(
+                    f"layout: tp {tp} does not divide the model's {what} ({g[what]})"
+                )
+    if ep > 1:
+        if not g.get("experts"):
+            raise LayoutRefused(f"layout: ep {ep} needs a MoE model; this one has no experts")
+        if int(g["experts"]) % ep:
+            raise LayoutRefused(
+                f"layout: ep {ep} does not divide the model's {g['experts']} experts"
+            )

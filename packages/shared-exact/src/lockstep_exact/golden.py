@@ -49,6 +49,21 @@ def _cases() -> dict[str, list[tuple[str, Callable[[str], torch.Tensor]]]]:
                 ),
             ),
         ],
+        "gemm.kpart": [
+            (
+                "m3_k256_n40_p8",
+                lambda d: P.gemm_kpart(g((3, 256), 41, device=d), g((40, 256), 42, device=d)),
+            ),
+            (
+                "m7_k100_n24_p4_fp32",
+                lambda d: P.gemm_kpart(
+                    g((7, 100), 43, device=d),
+                    g((24, 100), 44, device=d),
+                    parts=4,
+                    out_dtype=torch.float32,
+                ),
+            ),
+        ],
         "rmsnorm.qwen3": [
             (
                 "t9_h96",

@@ -47,8 +47,8 @@ class Ops:
         self.invoked: dict[str, Program] = {}
 
     # --- bookkeeping -----------------------------------------------------------------------
-    def program(self, path: str, expect: str) -> Program:
-        """The contract's program at ``path``; it must be a ``expect`` program."""
+    def program(self, path: str, expect: str | tuple[str, ...]) -> Program:
+        """The contract's program at ``path``; it must be a ``expect`` program (or one of)."""
         key = site_key(path)
         prog = self.contract.sites.get(key)
         if prog is None:
@@ -56,10 +56,10 @@ class Ops:
                 f"op site {key!r} is not in the contract of lane {self.contract.lane}; "
                 "the composition and the contract disagree"
             )
-        if prog.name != expect:
+        if prog.name not in ((expect,) if isinstance(expect, str) else expect):
             raise ContractMismatch(
                 f"op site {key!r}: the contract names {prog.ident}, the composition runs a "
-                f"{expect} program there"
+                f"{expect if isinstance(expect, str) else ' or '.join(expect)} program there"
             )
         return prog
 
@@ -93,11 +93,30 @@ class Ops:
         self._ran(path, prog)
         return record(path, table[ids])
 
-    def gemm(self, path: str, x, w):
-        prog = self.program(path, "gemm.kblock")
+    def gemm(self, path: str, x, w, gather=P.LOCAL):
+        """gemm.kblock, or gemm.kpart where the contract says so (a row-parallel site: under
+        tensor parallelism ``x``/``w`` are this rank's share of K and ``gather`` collects
+        the ranks' fp32 partials; the VJP is the local matmul's, as for any row-parallel
+        linear whose output gradient every rank holds)."""
+        prog = self.program(path, ("gemm.kblock", "gemm.kpart"))
         out = {"bf16": torch.bfloat16, "fp32": torch.float32}[prog.param("out")]
         bk = prog.param("bk")
-        return self._call(path, prog, lambda a, b: P.gemm(a, b, bk=bk, out_dtype=out), V.gemm, x, w)
+        if prog.name == "gemm.kpart":
+            parts = prog.param("parts")
+
+            def fn(a, b):
+                return P.gemm_kpart(a, b, bk=bk, parts=parts, out_dtype=out, gather=gather)
+        else:
+            if gather.size != 1:
+                raise ContractMismatch(
+                    f"op site {site_key(path)!r} runs {prog.ident}, which has no K partitions: "
+                    f"it cannot be split over {gather.size} tensor-parallel ranks"
+                )
+
+            def fn(a, b):
+                return P.gemm(a, b, bk=bk, out_dtype=out)
+
+        return self._call(path, prog, fn, V.gemm, x, w)
 
     def rmsnorm(self, path: str, x, w):
         prog = self.program(path, "rmsnorm.qwen3")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .. import programs as P
 from ..programs import Program
 from ..sites import record
 from .config import UnsupportedModel, check_config
@@ -64,6 +65,27 @@ PROJECTIONS_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 PROJECTIONS_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
+# A row-parallel site (o_proj, down_proj: K is what tensor parallelism splits) reduces K over
+# this many canonical partitions, or the largest power of two below it that divides its K. The
+# layout enters the lane's identity only through these counts: any tensor-parallel size that
+# divides a site's count gives that site the bytes of one device.
+K_PARTS = 8
+ROW_PARALLEL = ("self_attn.o_proj", "down_proj")
+
+
+def k_parts(k_dim: int, limit: int = K_PARTS) -> int:
+    """The partition count of a row-parallel site whose K is ``k_dim``."""
+    p = limit
+    while p > 1 and k_dim % p:
+        p //= 2
+    return p
+
+
+def is_row_parallel(name: str) -> bool:
+    """``name`` like ``self_attn.o_proj`` or ``mlp.experts.3.down_proj``."""
+    return name.endswith(ROW_PARALLEL)
+
+
 def op_sites(geom: Geometry) -> dict[str, Program]:
     """Every op site of the lane (its contract key) and the program, with parameters, run there.
 
@@ -78,8 +100,12 @@ def op_sites(geom: Geometry) -> dict[str, Program]:
     shrink, expand = Program.of("lora.shrink", bk=32), Program.of("lora.expand", bk=32)
     sites: dict[str, Program] = {"embed_tokens": Program.of("embedding.gather")}
 
-    def proj(path: str) -> None:
-        sites[path] = gemm
+    def proj(path: str, k_dim: int | None = None) -> None:
+        """``k_dim``: a row-parallel site's K (its gemm is gemm.kpart)."""
+        if k_dim is None:
+            sites[path] = gemm
+        else:
+            sites[path] = Program.of("gemm.kpart", bk=32, parts=k_parts(k_dim), out="bf16")
         sites[f"{path}.lora_shrink"] = shrink
         sites[f"{path}.lora_expand"] = expand
 
@@ -92,7 +118,7 @@ def op_sites(geom: Geometry) -> dict[str, Program]:
     sites[f"{layer}.self_attn.q_rope"] = rope
     sites[f"{layer}.self_attn.k_rope"] = rope
     sites[f"{layer}.self_attn.core"] = Program.of("attention.blocked", block=32)
-    proj(f"{layer}.self_attn.o_proj")
+    proj(f"{layer}.self_attn.o_proj", geom.heads * geom.head_dim)
     sites[f"{layer}.residual_attn"] = Program.of("residual.add")
     sites[f"{layer}.post_attention_layernorm"] = norm
     if geom.is_moe:
@@ -102,12 +128,14 @@ def op_sites(geom: Geometry) -> dict[str, Program]:
         )
         mlp = f"{layer}.mlp.experts.*"
         sites[f"{layer}.mlp.fold"] = Program.of("moe.fold", acc="bf16")
+        inner = geom.moe_intermediate
     else:
         mlp = f"{layer}.mlp"
+        inner = geom.intermediate
     proj(f"{mlp}.gate_proj")
     proj(f"{mlp}.up_proj")
     sites[f"{mlp}.act"] = Program.of("swiglu")
-    proj(f"{mlp}.down_proj")
+    proj(f"{mlp}.down_proj", inner)
     sites[f"{layer}.residual_mlp"] = Program.of("residual.add")
     sites["norm"] = norm
     sites["lm_head"] = Program.of("gemm.kblock", bk=32, out="fp32")
@@ -134,6 +162,11 @@ class Slots:
     ``dispatch``: run ``expert(e, rows_hidden)`` for every routed (token, slot) and return
     [T, k, H] in slot order (the default runs the experts present, lowest id first, locally).
     """
+
+    # The tensor-parallel group (``programs.Gather``): one device unless the engine shards.
+    # Under tensor parallelism ``weight`` returns this rank's shard: column-parallel
+    # projections (q, k, v, gate, up) by output rows, row-parallel ones (o, down) by K.
+    gather = P.LOCAL
 
     def weight(self, layer: int | None, name: str) -> torch.Tensor:
         raise NotImplementedError
@@ -163,13 +196,16 @@ def local_dispatch(h, ids, expert):
     return out.index_put((torch.cat(rows_all), torch.cat(slots_all)), torch.cat(outs))
 
 
-def linear(ops, path: str, x, w, lora: LoRA | None = None):
-    """gemm.kblock, plus lora.shrink/lora.expand when an adapter covers this projection."""
-    y = ops.gemm(path, x, w)
+def linear(ops, path: str, x, w, lora: LoRA | None = None, gather=P.LOCAL):
+    """The projection's gemm (gemm.kpart over ``gather`` on a row-parallel site), plus
+    lora.shrink/lora.expand when an adapter covers it. Under tensor parallelism a row-parallel
+    site's adapter sees the whole input (its shares gathered: exact, a copy) and its whole A."""
+    y = ops.gemm(path, x, w, gather)
     if lora is not None:
         a, b, scale = lora
+        xa = x if gather.size == 1 else torch.cat(gather.all(x), dim=-1)
         y = ops.lora_expand(
-            f"{path}.lora_expand", y, ops.lora_shrink(f"{path}.lora_shrink", x, a), b, scale
+            f"{path}.lora_expand", y, ops.lora_shrink(f"{path}.lora_shrink", xa, a), b, scale
         )
     return y
 
@@ -187,14 +223,16 @@ class Layer:
     def proj(self, x, name: str):
         """``name`` like ``self_attn.q_proj`` or ``mlp.experts.3.down_proj``."""
         lora = self.slots.lora(self.index, name)
-        return linear(self.ops, f"{self.site}.{name}", x, self.w(f"{name}.weight"), lora)
+        gather = self.slots.gather if is_row_parallel(name) else P.LOCAL
+        return linear(self.ops, f"{self.site}.{name}", x, self.w(f"{name}.weight"), lora, gather)
 
     def attention(self, h, positions):
         g, ops, s = self.geom, self.ops, f"{self.site}.self_attn"
         t = h.shape[0]
-        q = self.proj(h, "self_attn.q_proj").view(t, g.heads, g.head_dim)
-        k = self.proj(h, "self_attn.k_proj").view(t, g.kv_heads, g.head_dim)
-        v = self.proj(h, "self_attn.v_proj").view(t, g.kv_heads, g.head_dim)
+        # Heads from the weights' rows: this rank's heads under tensor parallelism.
+        q = self.proj(h, "self_attn.q_proj").view(t, -1, g.head_dim)
+        k = self.proj(h, "self_attn.k_proj").view(t, -1, g.head_dim)
+        v = self.proj(h, "self_attn.v_proj").view(t, -1, g.head_dim)
         q = ops.rmsnorm(f"{s}.q_norm", q, self.w("self_attn.q_norm.weight"))
         k = ops.rmsnorm(f"{s}.k_norm", k, self.w("self_attn.k_norm.weight"))
         q = ops.rope(f"{s}.q_rope", q, positions)
@@ -205,7 +243,7 @@ class Layer:
 
         o = self.slots.attend(self.index, q, k, v, positions, core)
         o = record(f"{s}.core", o)  # all rows of the step (core records per sequence)
-        return self.proj(o.reshape(t, g.heads * g.head_dim), "self_attn.o_proj")
+        return self.proj(o.reshape(t, -1), "self_attn.o_proj")
 
     def mlp(self, h, pre: str = "mlp."):
         gate = self.proj(h, pre + "gate_proj")

@@ -53,6 +53,7 @@ class Program:
 CATALOG: dict[str, tuple[int, dict[str, object]]] = {
     "embedding.gather": (1, {}),
     "gemm.kblock": (1, {"bk": 32, "out": "bf16"}),
+    "gemm.kpart": (1, {"bk": 32, "parts": 8, "out": "bf16"}),
     "rmsnorm.qwen3": (1, {"eps": 1e-6}),
     "residual.add": (1, {}),
     "swiglu": (1, {}),
@@ -104,6 +105,75 @@ def _impl(fn_name: str, *tensors: torch.Tensor):
 
 def gemm(x, w, *, bk: int = 32, out_dtype=torch.bfloat16):
     return _impl("gemm", x, w)(x, w, bk=bk, out_dtype=out_dtype)
+
+
+def kpart_partial(x, w, *, bk: int = 32, parts: int = 1):
+    """gemm.kpart on one rank's share of K: fp32 [..., N], the balanced pairwise tree over its
+    ``parts`` equal, contiguous K partitions of gemm.kblock fp32 sums (``parts`` a power of
+    two dividing this K). A rank's partitions are a whole subtree of the full tree."""
+    k_dim = x.shape[-1]
+    if parts < 1 or parts & (parts - 1) or k_dim % parts:
+        raise ValueError(
+            f"gemm.kpart: {parts} partitions must be a power of two dividing K = {k_dim}"
+        )
+    size = k_dim // parts
+    sums = [
+        gemm(
+            x[..., p * size : (p + 1) * size].contiguous(),
+            w[:, p * size : (p + 1) * size].contiguous(),
+            bk=bk,
+            out_dtype=torch.float32,
+        )
+        for p in range(parts)
+    ]
+    return fold_tree(sums)
+
+
+def fold_tree(parts):
+    """The balanced adjacent-pair tree over a power-of-two list of fp32 tensors (element 2i
+    plus element 2i+1, level by level): the fixed fold of canonical partitions and of ranks."""
+    parts = list(parts)
+    n = len(parts)
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"fold_tree: {n} partials; a power of two is required")
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+class Gather:
+    """How the ranks sharing one tensor-parallel group exchange fp32 partials: ``size`` ranks;
+    ``all(t)`` returns every rank's ``t`` in rank order (an all-gather). This one is a single
+    device; engines hand the programs their own (``torch.distributed`` over gloo or NCCL)."""
+
+    size = 1
+
+    def all(self, t):
+        return [t]
+
+
+LOCAL = Gather()
+
+
+def gemm_kpart(x, w, *, bk: int = 32, parts: int = 8, out_dtype=torch.bfloat16, gather=LOCAL):
+    """gemm.kpart: x [..., K] times w [N, K]^T with K cut into ``parts`` canonical partitions.
+
+    Each partition is a gemm.kblock fp32 sum; the partition sums are added over the balanced
+    pairwise tree; one rounding to ``out_dtype``. Under tensor parallelism each of
+    ``gather.size`` ranks holds a contiguous share of K (the size dividing ``parts``): it
+    folds its own partitions (a whole subtree), ``gather.all`` collects every rank's fp32
+    partial in rank order and the top of the same tree folds them, so every layout gives the
+    bytes of one device. Never an all-reduce: its order is the backend's, not the contract's.
+    """
+    ranks = gather.size
+    if parts % ranks:
+        raise ValueError(
+            f"gemm.kpart: {ranks} tensor-parallel ranks do not divide the contract's {parts} "
+            "K partitions"
+        )
+    local = kpart_partial(x, w, bk=bk, parts=parts // ranks)
+    total = local if ranks == 1 else fold_tree(gather.all(local))
+    return total if out_dtype == torch.float32 else round_bf16(total)
 
 
 def rmsnorm(x, weight, eps: float):
@@ -182,7 +252,12 @@ __all__ = [
     "attention",
     "backend_of",
     "backend_module",
+    "Gather",
+    "LOCAL",
+    "fold_tree",
     "gemm",
+    "gemm_kpart",
+    "kpart_partial",
     "log_softmax",
     "lora_expand",
     "lora_shrink",

@@ -1,0 +1,113 @@
+"""Layout invariance of the lane composition: tensor- and expert-parallel ranks (real
+processes over gloo) give the bytes of one device, and a layout that does not divide the
+contract's partitions is refused naming both numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lockstep_exact import programs as P
+from lockstep_exact.contract import LayoutRefused, check_layout
+from lockstep_exact.lanes.qwen3 import forward_logprobs, k_parts
+from lockstep_exact.layout import Layout, reference_logprobs
+from lockstep_exact.model import ModelDir
+from lockstep_exact.parity import same_bytes
+from lockstep_exact.tiny import make_tiny
+
+TOKENS = [5, 17, 200, 3, 999, 42, 7, 7, 610, 12, 88, 300, 1, 2, 450, 9, 77, 31]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layout")
+    return {
+        "qwen3": make_tiny(root / "dense", arch="qwen3", seed=0),
+        "qwen3-moe": make_tiny(root / "moe", arch="qwen3-moe", seed=0),
+    }
+
+
+def _one_device(model):
+    md = ModelDir(model)
+    w = load_file(str(model / "model.safetensors"))
+    return forward_logprobs(w, md.geometry, torch.tensor(TOKENS))
+
+
+@pytest.mark.parametrize(
+    ("arch", "layout"),
+    [
+        ("qwen3", Layout(tp=2)),
+        ("qwen3-moe", Layout(tp=2)),
+        ("qwen3-moe", Layout(ep=2)),
+        ("qwen3-moe", Layout(tp=2, ep=2)),
+    ],
+    ids=["dense-tp2", "moe-tp2", "moe-ep2", "moe-tp2ep2"],
+)
+def test_every_rank_of_a_layout_has_the_bytes_of_one_device(models, arch, layout):
+    ref = _one_device(models[arch])
+    outs = reference_logprobs(models[arch], layout, TOKENS)
+    assert len(outs) == layout.world
+    for rank, lp in enumerate(outs):
+        assert same_bytes(lp, ref), (layout, rank)
+
+
+@pytest.mark.parametrize(
+    ("arch", "layout", "weight"),
+    [
+        ("qwen3", Layout(tp=2), "model.layers.0.self_attn.o_proj.weight"),
+        (
+            "qwen3-moe",
+            Layout(ep=2),
+            [f"every:model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(4)],
+        ),
+    ],
+    ids=["dense-tp2-row-shard", "moe-ep2-experts-of-rank-0"],
+)
+def test_control_one_ulp_in_one_ranks_shard_is_caught(models, arch, layout, weight):
+    ref = _one_device(models[arch])
+    outs = reference_logprobs(models[arch], layout, TOKENS, nudge=(0, weight))
+    assert not any(same_bytes(lp, ref) for lp in outs)
+
+
+def test_the_partitions_fold_as_one_tree_whatever_the_rank_count():
+    """gemm.kpart over 8 partitions: one device, 2 and 4 simulated ranks, same bytes; and
+    not the bytes of gemm.kblock (the partitions are a new program, not a relabel)."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 256, generator=g)).to(torch.bfloat16)
+    w = (torch.randn(48, 256, generator=g) * 0.05).to(torch.bfloat16)
+    one = P.gemm_kpart(x, w, parts=8, out_dtype=torch.float32)  # fp32: no rounding hides
+    for ranks in (2, 4, 8):
+        shards = [
+            P.kpart_partial(xs, ws, parts=8 // ranks)
+            for xs, ws in zip(x.chunk(ranks, -1), w.chunk(ranks, -1), strict=True)
+        ]
+        assert same_bytes(P.fold_tree(shards), one), ranks
+    assert not same_bytes(P.gemm(x, w, out_dtype=torch.float32), one)
+
+
+@pytest.mark.parametrize(("k", "parts"), [(128, 8), (96, 8), (100, 4), (36, 4), (99, 1)])
+def test_a_sites_partition_count_is_the_largest_power_of_two_dividing_its_k(k, parts):
+    assert k_parts(k) == parts
+
+
+def test_a_layout_that_does_not_divide_the_partitions_is_refused(models, tmp_path):
+    contract = ModelDir(models["qwen3-moe"]).contract()
+    check_layout(contract, tp=2, ep=8)  # divides everything: admitted
+    with pytest.raises(LayoutRefused, match="tp 3 does not divide the 8 K partitions of op site"):
+        check_layout(contract, tp=3)
+    with pytest.raises(LayoutRefused, match="ep 3 does not divide the model's 8 experts"):
+        check_layout(contract, ep=3)
+    odd = make_tiny(
+        tmp_path / "odd", arch="qwen3", heads=6, kv_heads=2, head_dim=12, intermediate=100
+    )
+    c = ModelDir(odd).contract()
+    assert c.sites["layers.*.mlp.down_proj"].param("parts") == 4
+    assert c.sites["layers.*.self_attn.o_proj"].param("parts") == 8
+    with pytest.raises(
+        LayoutRefused,
+        match="tp 8 does not divide the 4 K partitions of op site 'layers.\\*.mlp.down_proj'",
+    ):
+        check_layout(c, tp=8)
+    with pytest.raises(LayoutRefused, match="ep 2 needs a MoE model"):
+        check_layout(c, ep=2)
