@@ -23,8 +23,9 @@ def replay(pm, model, trace_dir, adapter=None, control=False):
     ).logprobs
 
 
-def capture(pm, model, out, adapter=None, seed=3, **options):
-    """``options``: engine knobs for the sampler (``block_size``, ...)."""
+def capture(pm, model, out, adapter=None, seed=3, tp=1, **options):
+    """``options``: engine knobs for the sampler (``block_size``, ...); ``tp``: the sampler's
+    tensor-parallel size."""
     pm.hook.lockstep_capture(
         request=CaptureRequest(
             model_dir=model,
@@ -34,6 +35,7 @@ def capture(pm, model, out, adapter=None, seed=3, **options):
             seed=seed,
             adapter_dir=adapter,
             options=options,
+            tp=tp,
         )
     )
     return Trace.load(out)

@@ -51,8 +51,23 @@ def check_model(request) -> ModelDir:
     return model
 
 
-def engine_options(model: ModelDir, options: dict) -> dict:
+def engine_options(model: ModelDir, options: dict, tp: int = 1) -> dict:
+    """vLLM engine arguments: the caller's, then the lane's defaults. ``tp`` > 1 runs vLLM's
+    tensor parallelism (worker processes); a size the contract's partitions do not admit is
+    refused here, naming both numbers, before any worker starts."""
     options = dict(options)
+    if tp != 1:
+        from lockstep_exact.contract import ContractMismatch, check_layout
+
+        try:
+            check_layout(model.contract(), tp=tp)
+        except ContractMismatch as err:
+            raise LaneRefused(f"Lockstep exact lane refused --tp {tp}: {err}") from err
+        options.setdefault("tensor_parallel_size", tp)
+        options.setdefault("distributed_executor_backend", "mp")
+        # vLLM's CPU workers bind one NUMA node each by default; a one-node machine (this
+        # kind of CI runner) cannot: leave the threads unbound unless the user chose.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     options.setdefault("max_model_len", _default_max_model_len(model))
     options.setdefault("use_tqdm_on_load", False)  # one engine per capture: keep output short
     # Chunked prefill is the caller's choice: the lane's sampler never rewinds a generator.
@@ -79,7 +94,16 @@ def sampling_params(n: int, decisions: int, seed: int, temperature: float, top_p
 
 
 def build_trace(
-    outs, params, invoked, model: ModelDir, adapter_hash_: str | None, *, prompts, seed, batch
+    outs,
+    params,
+    invoked,
+    model: ModelDir,
+    adapter_hash_: str | None,
+    *,
+    prompts,
+    seed,
+    batch,
+    tp: int = 1,
 ) -> Trace:
     """The Trace of one generate call: raw FP32 logprobs, the invoked contract, the rule."""
     import vllm
@@ -108,6 +132,7 @@ def build_trace(
             "plugin": f"lockstep-serving {__version__}",
             "logprobs_mode": "raw_logprobs",
             "batch": batch,
+            "tp": tp,
         },
         prompt_texts=list(prompts),
     )
@@ -117,7 +142,7 @@ def capture(request) -> Trace:
     model = check_model(request)  # refuses, naming it, what the lane cannot run
     from vllm import LLM
 
-    options = engine_options(model, request.options)
+    options = engine_options(model, request.options, getattr(request, "tp", 1))
     lora_request = None
     if request.adapter_dir is not None:
         from .lora import lora_request_for
@@ -151,6 +176,7 @@ def capture(request) -> Trace:
         prompts=prompts,
         seed=request.seed,
         batch=request.batch,
+        tp=int(options.get("tensor_parallel_size", 1)),
     )
     if request.out_dir is not None:
         trace.save(request.out_dir)

@@ -76,9 +76,24 @@ def engine_args(model_dir, *, contract: str | None = None, **overrides) -> dict:
     return args
 
 
+# Functions the engine's workers run (``LLM.apply_model``): module-level, so they pickle to
+# worker processes (tensor parallelism) as well as run in process.
+def _fingerprint(model) -> str:
+    return model.contract.fingerprint
+
+
+def _invoked_json(model) -> str:
+    return json.dumps(model.ops.invoked_contract().to_json(), sort_keys=True)
+
+
+def _declared_json(model) -> str:
+    return json.dumps(model.contract.to_json(), sort_keys=True)
+
+
 def lane_fingerprint(llm) -> str:
-    """The contract fingerprint of the lane the engine runs (asked of the model itself)."""
-    found = set(llm.apply_model(lambda model: model.contract.fingerprint))
+    """The contract fingerprint of the lane the engine runs (asked of the model itself, on
+    every worker: tensor-parallel ranks must run one contract)."""
+    found = set(llm.apply_model(_fingerprint))
     if len(found) != 1:
         raise RuntimeError(f"workers disagree on the lane contract: {sorted(found)}")
     return found.pop()
@@ -87,18 +102,16 @@ def lane_fingerprint(llm) -> str:
 def invoked_contract(llm):
     """The contract of what the engine's lane actually ran so far (``Ops.invoked_contract``),
     checked against the contract it was started with: a site run with another program than
-    the contract names, or a site the contract lacks, is refused here, naming the site."""
+    the contract names, or a site the contract lacks, is refused here, naming the site.
+    Every worker must have run the same."""
     from lockstep_exact.contract import contract_from_json
     from lockstep_exact.lanes.ops import check_invoked
 
-    def probe(model):
-        return json.dumps(model.ops.invoked_contract().to_json(), sort_keys=True)
-
-    found = set(llm.apply_model(probe))
+    found = set(llm.apply_model(_invoked_json))
     if len(found) != 1:
         raise RuntimeError(f"workers disagree on the lane's invoked contract: {len(found)} kinds")
     invoked = contract_from_json(json.loads(found.pop()))
-    declared = set(llm.apply_model(lambda m: json.dumps(m.contract.to_json(), sort_keys=True)))
+    declared = set(llm.apply_model(_declared_json))
     check_invoked(contract_from_json(json.loads(declared.pop())), invoked, "the vLLM lane")
     return invoked
 

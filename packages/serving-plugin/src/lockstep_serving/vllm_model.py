@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from lockstep_exact import programs as P
-from lockstep_exact.contract import ContractMismatch, admit, lane_contract
+from lockstep_exact.contract import ContractMismatch, admit, check_layout, lane_contract
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.lanes.ops import Ops
+from lockstep_exact.layout import shard_lora, shard_weight
 from lockstep_exact.sites import is_recording, paused
 
 from .patches import LaneRefused, check
@@ -60,8 +61,12 @@ def _validate_config(vllm_config, arch: str) -> tuple[qwen3.Geometry, Path]:
     if cache_dtype not in ("auto", "bfloat16"):
         _refuse(f"kv_cache_dtype {cache_dtype!r}: the cache must hold the bf16 K/V bytes")
     par = vllm_config.parallel_config
-    if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
-        _refuse("tensor/pipeline parallelism is not part of this lane (tp1ep1)")
+    if par.pipeline_parallel_size != 1:
+        _refuse(f"pipeline parallelism ({par.pipeline_parallel_size} stages) is not in the lane")
+    if getattr(par, "enable_expert_parallel", False):
+        _refuse("vLLM's expert parallelism is not part of the lane yet (tensor parallel only)")
+    if par.data_parallel_size != 1:
+        _refuse(f"data parallelism ({par.data_parallel_size}) is not part of the lane")
     if mc.logprobs_mode != "raw_logprobs":
         _refuse(f"logprobs_mode {mc.logprobs_mode!r}; start the engine with 'raw_logprobs'")
     try:
@@ -71,6 +76,10 @@ def _validate_config(vllm_config, arch: str) -> tuple[qwen3.Geometry, Path]:
     want = _FAMILY_OF[arch]
     if geom.family != want:
         _refuse(f"{arch} serves the {want} family but {model_dir} is {geom.family}")
+    try:
+        check_layout(lane_contract(model_dir), tp=par.tensor_parallel_size)
+    except ContractMismatch as err:
+        _refuse(str(err))
     requested = getattr(mc.hf_config, CONTRACT_OVERRIDE, None) or os.environ.get(CONTRACT_ENV)
     if requested:
         try:
@@ -127,6 +136,17 @@ class LockstepQwen3ForCausalLM(nn.Module):
         self.contract = lane_contract(self.model_dir)
         self.ops = Ops(self.contract)  # every program call reads this contract
         g = self.geom
+        # Tensor parallelism: this rank holds column-parallel projections by output rows and
+        # row-parallel ones by K; their gemm.kpart folds the ranks' fp32 partials in the
+        # contract's tree (never vLLM's all-reduce), so every tp gives one device's bytes.
+        self.tp = vllm_config.parallel_config.tensor_parallel_size
+        self.tp_rank = 0
+        self.gather = P.LOCAL
+        if self.tp > 1:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            self.tp_rank = get_tensor_model_parallel_rank()
+            self.gather = _TpGather(self.tp)
         self.weights: dict[str, torch.Tensor] = {}
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(g.layers)]
         # vLLM's Attention modules own the paged KV cache; their forward is unused. They run on
@@ -134,10 +154,10 @@ class LockstepQwen3ForCausalLM(nn.Module):
         attn_backend.register()
         self.attn = nn.ModuleList(
             Attention(
-                num_heads=g.heads,
+                num_heads=g.heads // self.tp,
                 head_size=g.head_dim,
                 scale=g.head_dim**-0.5,
-                num_kv_heads=g.kv_heads,
+                num_kv_heads=g.kv_heads // self.tp,
                 cache_config=vllm_config.cache_config,
                 prefix=name,
                 attn_backend=attn_backend.LaneAttentionBackend,
@@ -157,7 +177,7 @@ class LockstepQwen3ForCausalLM(nn.Module):
                 _refuse(f"unexpected tensor {name!r} in the checkpoint (not part of the lane)")
             if t.dtype != torch.bfloat16:
                 _refuse(f"tensor {name!r} is {t.dtype}; the exact lane loads bf16 weights only")
-            self.weights[name] = t.detach().clone()
+            self.weights[name] = shard_weight(name, t.detach(), self.tp_rank, self.tp).clone()
         missing = sorted(expected - set(self.weights))
         if missing:
             _refuse(f"checkpoint lacks {len(missing)} tensor(s), first {missing[0]!r}")
@@ -171,6 +191,11 @@ class LockstepQwen3ForCausalLM(nn.Module):
     def set_token_adapters(self, token_ids: tuple[int, ...], adapters: dict[int, dict]):
         """Called by LaneLoRAManager each step: adapter id per scheduled token (0 = base)."""
         self._token_adapters = token_ids
+        if self.tp > 1:  # this rank's share of each adapter (column sites: B by rows)
+            adapters = {
+                lid: {k: shard_lora(k, v, self.tp_rank, self.tp) for k, v in mods.items()}
+                for lid, mods in adapters.items()
+            }
         self._adapters = adapters
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **_):
@@ -212,7 +237,9 @@ class LockstepQwen3ForCausalLM(nn.Module):
         return out
 
     def slots(self) -> qwen3.DictSlots:
-        return qwen3.DictSlots(self.weights, self.geom, per_layer=self._layer_weights)
+        slots = qwen3.DictSlots(self.weights, self.geom, per_layer=self._layer_weights)
+        slots.gather = self.gather
+        return slots
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the lane: the composition's final norm + LM head."""
@@ -227,6 +254,7 @@ class PagedSlots(qwen3.DictSlots):
     def __init__(self, model: LockstepQwen3ForCausalLM, adapters, reqs, rows):
         super().__init__(model.weights, model.geom, adapters, per_layer=model._layer_weights)
         self.model, self.reqs, self.rows = model, reqs, rows
+        self.gather = model.gather
 
     def attend(self, layer, q, k, v, positions, core):
         from vllm.model_executor.layers.attention.attention import get_attention_context
@@ -237,6 +265,24 @@ class PagedSlots(qwen3.DictSlots):
         return paged_attention(
             q, k, v, positions, md, kv_cache, slots[self.rows], self.reqs, core=core
         )
+
+
+class _TpGather(P.Gather):
+    """All-gather over vLLM's tensor-parallel group, in rank order (gloo for cpu tensors,
+    the device group otherwise): the fp32 partials gemm.kpart folds."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def all(self, t: torch.Tensor) -> list[torch.Tensor]:
+        import torch.distributed as dist
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+        t = t.contiguous()
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(out, t, group=group.cpu_group if t.is_cpu else group.device_group)
+        return out
 
 
 class LockstepQwen3MoeForCausalLM(LockstepQwen3ForCausalLM):

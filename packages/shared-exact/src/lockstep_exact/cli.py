@@ -176,6 +176,7 @@ def _cmd_capture(args) -> int:
             decisions=args.decisions,
             out_dir=Path(args.out),
             seed=args.seed,
+            tp=args.tp,
         ),
     )
     print(f"captured {trace.num_decisions} decisions from {len(prompts)} prompts -> {args.out}")
@@ -201,6 +202,7 @@ def _cmd_replay(args) -> int:
             model_dir=Path(args.model),
             trace_dir=Path(args.trace),
             adapter_dir=Path(args.adapter) if args.adapter else None,
+            tp=args.tp,
         ),
     )
     cmp = compare(torch.as_tensor(trace.logprobs), result.logprobs)
@@ -439,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--decisions", type=int, default=8, help="sampled tokens per prompt")
     cap.add_argument("--seed", type=int, default=0)
     cap.add_argument("--out", required=True)
+    cap.add_argument(
+        "--tp", type=int, default=1, help="the sampler's tensor-parallel size (same bytes)"
+    )
     cap.set_defaults(func=_cmd_capture)
 
     rep = sub.add_parser("replay", help="recompute a trace's decisions in the trainer")
@@ -446,6 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--adapter")
     rep.add_argument("--trace", required=True)
     rep.add_argument("--out", help="write the report as JSON here")
+    rep.add_argument(
+        "--tp", type=int, default=1, help="the trainer's tensor-parallel size (same bytes)"
+    )
     rep.set_defaults(func=_cmd_replay)
 
     qual = sub.add_parser("qualify", help="run the qualification ladder (the main job)")
@@ -472,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--kl-coef", type=float, default=0.05, dest="kl_coef")
     tr.add_argument("--adapter", help="start from this adapter (e.g. the last of an SFT run)")
     tr.add_argument("--steps", type=int, default=10)
-    tr.add_argument("--group", type=int, default=4, help="completions per prompt")
+    tr.add_argument("--group", type=int, default=8, help="completions per prompt")
     tr.add_argument("--prompts", type=int, default=4, help="prompts (sft: examples) per step")
     tr.add_argument("--decisions", type=int, default=8, help="sampled tokens per completion")
     tr.add_argument("--lr", type=float, help="AdamW learning rate (grpo 2e-2, opd and sft 5e-3)")

@@ -31,6 +31,7 @@ class CaptureRequest:
     options: dict = field(default_factory=dict)  # engine-specific knobs (chunked prefill, ...)
     temperature: float = 1.0  # the lane's sampling rule (sample.gumbel_topp): 0 is greedy
     top_p: float = 1.0
+    tp: int = 1  # the sampler's tensor-parallel size (the bytes do not depend on it)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class ReplayRequest:
     adapter_dir: Path | None = None
     backend: str = "cpu"
     micro_batch: int = 3  # the trainer's own batching, deliberately unlike the sampler's
+    tp: int = 1  # the trainer's tensor-parallel size (the bytes do not depend on it)
     # Negative controls only: replay on an adapter other than the trace's (the adapter-hash
     # admission is skipped; the contract is still admitted). Reports record it.
     control: bool = False

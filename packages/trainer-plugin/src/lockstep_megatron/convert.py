@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from lockstep_exact.lanes.qwen3 import Geometry
+from lockstep_exact.layout import shard_weight
 
-from .spec import ExactLinear, LockstepGPT
+from .spec import LockstepGPT
 
 
 class ConversionError(ValueError):
@@ -34,13 +35,15 @@ def load_hf_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _fuse(linear: ExactLinear, hf: dict[str, torch.Tensor], prefix: str, used: set[str]):
+def _fuse(linear, hf: dict[str, torch.Tensor], prefix: str, used: set[str], rank=0, tp=1):
+    """The module's (fused) weight from the HF projections; under tensor parallelism this
+    rank's shard of each (``layout.shard_weight``: column sites by rows, row sites by K)."""
     fused = torch.empty_like(linear.weight)
     for part, cols in linear.parts.items():
         key = f"{prefix}{part}.weight"
         if key not in hf:
             raise ConversionError(f"missing HF weight {key}")
-        fused[cols] = hf[key]
+        fused[cols] = shard_weight(key, hf[key], rank, tp)
         used.add(key)
     return fused
 
@@ -58,7 +61,11 @@ def megatron_state(model: LockstepGPT, hf: dict[str, torch.Tensor]) -> dict[str,
         used.add(src)
         state[dst] = hf[src]
 
+    rank, tp = model.tp_rank, model.tp
     take("model.embed_tokens.weight", "embedding.word_embeddings.weight")
+    if tp > 1:  # Megatron's vocab-parallel embedding holds this rank's rows
+        emb = state["embedding.word_embeddings.weight"]
+        state["embedding.word_embeddings.weight"] = emb.chunk(tp, dim=0)[rank].contiguous()
     take("model.norm.weight", "decoder.final_layernorm.weight")
     if not g.tie_embeddings:
         take("lm_head.weight", "output_layer.weight")
@@ -70,10 +77,10 @@ def megatron_state(model: LockstepGPT, hf: dict[str, torch.Tensor]) -> dict[str,
         take(hp + "self_attn.q_norm.weight", mp + "self_attention.q_layernorm.weight")
         take(hp + "self_attn.k_norm.weight", mp + "self_attention.k_layernorm.weight")
         state[mp + "self_attention.linear_qkv.weight"] = _fuse(
-            att.linear_qkv, hf, hp + "self_attn.", used
+            att.linear_qkv, hf, hp + "self_attn.", used, rank, tp
         )
         state[mp + "self_attention.linear_proj.weight"] = _fuse(
-            att.linear_proj, hf, hp + "self_attn.", used
+            att.linear_proj, hf, hp + "self_attn.", used, rank, tp
         )
         if g.is_moe:
             take(hp + "mlp.gate.weight", mp + "mlp.router.weight")
@@ -84,7 +91,9 @@ def megatron_state(model: LockstepGPT, hf: dict[str, torch.Tensor]) -> dict[str,
                     )
         else:
             for fc in ("linear_fc1", "linear_fc2"):
-                state[f"{mp}mlp.{fc}.weight"] = _fuse(getattr(layer.mlp, fc), hf, hp + "mlp.", used)
+                state[f"{mp}mlp.{fc}.weight"] = _fuse(
+                    getattr(layer.mlp, fc), hf, hp + "mlp.", used, rank, tp
+                )
     extra = sorted(set(hf) - used)
     if extra:
         raise ConversionError(f"HF weights the exact lane does not place: {extra[:5]}")
@@ -105,7 +114,8 @@ def load_into(model: LockstepGPT, model_dir: str | Path) -> LockstepGPT:
     return model
 
 
-def build(model_dir: str | Path) -> LockstepGPT:
-    """The exact-lane Megatron model of an HF Qwen3 / Qwen3-MoE directory, weights loaded."""
+def build(model_dir: str | Path, tp: int = 1) -> LockstepGPT:
+    """The exact-lane Megatron model of an HF Qwen3 / Qwen3-MoE directory, weights loaded
+    (``tp`` > 1: this rank's shards; Megatron's tensor-parallel group must be set up)."""
     geom = Geometry.from_model_dir(model_dir)
-    return load_into(LockstepGPT(geom), model_dir)
+    return load_into(LockstepGPT(geom, tp), model_dir)

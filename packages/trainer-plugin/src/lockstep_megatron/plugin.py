@@ -58,6 +58,7 @@ def lockstep_replay(request):
         backend=request.backend,
         micro_batch=request.micro_batch,
         control=getattr(request, "control", False),
+        tp=getattr(request, "tp", 1),
     )
     return ReplayResult(
         logprobs=lps, engine=f"megatron-core {_megatron_version()}", seconds=seconds

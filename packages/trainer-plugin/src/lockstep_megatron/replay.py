@@ -249,18 +249,31 @@ def replay(
     backend: str = "cpu",
     micro_batch: int = 3,
     control: bool = False,
+    tp: int = 1,
 ) -> tuple[torch.Tensor, float]:
-    """(fp32 logprob per decision in trace order, seconds)."""
+    """(fp32 logprob per decision in trace order, seconds). ``tp`` > 1: Megatron's tensor
+    parallelism in ``tp`` processes (``parallel.replay_tp``); every rank must agree."""
     if backend != "cpu":
         raise NotImplementedError(f"the Megatron exact lane runs on cpu here, not {backend!r}")
+    if tp > 1 and not _inside_ranks(tp):
+        from .parallel import replay_tp
+
+        return replay_tp(model_dir, trace_dir, adapter_dir, backend, micro_batch, control, tp)
     trace = Trace.load(trace_dir)
     adapter = Path(adapter_dir) if adapter_dir else None
     base = ModelDir(model_dir)  # parsed and hashed once for every check below
     admit_trace(trace, base, adapter, backend, control)
     t0 = time.perf_counter()
-    model = build(base.path).eval()
+    model = build(base.path, tp).eval()
     if adapter_dir is not None:
         export.load_into(model, adapter_dir, base)
     admit_invoked(trace, model, base, backend, control)
     lps = score(model, trace, micro_batch, control)
     return lps, time.perf_counter() - t0
+
+
+def _inside_ranks(tp: int) -> bool:
+    """True in one of ``parallel.replay_tp``'s ranks (a process group of ``tp`` is up)."""
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_world_size() == tp

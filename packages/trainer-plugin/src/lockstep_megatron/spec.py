@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lockstep_exact import programs as P
 from lockstep_exact.contract import geometry_contract
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.lanes.ops import Ops, to_bf16
@@ -60,20 +61,20 @@ class ExactCoreAttention(_Slot):
 
 
 # --- linear layers -------------------------------------------------------------------------------
-class ExactLinear(nn.Module):
-    """A (possibly fused) weight [N, K] whose output rows are split into named parts (the HF
-    projections); LoRA, when added, is per part."""
+class _Exact:
+    """What every exact linear holds beside its weight: the named output parts (the HF
+    projections of a fused weight, this rank's rows under tensor parallelism), LoRA per part,
+    and no forward of its own (the composition reads the weight)."""
 
-    def __init__(self, input_size: int, parts: dict[str, torch.Tensor]):
-        super().__init__()
-        out = sum(len(c) for c in parts.values())
-        self.weight = nn.Parameter(torch.zeros(out, input_size, dtype=BF16), requires_grad=False)
+    def _exact_init(self, parts: dict[str, torch.Tensor], input_full: int) -> None:
+        self.weight.requires_grad_(False)
         self.parts = dict(parts)
+        self.input_full = input_full  # K of the whole matrix (a row-parallel LoRA A is whole)
         self.lora = nn.ModuleDict()
 
     def add_lora(self, part: str, rank: int, alpha: float, generator: torch.Generator):
         """A ~ kaiming-like uniform, B = 0 (PEFT's init): a new adapter changes no byte."""
-        k = self.weight.shape[1]
+        k = self.input_full
         bound = 1.0 / k**0.5
         a = (torch.rand(rank, k, generator=generator, dtype=torch.float32) * 2 - 1) * bound
         b = torch.zeros(len(self.parts[part]), rank, dtype=torch.float32)
@@ -84,8 +85,56 @@ class ExactLinear(nn.Module):
             return self.weight
         return self.weight[self.parts[part].to(self.weight.device)]
 
-    def forward(self, x):
-        raise RuntimeError("ExactLinear runs inside the lane composition (ExactLayer)")
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("exact linears run inside the lane composition (ExactLayer)")
+
+
+class ExactLinear(_Exact, nn.Module):
+    """A (possibly fused) whole weight [N, K] (tensor-parallel size 1, and the experts)."""
+
+    def __init__(self, input_size: int, parts: dict[str, torch.Tensor]):
+        nn.Module.__init__(self)
+        out = sum(len(c) for c in parts.values())
+        self.weight = nn.Parameter(torch.zeros(out, input_size, dtype=BF16), requires_grad=False)
+        self._exact_init(parts, input_size)
+
+
+_PARALLEL: dict[str, type] = {}
+
+
+def parallel_linear(kind: str) -> type:
+    """Megatron's own ``ColumnParallelLinear`` / ``RowParallelLinear`` holding this rank's
+    shard (Megatron allocates and marks it: ``partition_dim``, ``tensor_model_parallel``), with
+    the exact-linear parts; built lazily (Megatron is imported only when a model is built)."""
+    if kind not in _PARALLEL:
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+        base = ColumnParallelLinear if kind == "column" else RowParallelLinear
+
+        # Column: the output stays split (the next op reads this rank's rows); row: the
+        # input arrives split. Zero init: the weights are loaded right after.
+        where = {"gather_output": False} if kind == "column" else {"input_is_parallel": True}
+
+        def __init__(self, input_size, output_size, parts, *, config):
+            base.__init__(
+                self,
+                input_size,
+                output_size,
+                config=config,
+                init_method=nn.init.zeros_,
+                bias=False,
+                skip_bias_add=True,
+                **where,
+            )
+            self._exact_init(parts, input_size)
+
+        methods = {"__init__": __init__, "forward": _Exact.forward}
+        _PARALLEL[kind] = type(f"Exact{base.__name__}", (_Exact, base), methods)
+    return _PARALLEL[kind]
+
+
+def tp_size(config) -> int:
+    return int(getattr(config, "tensor_model_parallel_size", 1) or 1)
 
 
 class LoRA(nn.Module):
@@ -103,9 +152,10 @@ def _cols(start: int, n: int) -> torch.Tensor:
 
 
 def qkv_parts(config) -> dict[str, torch.Tensor]:
-    """Megatron's fused QKV rows: per query group g, [q heads of g | k_g | v_g]."""
-    d, groups = config.kv_channels, config.num_query_groups
-    qpg = config.num_attention_heads // groups
+    """Megatron's fused QKV rows: per query group g, [q heads of g | k_g | v_g] (this rank's
+    groups under tensor parallelism)."""
+    d, groups = config.kv_channels, config.num_query_groups // tp_size(config)
+    qpg = config.num_attention_heads // config.num_query_groups
     stride = (qpg + 2) * d
     q = torch.cat([_cols(g * stride, qpg * d) for g in range(groups)])
     k = torch.cat([_cols(g * stride + qpg * d, d) for g in range(groups)])
@@ -113,15 +163,23 @@ def qkv_parts(config) -> dict[str, torch.Tensor]:
     return {"q_proj": q, "k_proj": k, "v_proj": v}
 
 
-class ExactQKV(ExactLinear):
-    def __init__(self, input_size, output_size, *, config, **_):
-        super().__init__(input_size, qkv_parts(config))
-        assert self.weight.shape[0] == output_size
+class ExactQKV:
+    """SelfAttention's linear_qkv: column-parallel (this rank's query groups). A class (its
+    instances are Megatron ``ColumnParallelLinear``s) because Megatron's ``build_module``
+    returns a plain function uncalled."""
+
+    def __new__(cls, input_size, output_size, *, config, **_):
+        m = parallel_linear("column")(input_size, output_size, qkv_parts(config), config=config)
+        assert m.weight.shape[0] == output_size // tp_size(config)
+        return m
 
 
-class ExactProj(ExactLinear):
-    def __init__(self, input_size, output_size, *, config=None, **_):
-        super().__init__(input_size, {"o_proj": _cols(0, output_size)})
+class ExactProj:
+    """SelfAttention's linear_proj (o_proj): row-parallel (this rank's share of K)."""
+
+    def __new__(cls, input_size, output_size, *, config, **_):
+        parts = {"o_proj": _cols(0, output_size)}
+        return parallel_linear("row")(input_size, output_size, parts, config=config)
 
 
 def fc1_parts(ffn: int) -> dict[str, torch.Tensor]:
@@ -130,12 +188,21 @@ def fc1_parts(ffn: int) -> dict[str, torch.Tensor]:
 
 
 class ExactMLP(nn.Module):
-    """linear_fc1 (gate|up) and linear_fc2 (down) weights."""
+    """linear_fc1 (gate|up) and linear_fc2 (down) weights: Megatron's column- and row-parallel
+    linears in a dense layer (fc1 holds [gate shard; up shard] on each rank), whole matrices
+    for an expert."""
 
     def __init__(self, config=None, hidden: int = 0, ffn: int = 0, **_):
         super().__init__()
-        hidden = hidden or config.hidden_size
-        ffn = ffn or config.ffn_hidden_size
+        if config is not None:  # a dense layer's MLP, built by Megatron's spec
+            hidden, ffn, tp = config.hidden_size, config.ffn_hidden_size, tp_size(config)
+            self.linear_fc1 = parallel_linear("column")(
+                hidden, 2 * ffn, fc1_parts(ffn // tp), config=config
+            )
+            self.linear_fc2 = parallel_linear("row")(
+                ffn, hidden, {"down_proj": _cols(0, hidden)}, config=config
+            )
+            return
         self.linear_fc1 = ExactLinear(hidden, fc1_parts(ffn))
         self.linear_fc2 = ExactLinear(ffn, {"down_proj": _cols(0, hidden)})
 
@@ -173,6 +240,7 @@ class MegatronSlots(qwen3.Slots):
     def __init__(self, lane: LockstepGPT, s: int, b: int):
         self.lane, self.s, self.b = lane, s, b
         self.grad = torch.is_grad_enabled()
+        self.gather = lane.gather  # the tensor-parallel group (one device: P.LOCAL)
 
     def _linear(self, layer: int, name: str) -> tuple[ExactLinear, str] | None:
         mod = self.lane.gpt.decoder.layers[layer]
@@ -188,6 +256,9 @@ class MegatronSlots(qwen3.Slots):
     def weight(self, layer, name):
         gpt = self.lane.gpt
         if layer is None:
+            if name == "model.embed_tokens.weight" and self.gather.size > 1:
+                # Megatron's vocab-parallel shards, gathered in rank order: the whole table.
+                return torch.cat(self.gather.all(gpt.embedding.word_embeddings.weight), dim=0)
             return {
                 "model.embed_tokens.weight": lambda: gpt.embedding.word_embeddings.weight,
                 "model.norm.weight": lambda: gpt.decoder.final_layernorm.weight,
@@ -310,10 +381,11 @@ def block_spec(geom: Geometry):
     )
 
 
-def transformer_config(geom: Geometry):
+def transformer_config(geom: Geometry, tp: int = 1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
+        tensor_model_parallel_size=tp,
         num_layers=geom.layers,
         hidden_size=geom.hidden,
         num_attention_heads=geom.heads,
@@ -342,7 +414,7 @@ def transformer_config(geom: Geometry):
 class LockstepGPT(nn.Module):
     """``Float16Module(GPTModel)`` with the exact spec, then log_softmax: tokens -> logprobs."""
 
-    def __init__(self, geom: Geometry):
+    def __init__(self, geom: Geometry, tp: int = 1):
         super().__init__()
         from megatron.core.models.gpt import GPTModel
         from megatron.core.transformer.module import Float16Module
@@ -351,9 +423,31 @@ class LockstepGPT(nn.Module):
         from .cpu import init_single_process
 
         check()  # never run beside a lockstep-exact this release was not built against
-        init_single_process()
+        self.gather = P.LOCAL
+        if tp == 1:
+            init_single_process()
+        else:  # the caller's ranks (parallel.py): Megatron's tensor-parallel group is set up
+            from megatron.core import parallel_state
+
+            from lockstep_exact.layout import DistGather
+
+            have = parallel_state.get_tensor_model_parallel_world_size()
+            if have != tp:
+                raise RuntimeError(f"Megatron's tensor-parallel group has {have} ranks, not {tp}")
+            if geom.is_moe:
+                raise NotImplementedError(
+                    "Megatron MoE layers at tp > 1 are not wired to the lane yet (issue 14): "
+                    "the trainer runs MoE at tp 1"
+                )
+            self.gather = DistGather(parallel_state.get_tensor_model_parallel_group(), tp)
+        self.tp = tp
+        self.tp_rank = 0
+        if tp > 1:
+            from megatron.core import parallel_state
+
+            self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.geom = geom
-        config = transformer_config(geom)
+        config = transformer_config(geom, tp)
         gpt = GPTModel(
             config=config,
             transformer_layer_spec=block_spec(geom),
