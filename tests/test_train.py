@@ -160,7 +160,7 @@ def test_grpo_on_the_toy_task_is_exact_at_every_step_and_learns(grpo_run):
     out, rows, progress = grpo_run
     assert [r["step"] for r in rows] == list(range(1, 11))
     _exact_every_step(rows)
-    assert all(r["decisions"] == 4 * 4 * 8 for r in rows)
+    assert all(r["decisions"] == 4 * 8 * 8 for r in rows)  # prompts x group x decisions
     first, last = _means(rows, 3)
     assert first < 0.5 and last > first + 0.4, (first, last)  # starts near 1/4 (random)
     # One engine for the run; each step's adapter hot-loaded under a new id.
@@ -362,16 +362,16 @@ def test_on_policy_distillation_learns_from_a_finetuned_teacher(tiny_dense, grpo
     """The teacher is the base model with a GRPO adapter merged in: distilling it lowers the
     reverse KL and raises the toy reward the student never saw (read through the reward
     hook)."""
-    teacher = merged_model(tiny_dense, grpo_run[0] / "adapters" / "step-0006", tmp_path / "t")
+    teacher = merged_model(tiny_dense, grpo_run[0] / "adapters" / "step-0010", tmp_path / "t")
     pm = manager()
     pm.register(_ToyHook())
     config = TrainConfig(algo="opd", teacher=str(teacher), steps=8, reward="hook")
     rows = run_train(pm, tiny_dense, tmp_path / "o", config, progress=Quiet())
     _exact_every_step(rows)
     first, last = _means(rows, 3, "reverse_kl")
-    assert last < 0.75 * first, (first, last)
+    assert last < 0.5 * first, (first, last)
     first, last = _means(rows, 3)
-    assert last > first + 0.1, (first, last)
+    assert last > first + 0.3, (first, last)
 
 
 @pytest.mark.engine

@@ -89,3 +89,10 @@ def test_a_reward_that_fails_names_the_completion(fn, message):
 def test_a_reward_may_return_an_int_or_a_one_element_tensor():
     assert score(lambda c: 1, _completion(), "f") == 1.0
     assert score(lambda c: torch.tensor(0.25), _completion(), "f") == 0.25
+
+
+def test_whitening_keeps_the_order_and_centres_the_tokens():
+    out = rl.whiten([torch.tensor([1.0, 3.0]), torch.tensor([5.0])])
+    flat = torch.cat(out)
+    assert flat[0] < flat[1] < flat[2] and abs(float(flat.mean())) < 1e-6
+    assert all(torch.equal(o, torch.zeros(2)) for o in rl.whiten([torch.ones(2)]))

@@ -32,6 +32,17 @@ def group_advantages(rewards: Sequence[float], group: int) -> list[float]:
     return [float(a) for a in adv.to(torch.float32).flatten()]
 
 
+def whiten(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-token advantages minus their mean over the step's tokens, over their standard
+    deviation (population): a constant baseline and a scale, so the policy gradient keeps its
+    direction with less variance. All-equal values give zeros."""
+    flat = torch.cat([v.reshape(-1) for v in values]).to(torch.float64)
+    mean, std = flat.mean(), flat.std(unbiased=False)
+    if not std > 0:
+        return [torch.zeros_like(v) for v in values]
+    return [((v.to(torch.float64) - mean) / std).to(torch.float32) for v in values]
+
+
 def k3_kl(logprobs: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """Per-token KL(policy || reference) estimate on the policy's own samples (the k3
     estimator): ``exp(ref - lp) - (ref - lp) - 1``; non-negative, zero where they agree."""

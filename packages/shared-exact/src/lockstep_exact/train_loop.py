@@ -15,7 +15,8 @@ One sampling engine (the serving plugin's ``lockstep_sampler_session``) and one 
    hook) and the update: GRPO (group-normalized advantages, PPO clip against the sampler's
    log-probabilities, optionally a k3 KL to the frozen base model), on-policy distillation
    (a frozen teacher of the same tokenizer scores the student's samples; the per-token
-   advantage is the teacher's log-probability minus the student's: reverse KL), or SFT
+   advantage is the teacher's log-probability minus the student's, i.e. minus the per-token
+   reverse KL, whitened over the step's tokens), or SFT
    (prompt/completion pairs of ``--data``; the sampled probe still checks the bytes and
    measures the reward). The trainer refuses the backward pass unless the forward it is about
    to differentiate reproduces the sampler's log-probabilities byte for byte;
@@ -81,7 +82,7 @@ class TrainSetupError(ValueError):
 class TrainConfig:
     algo: str = "grpo"
     steps: int = 10
-    group: int = 4  # completions per prompt
+    group: int = 8  # completions per prompt
     prompts: int = 4  # prompts (sft: examples) per step
     decisions: int = 8  # sampled tokens per completion
     lr: float | None = None  # None: grpo 2e-2, opd and sft 5e-3
@@ -435,8 +436,9 @@ class _Run:
             advantages = [torch.tensor(a, dtype=torch.float32) for a in adv]
         elif c.algo == "opd":
             teacher = _split(self.teacher.session.logprobs(trace), old)
-            advantages = [t - o for t, o in zip(teacher, old, strict=True)]
-            row["reverse_kl"] = float(torch.cat([-a for a in advantages]).mean())
+            raw = [t - o for t, o in zip(teacher, old, strict=True)]  # -(per-token reverse KL)
+            advantages = rl.whiten(raw)
+            row["reverse_kl"] = float(-torch.cat(raw).mean())
         if c.algo in ("grpo", "opd"):
 
             def loss(lps, idx):
