@@ -1,6 +1,6 @@
 """Layout invariance in the trainer: Megatron at tensor-parallel size 2 (two processes over
 gloo; Megatron's own ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding hold
-each rank's shard) replays a vLLM tp=1 trace byte for byte."""
+each rank's shard) replays a vLLM tp=1 trace byte for byte, with and without a LoRA adapter."""
 
 from __future__ import annotations
 
@@ -30,9 +30,11 @@ def dense(pm, tmp_path_factory):
     return root, model, trace
 
 
-def _replay(pm, model, trace_dir, tp, control=False):
+def _replay(pm, model, trace_dir, tp, control=False, adapter=None):
     return pm.hook.lockstep_replay(
-        request=ReplayRequest(model_dir=model, trace_dir=trace_dir, tp=tp, control=control)
+        request=ReplayRequest(
+            model_dir=model, trace_dir=trace_dir, tp=tp, control=control, adapter_dir=adapter
+        )
     ).logprobs
 
 
@@ -40,6 +42,18 @@ def test_megatron_at_tp2_replays_vllm_at_tp1_byte_for_byte(pm, dense):
     root, model, trace = dense
     cmp = compare(trace.logprobs, _replay(pm, model, root / "trace", 2))
     assert cmp.exact and cmp.n == 64 and cmp.k3_max == 0.0, str(cmp)
+
+
+def test_megatron_at_tp2_replays_vllm_lora_decisions_byte_for_byte(pm, dense):
+    """Column-parallel sites take this rank's rows of B, row-parallel ones the whole adapter
+    over the gathered input."""
+    from lockstep_exact.adapters import make_adapter
+
+    root, model, _ = dense
+    adapter = make_adapter(model, root / "A", seed=5)
+    trace = capture(pm, model, root / "A-trace", adapter=adapter)
+    cmp = compare(trace.logprobs, _replay(pm, model, root / "A-trace", 2, adapter=adapter))
+    assert cmp.exact and cmp.n == 64, str(cmp)
 
 
 def test_control_megatron_at_tp2_on_a_one_ulp_copy_parts_from_the_trace(pm, dense):

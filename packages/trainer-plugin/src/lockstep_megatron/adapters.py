@@ -69,10 +69,6 @@ def attach(
     LoRA on q_proj and v_proj only. ``rank``/``alpha`` are the adapter config's ``r`` and
     ``lora_alpha`` (what an export writes).
     """
-    if getattr(model, "tp", 1) > 1:
-        raise NotImplementedError(
-            "LoRA adapters on Megatron at tp > 1 are not wired yet (issue 14); train at tp 1"
-        )
     g = torch.Generator().manual_seed(seed)
     alphas = {}
     for s in sites(model):

@@ -37,6 +37,11 @@ def peft_tensors(model: LockstepGPT) -> dict[str, torch.Tensor]:
 
 def export_peft(model: LockstepGPT, out_dir: str | Path, model_dir: str | Path | ModelDir) -> Path:
     """Write the trained adapter, bound to ``model_dir``'s model hash and contract."""
+    if getattr(model, "tp", 1) > 1:
+        raise NotImplementedError(
+            "exporting an adapter from Megatron at tp > 1 is not wired yet (issue 14): the "
+            "column-parallel B factors would need gathering; train and export at tp 1"
+        )
     cfg = model.lora_config
     base = ModelDir.of(model_dir)
     return write_adapter(
@@ -75,6 +80,11 @@ def load_into(model: LockstepGPT, adapter_dir: str | Path, model_dir: str | Path
             continue  # not adapted: this site runs the base weights only
         ad = s.linear.lora[s.part]
         a, b, scale = adapter.modules[key]
+        tp = getattr(model, "tp", 1)
+        if tp > 1:  # this rank's rows of a column-parallel site's B (A and row sites whole)
+            from lockstep_exact.layout import shard_lora
+
+            a, b, scale = shard_lora(key, (a, b, scale), model.tp_rank, tp)
         if scale != ad.scale:
             raise AdapterError(f"{s.hf_module}: scale {scale} vs the lane's {ad.scale}")
         with torch.no_grad():

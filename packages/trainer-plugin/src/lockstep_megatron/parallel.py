@@ -56,13 +56,10 @@ def replay_tp(
             "Megatron MoE layers at tp > 1 are not wired to the lane yet (issue 14): replay "
             "MoE at tp 1"
         )
-    if adapter_dir is not None:
-        raise NotImplementedError(
-            "LoRA adapters on Megatron at tp > 1 are not wired yet (issue 14); replay at tp 1"
-        )
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lockstep-tp-") as tmp:
-        args = (str(model_dir), str(trace_dir), None, backend, micro_batch, control)
+        adapter = str(adapter_dir) if adapter_dir is not None else None
+        args = (str(model_dir), str(trace_dir), adapter, backend, micro_batch, control)
         mp.start_processes(
             _rank,
             args=(tp, f"{tmp}/store", args, f"{tmp}/out"),
