@@ -298,6 +298,10 @@ def test_a_resumed_run_is_byte_identical_to_an_uninterrupted_one(tiny_dense, tmp
             reward=lambda c: 0.0,
             resume=True,
         )
+    damaged = parts / "checkpoints" / "step-0004" / "loop.json"
+    damaged.write_bytes(damaged.read_bytes().replace(b"4", b"5"))
+    with pytest.raises(TrainSetupError, match="loop.json is corrupted: sha256 differs"):
+        run_train(manager(), tiny_dense, parts, TrainConfig(steps=5, **config), resume=True)
     assert [r["step"] for r in _rows(parts)] == [1, 2, 3, 4]  # nothing lost
 
 

@@ -17,7 +17,14 @@ import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-__all__ = ["fsync_dir", "write_dir", "write_file"]
+__all__ = [
+    "MANIFEST",
+    "fsync_dir",
+    "read_manifested",
+    "write_dir",
+    "write_file",
+    "write_manifested",
+]
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -99,3 +106,56 @@ def write_file(path: str | os.PathLike[str], data: bytes) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+MANIFEST = "manifest.json"
+
+
+def write_manifested(target: str | os.PathLike[str], files: Mapping[str, bytes], fmt: str) -> Path:
+    """``write_dir`` of ``files`` plus ``manifest.json`` (``fmt`` and the sha256 of every other
+    file), written last: it vouches for the rest. Checkpoints are written this way."""
+    import json
+
+    from .hashing import sha256_bytes
+
+    manifest = {"format": fmt, "files": {n: sha256_bytes(b) for n, b in sorted(files.items())}}
+    return write_dir(target, {**files, MANIFEST: json.dumps(manifest, indent=2).encode()})
+
+
+def read_manifested(
+    path: str | os.PathLike[str],
+    fmt: str,
+    error: type[Exception] = ValueError,
+    *,
+    what: str = "checkpoint",
+    why_format: str = "",
+) -> dict[str, bytes]:
+    """The files of a ``write_manifested`` directory, each checked against the manifest.
+
+    Raises ``error`` naming the problem: no manifest (a partial or foreign ``what``), a
+    corrupted manifest, another format (``why_format`` appended), a file missing or not listed,
+    a file whose sha256 differs."""
+    import json
+
+    from .hashing import sha256_bytes
+
+    d = Path(path)
+    if not (d / MANIFEST).is_file():
+        raise error(f"{d} has no {MANIFEST}: a partial or foreign {what}")
+    try:
+        manifest = json.loads((d / MANIFEST).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise error(f"{d / MANIFEST} is corrupted: {err}") from err
+    if manifest.get("format") != fmt:
+        raise error(f"{d} is a {manifest.get('format')!r} {what}, not {fmt!r}{why_format}")
+    present = {p.name for p in d.iterdir()} - {MANIFEST}
+    listed = set(manifest["files"])
+    if present != listed:
+        raise error(f"{d}: files {sorted(present ^ listed)} are missing or not in the manifest")
+    blobs = {}
+    for name, digest in manifest["files"].items():
+        data = (d / name).read_bytes()
+        if sha256_bytes(data) != digest:
+            raise error(f"{d / name} is corrupted: sha256 differs from the manifest")
+        blobs[name] = data
+    return blobs

@@ -33,18 +33,17 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import rl
-from .atomic import write_dir
-from .hashing import sha256_bytes, sha256_file
+from .atomic import read_manifested, write_manifested
+from .hashing import sha256_file
 from .k3 import compare
 from .model import ModelDir, model_hash, tokenizer_hash
 from .plugins import require_hook
@@ -303,35 +302,17 @@ def _checkpoints(out: Path) -> list[Path]:
 
 
 def save_checkpoint(out: Path, step: int, trainer_files: dict[str, bytes], loop: dict) -> Path:
-    files = dict(trainer_files)
-    files["loop.json"] = (json.dumps(loop, indent=2, sort_keys=True) + "\n").encode()
-    manifest = {
-        "format": CHECKPOINT_FORMAT,
-        "files": {n: sha256_bytes(b) for n, b in sorted(files.items())},
-    }
-    files["manifest.json"] = (json.dumps(manifest, indent=2) + "\n").encode()  # written last
-    return write_dir(out / "checkpoints" / f"step-{step:04d}", files)
+    state = (json.dumps(loop, indent=2, sort_keys=True) + "\n").encode()
+    files = {**trainer_files, "loop.json": state}
+    return write_manifested(out / "checkpoints" / f"step-{step:04d}", files, CHECKPOINT_FORMAT)
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, bytes], dict]:
-    """(trainer files, loop state), or ``TrainSetupError`` for a damaged checkpoint."""
-    mpath = path / "manifest.json"
-    if not mpath.is_file():
-        raise TrainSetupError(f"train --resume: {path} has no manifest.json (a partial write)")
+    """(trainer files, loop state), or ``TrainSetupError`` naming what is damaged."""
     try:
-        manifest = json.loads(mpath.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise TrainSetupError(f"train --resume: {mpath} is corrupted: {err}") from err
-    if manifest.get("format") != CHECKPOINT_FORMAT:
-        raise TrainSetupError(f"train --resume: {path} is not a {CHECKPOINT_FORMAT} checkpoint")
-    files = {}
-    for name, digest in manifest["files"].items():
-        f = path / name
-        if not f.is_file() or sha256_file(f) != digest:
-            raise TrainSetupError(
-                f"train --resume: {f} is missing or corrupted (sha256 differs from the manifest)"
-            )
-        files[name] = f.read_bytes()
+        files = read_manifested(path, CHECKPOINT_FORMAT, TrainSetupError)
+    except TrainSetupError as err:
+        raise TrainSetupError(f"train --resume: {err}") from err
     loop = json.loads(files.pop("loop.json"))
     return files, loop
 
@@ -731,11 +712,3 @@ def write_report(out: Path, rows: list[dict], identity: dict, stopped: str | Non
     tmp.write_text(render(rows, identity, stopped), encoding="utf-8")
     tmp.replace(path)
     return path
-
-
-def config_json(config: TrainConfig) -> dict:
-    return asdict(config)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit("use: lockstep train")

@@ -4,7 +4,7 @@ seed, micro-batch, the advantages) and the job's identity (``identity``: contrac
 model hash, adapter-in hash, steps, ...). A resume compares both with the job that resumes
 (``check_resume``) and refuses, naming the field, a checkpoint made for anything else.
 
-Written atomically (``lockstep_exact.atomic.write_dir``): every file goes into a temporary
+Written atomically (``lockstep_exact.atomic.write_manifested``): every file goes into a temporary
 directory beside the target and is fsynced, ``manifest.json`` (the sha256 of every other file)
 is written last, then the directory is renamed into place. ``load`` refuses a directory without
 a manifest (a partial write), a file whose sha256 differs (corruption), or a missing/extra file.
@@ -19,10 +19,8 @@ from typing import Any
 
 from safetensors.torch import load, save
 
-from lockstep_exact.atomic import write_dir
-from lockstep_exact.hashing import sha256_bytes
+from lockstep_exact.atomic import read_manifested, write_manifested
 
-MANIFEST = "manifest.json"
 FORMAT = "lockstep.megatron.checkpoint/2"
 
 
@@ -51,10 +49,7 @@ def save_checkpoint(state: dict, path: str | Path) -> Path:
         raise FileExistsError(f"{target} exists; checkpoints are never overwritten in place")
     if not isinstance(state.get("settings"), Mapping) or not state["settings"]:
         raise CheckpointError("a checkpoint needs the training settings it was made with")
-    files = _files(state)
-    manifest = {"format": FORMAT, "files": {n: sha256_bytes(b) for n, b in sorted(files.items())}}
-    files[MANIFEST] = json.dumps(manifest, indent=2).encode()  # last: it vouches for the rest
-    return write_dir(target, files)
+    return write_manifested(target, _files(state), FORMAT)
 
 
 def _canonical(value: Any) -> Any:
@@ -93,30 +88,12 @@ def check_resume(
 
 
 def load_checkpoint(path: str | Path) -> dict:
-    d = Path(path)
-    if not (d / MANIFEST).is_file():
-        raise CheckpointError(f"{d} has no {MANIFEST}: a partial or foreign checkpoint")
-    try:
-        manifest = json.loads((d / MANIFEST).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{d / MANIFEST} is corrupted: {err}") from err
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{d} is a {manifest.get('format')!r} checkpoint, not {FORMAT!r} (older ones do not "
-            "record the settings a resume must match)"
-        )
-    present = {p.name for p in d.iterdir()} - {MANIFEST}
-    listed = set(manifest["files"])
-    if present != listed:
-        raise CheckpointError(
-            f"{d}: files {sorted(present ^ listed)} are missing or not in the manifest"
-        )
-    blobs = {}
-    for name, digest in manifest["files"].items():
-        data = (d / name).read_bytes()
-        if sha256_bytes(data) != digest:
-            raise CheckpointError(f"{d / name} is corrupted: sha256 differs from the manifest")
-        blobs[name] = data
+    blobs = read_manifested(
+        path,
+        FORMAT,
+        CheckpointError,
+        why_format=" (older ones do not record the settings a resume must match)",
+    )
     meta = json.loads(blobs["meta.json"])
     return {
         "adapters": load(blobs["adapters.safetensors"]),
