@@ -143,10 +143,14 @@ class LockstepQwen3ForCausalLM(nn.Module):
         self.tp_rank = 0
         self.gather = P.LOCAL
         if self.tp > 1:
-            from vllm.distributed import get_tensor_model_parallel_rank
+            from vllm.distributed import get_tensor_model_parallel_rank, get_tp_group
+
+            from lockstep_exact.layout import DistGather
 
             self.tp_rank = get_tensor_model_parallel_rank()
-            self.gather = _TpGather(self.tp)
+            group = get_tp_group()  # gloo for a cpu engine, the device group otherwise
+            on_cpu = vllm_config.device_config.device_type == "cpu"
+            self.gather = DistGather(group.cpu_group if on_cpu else group.device_group, self.tp)
         self.weights: dict[str, torch.Tensor] = {}
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(g.layers)]
         # vLLM's Attention modules own the paged KV cache; their forward is unused. They run on
@@ -265,24 +269,6 @@ class PagedSlots(qwen3.DictSlots):
         return paged_attention(
             q, k, v, positions, md, kv_cache, slots[self.rows], self.reqs, core=core
         )
-
-
-class _TpGather(P.Gather):
-    """All-gather over vLLM's tensor-parallel group, in rank order (gloo for cpu tensors,
-    the device group otherwise): the fp32 partials gemm.kpart folds."""
-
-    def __init__(self, size: int):
-        self.size = size
-
-    def all(self, t: torch.Tensor) -> list[torch.Tensor]:
-        import torch.distributed as dist
-        from vllm.distributed import get_tp_group
-
-        group = get_tp_group()
-        t = t.contiguous()
-        out = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(out, t, group=group.cpu_group if t.is_cpu else group.device_group)
-        return out
 
 
 class LockstepQwen3MoeForCausalLM(LockstepQwen3ForCausalLM):

@@ -24,7 +24,7 @@ import torch
 
 from . import programs as P
 from .contract import check_layout
-from .lanes.qwen3 import DictSlots, Geometry, LoRA, is_row_parallel
+from .lanes.qwen3 import DictSlots, Geometry, LoRA, is_row_parallel, local_dispatch
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
@@ -136,11 +136,7 @@ class ShardedSlots(DictSlots):
     def dispatch(self, layer, h, ids, expert):
         """This rank's experts on the rows routed to them; each (row, slot) then takes the
         output of the rank that owns its expert (a select: no sum, no reordering)."""
-        out = h.new_zeros(h.shape[0], ids.shape[1], h.shape[1])
-        for e in self.owned:
-            rows, slot = (ids == e).nonzero(as_tuple=True)
-            if rows.numel():
-                out = out.index_put((rows, slot), expert(e, h[rows]))
+        out = local_dispatch(h, ids, expert, owned=self.owned)
         if self.ep_gather.size == 1:
             return out
         owners = torch.stack(self.ep_gather.all(out))  # [ep, T, k, H]

@@ -181,11 +181,15 @@ class Slots:
         return local_dispatch(h, ids, expert)
 
 
-def local_dispatch(h, ids, expert):
+def local_dispatch(h, ids, expert, owned=None):
     """Every expert routed to by some row, in ascending id, on the rows that chose it; the
-    results land at (row, slot) of a [T, k, H] tensor (out of place: autograd sees it)."""
+    results land at (row, slot) of a [T, k, H] tensor (out of place: autograd sees it).
+    ``owned`` (a container of expert ids): only those run, other slots stay zero (expert
+    parallelism: the other ranks fill them)."""
     rows_all, slots_all, outs = [], [], []
     for e in torch.unique(ids).tolist():
+        if owned is not None and e not in owned:
+            continue
         rows, slot = (ids == e).nonzero(as_tuple=True)
         outs.append(expert(e, h[rows]))
         rows_all.append(rows)
