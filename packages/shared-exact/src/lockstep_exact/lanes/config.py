@@ -180,6 +180,11 @@ def check_config(cfg: Mapping) -> dict[str, Any]:
     Raises ``UnsupportedModel`` naming the key (and its value) the lane does not implement.
     """
     archs = cfg.get("architectures") or ["?"]
+    if isinstance(archs, list) and archs and archs[0] in HYBRID_FAMILIES:
+        raise UnsupportedModel(
+            f"architecture {archs[0]!r} has no exact lane yet: its byte programs exist (issue "
+            "16: gdn.chunked, conv1d.causal, ...), its lane composition does not"
+        )
     if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in FAMILIES:
         raise UnsupportedModel(
             f"architecture {archs!r} has no exact lane; supported: {sorted(FAMILIES)}"
@@ -271,3 +276,129 @@ def check_config(cfg: Mapping) -> dict[str, Any]:
         norm_topk=norm_topk,
     )
     return geom
+
+
+# --- the hybrid family (Qwen3-Next, issue 16) ----------------------------------------------------
+# Its byte programs exist (gdn.chunked, gdn.gating, gdn.l2norm, conv1d.causal,
+# rmsnorm.zero_centered, rmsnorm.gated, gate.sigmoid, moe.shared_gate); its lane does not yet, so
+# ``check_config`` refuses it. ``check_next_config`` is the lane's config check, ready for it.
+HYBRID_FAMILIES = {"Qwen3NextForCausalLM": ("qwen3-next", "qwen3_next")}
+HF_NEXT_FULL_ATTENTION_INTERVAL = 4  # Qwen3NextConfig's layer_types when the config has none
+_NEXT_LAYER_TYPES = ("linear_attention", "full_attention")
+
+_FIXED_NEXT: dict[str, tuple[Any, str]] = {
+    **{k: _FIXED[k] for k in ("hidden_act", "attention_bias", "attention_dropout")},
+    **{k: _FIXED[k] for k in ("rope_scaling", "quantization_config", "dtype", "torch_dtype")},
+    **_FIXED_MOE,
+    "layer_types": (
+        lambda v: isinstance(v, list) and all(t in _NEXT_LAYER_TYPES for t in v),
+        'Gated DeltaNet or gated full attention per layer ("linear_attention", "full_attention")',
+    ),
+    "attn_output_gate": (lambda v: v is True, "the sigmoid output gate, gate.sigmoid (true)"),
+    "output_gate_type": (
+        lambda v: v in ("silu", "swish"),
+        "rmsnorm.gated's silu gate before out_proj (silu)",
+    ),
+    "partial_rotary_factor": (
+        lambda v: v in (1, 1.0),
+        "RoPE on the whole head dim: rope.neox has no rotary_dim yet (1.0)",
+    ),
+}
+_SHAPE_NEXT = (_SHAPE | _SHAPE_MOE) - {"num_local_experts"} | {
+    "full_attention_interval",
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "shared_expert_intermediate_size",
+}
+
+
+def check_next_config(cfg: Mapping) -> dict[str, Any]:
+    """The config check of the qwen3-next lane: refuse what its programs do not implement
+    (naming the key and value), return its geometry (a dict).
+
+    Absent keys take HF ``Qwen3NextConfig``'s defaults where the numbers allow one (layer types
+    from ``full_attention_interval`` 4, rope theta 10000, eps 1e-6, untied embeddings,
+    ``norm_topk_prob`` true, RoPE on a quarter of the head dim, which is refused); sizes must be
+    stated.
+    """
+    archs = cfg.get("architectures") or ["?"]
+    if archs != ["Qwen3NextForCausalLM"]:
+        raise UnsupportedModel(f"architecture {archs!r} is not Qwen3NextForCausalLM")
+    if cfg.get("model_type", "qwen3_next") != "qwen3_next":
+        raise _refuse("model_type", cfg["model_type"], "Qwen3NextForCausalLM is 'qwen3_next'")
+    known = NO_NUMERICS | set(_FIXED_NEXT) | _SHAPE_NEXT
+    for key in cfg:
+        if key not in known:
+            raise UnsupportedModel(
+                f"the exact lane does not implement config key {key!r} (= {cfg[key]!r}); the "
+                f"qwen3-next lane implements: {', '.join(sorted(known - NO_NUMERICS))}"
+            )
+    rope = dict(cfg.get("rope_parameters") or {})
+    partial = rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    checked = {**cfg, "partial_rotary_factor": partial}
+    for key, (accepts, what) in _FIXED_NEXT.items():
+        if key in checked and not accepts(checked[key]):
+            raise _refuse(key, checked[key], f"the lane runs {what}")
+    hidden = _int(cfg, "hidden_size")
+    heads = _int(cfg, "num_attention_heads")
+    kv_heads = _int(cfg, "num_key_value_heads")
+    if heads % kv_heads:
+        raise _refuse(
+            "num_key_value_heads", kv_heads, f"it must divide num_attention_heads ({heads})"
+        )
+    k_heads = _int(cfg, "linear_num_key_heads")
+    v_heads = _int(cfg, "linear_num_value_heads")
+    if v_heads % k_heads:
+        raise _refuse(
+            "linear_num_value_heads", v_heads, f"a multiple of linear_num_key_heads ({k_heads})"
+        )
+    layers = _int(cfg, "num_hidden_layers")
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        every = cfg.get("full_attention_interval", HF_NEXT_FULL_ATTENTION_INTERVAL)
+        every = _int({"full_attention_interval": every}, "full_attention_interval")
+        layer_types = [_NEXT_LAYER_TYPES[(i + 1) % every == 0] for i in range(layers)]
+    if len(layer_types) != layers:
+        raise _refuse(
+            "layer_types", layer_types, f"{len(layer_types)} entries for num_hidden_layers {layers}"
+        )
+    head_dim = _int(cfg, "head_dim", minimum=2)
+    if head_dim % 2:
+        raise _refuse("head_dim", head_dim, "RoPE rotates pairs: an even head_dim is expected")
+    experts = _int(cfg, "num_experts")
+    topk = _int(cfg, "num_experts_per_tok")
+    if topk > experts:
+        raise _refuse("num_experts_per_tok", topk, f"more than the {experts} experts")
+    norm_topk = cfg.get("norm_topk_prob", True)
+    if not isinstance(norm_topk, bool):
+        raise _refuse("norm_topk_prob", norm_topk, "a bool is expected")
+    if "tie_word_embeddings" in cfg and not isinstance(cfg["tie_word_embeddings"], bool):
+        raise _refuse("tie_word_embeddings", cfg["tie_word_embeddings"], "a bool is expected")
+    return {
+        "family": "qwen3-next",
+        "hidden": hidden,
+        "layers": layers,
+        "layer_types": tuple(layer_types),
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab": _int(cfg, "vocab_size"),
+        "eps": _float(cfg, "rms_norm_eps", HF_RMS_NORM_EPS),
+        "rope_theta": _rope_theta(
+            {"rope_parameters": rope or None, "rope_theta": cfg.get("rope_theta")}
+        ),
+        "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "linear_key_heads": k_heads,
+        "linear_value_heads": v_heads,
+        "linear_key_dim": _int(cfg, "linear_key_head_dim"),
+        "linear_value_dim": _int(cfg, "linear_value_head_dim"),
+        "conv_kernel": _int(cfg, "linear_conv_kernel_dim", minimum=2),
+        "experts": experts,
+        "topk": topk,
+        "norm_topk": norm_topk,
+        "moe_intermediate": _int(cfg, "moe_intermediate_size"),
+        "shared_intermediate": _int(cfg, "shared_expert_intermediate_size"),
+    }

@@ -66,6 +66,15 @@ CATALOG: dict[str, tuple[int, dict[str, object]]] = {
     "lora.shrink": (1, {"bk": 32}),
     "lora.expand": (1, {"bk": 32}),
     "sample.gumbel_topp": (1, {"rounds": 3}),
+    # The hybrid lane (Qwen3-Next): Gated DeltaNet, its conv and norms, the output gates.
+    "gdn.chunked": (1, {"chunk": 64}),
+    "gdn.gating": (1, {}),
+    "gdn.l2norm": (1, {"eps": 1e-6}),
+    "conv1d.causal": (1, {"kernel": 4}),
+    "rmsnorm.zero_centered": (1, {"eps": 1e-6}),
+    "rmsnorm.gated": (1, {"eps": 1e-6}),
+    "gate.sigmoid": (1, {}),
+    "moe.shared_gate": (1, {}),
 }
 
 BACKENDS = ("cpu", "cuda")
@@ -224,6 +233,60 @@ def lora_expand(base, t, b, scale: float, *, bk: int = 32):
     return _impl("lora_expand", base, t, b)(base, t, b, scale, bk=bk)
 
 
+# --- the hybrid lane (Qwen3-Next) -----------------------------------------------------------
+GdnState = cpu.GdnState
+
+
+def gdn_state(h_k: int, h_v: int, d_k: int, d_v: int, *, chunk: int = 64) -> GdnState:
+    """The gdn.chunked cache of a sequence at position 0 (cpu tensors: S = 0, empty window)."""
+    return cpu.gdn_state(h_k, h_v, d_k, d_v, chunk=chunk)
+
+
+def gdn_chunked(q, k, v, g, beta, state, *, position: int, chunk: int = 64):
+    """gdn.chunked: (out [T, Hv, V] bf16, state') for T new tokens of one sequence at absolute
+    positions ``position ..``; ``state`` is the sequence's GdnState
+    (docs/programs/gdn.chunked.md)."""
+    return _impl("gdn_chunked", q, k, v, g, beta, state.s)(
+        q, k, v, g, beta, state, position=position, chunk=chunk
+    )
+
+
+def gdn_gating(a, b, a_log, dt_bias):
+    """gdn.gating: (g, beta) fp32 [T, Hv] from the bf16 a/b projections, A_log and dt_bias."""
+    return _impl("gdn_gating", a, b, a_log, dt_bias)(a, b, a_log, dt_bias)
+
+
+def l2norm(x, eps: float = 1e-6):
+    """gdn.l2norm: bf16 [..., D] -> fp32, each row over the tree norm (q and k of gdn.chunked)."""
+    return _impl("l2norm", x)(x, eps)
+
+
+def conv1d_causal(x, weight, window, *, kernel: int = 4):
+    """conv1d.causal: (bf16 out [T, D], window' [kernel-1, D]) for one sequence, SiLU after."""
+    return _impl("conv1d_causal", x, weight, window)(x, weight, window, kernel=kernel)
+
+
+def conv1d_window(d: int, *, kernel: int = 4):
+    """The conv1d.causal window of a sequence at position 0 (zeros, cpu)."""
+    return cpu.conv1d_window(d, kernel=kernel)
+
+
+def rmsnorm_zero_centered(x, weight, eps: float):
+    return _impl("rmsnorm_zero_centered", x, weight)(x, weight, eps)
+
+
+def rmsnorm_gated(x, z, weight, eps: float):
+    return _impl("rmsnorm_gated", x, z, weight)(x, z, weight, eps)
+
+
+def sigmoid_gate(x, gate):
+    return _impl("sigmoid_gate", x, gate)(x, gate)
+
+
+def shared_expert_gate(routed, shared, logit):
+    return _impl("shared_expert_gate", routed, shared, logit)(routed, shared, logit)
+
+
 def round_bf16(x):
     return _impl("round_bf16", x)(x)
 
@@ -248,6 +311,17 @@ __all__ = [
     "BACKENDS",
     "CATALOG",
     "BackendUnavailable",
+    "GdnState",
+    "conv1d_causal",
+    "conv1d_window",
+    "gdn_chunked",
+    "gdn_gating",
+    "gdn_state",
+    "l2norm",
+    "rmsnorm_gated",
+    "rmsnorm_zero_centered",
+    "shared_expert_gate",
+    "sigmoid_gate",
     "Program",
     "attention",
     "backend_of",

@@ -3,7 +3,17 @@
 from .activation import silu, swiglu
 from .arith import exp, log, round_bf16, tree_sum
 from .attention import attention, default_scale
+from .gdn import (
+    GdnState,
+    conv1d_causal,
+    conv1d_window,
+    gdn_chunked,
+    gdn_gating,
+    gdn_state,
+    l2norm,
+)
 from .gemm import gemm
+from .hybrid import rmsnorm_gated, rmsnorm_zero_centered, shared_expert_gate, sigmoid_gate
 from .lora import lora_expand, lora_shrink
 from .moe import moe_fold, moe_fold_fp32, router_topk
 from .norm import residual_add, rmsnorm
@@ -12,6 +22,17 @@ from .sampling import sample
 from .softmax import log_softmax, softmax
 
 __all__ = [
+    "GdnState",
+    "conv1d_causal",
+    "conv1d_window",
+    "gdn_chunked",
+    "gdn_gating",
+    "gdn_state",
+    "l2norm",
+    "rmsnorm_gated",
+    "rmsnorm_zero_centered",
+    "shared_expert_gate",
+    "sigmoid_gate",
     "attention",
     "default_scale",
     "exp",

@@ -1,0 +1,341 @@
+"""gdn.*: the Gated DeltaNet programs of the hybrid lane (Qwen3-Next), cpu backend.
+
+gdn.chunked is the gated delta rule over chunks aligned to absolute positions; gdn.gating makes
+its per-token decay and write strength; gdn.l2norm normalizes q and k; conv1d.causal is the short
+depthwise convolution (with its cached window) that feeds them. Every value inside is fp32 and
+every reduction is a fixed tree (``tree_sum``) or a fixed left-to-right chain whose length is set
+by the program, never by how many tokens a call holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .activation import silu
+from .arith import BF16, F32, as_f32, exp, log, require, round_bf16, tree_sum
+
+# Head groups are sized so one group's [heads, rows, K, V] products stay near this many bytes;
+# heads never interact, so the grouping changes no byte.
+_CHUNK_BYTES = 48 << 20
+
+
+# --- gdn.gating ---------------------------------------------------------------------------------
+def log1p_small(e: torch.Tensor) -> torch.Tensor:
+    """log(1 + e) for fp32 e in [0, 1]: u = 1 + e, then log(u) * (e / (u - 1)), which keeps the
+    digits of e that the rounding of 1 + e drops; e itself where 1 + e rounds to 1."""
+    u = e + 1.0
+    den = u - 1.0
+    safe = torch.where(den == 0, torch.ones_like(den), den)
+    return torch.where(den == 0, e, log(u) * (e / safe))
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """fp32 log(1 + e**x) = max(x, 0) + log1p(e**-|x|), on the backend exp/log."""
+    require(x.dtype == F32, "softplus: float32 input required")
+    return torch.clamp(x, min=0.0) + log1p_small(exp(-x.abs()))
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """fp32 1 / (1 + e**-x)."""
+    require(x.dtype == F32, "sigmoid: float32 input required")
+    return 1.0 / (exp(-x) + 1.0)
+
+
+def gdn_gating(a, b, a_log, dt_bias):
+    """(g, beta), fp32 [T, Hv]: g = -(exp(A_log) * softplus(a + dt_bias)), beta = sigmoid(b).
+
+    a, b [T, Hv] bf16 (the in_proj_ba outputs); A_log, dt_bias [Hv] bf16 or fp32 (widened
+    exactly). g <= 0 is the log of the per-token decay, beta in (0, 1) the write strength.
+    """
+    require(a.dtype == BF16 and b.dtype == BF16, "gdn.gating: bf16 a and b required")
+    require(a.dim() == 2 and b.shape == a.shape, "gdn.gating: a and b [T, Hv] of one shape")
+    h_v = a.shape[1]
+    require(
+        a_log.shape == (h_v,) and dt_bias.shape == (h_v,),
+        f"gdn.gating: A_log and dt_bias must be [{h_v}], got {tuple(a_log.shape)} and "
+        f"{tuple(dt_bias.shape)}",
+    )
+    sp = softplus(as_f32(a) + as_f32(dt_bias))
+    g = -(exp(as_f32(a_log)) * sp)
+    return g, sigmoid(as_f32(b))
+
+
+# --- gdn.l2norm ---------------------------------------------------------------------------------
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x [..., D] bf16 -> fp32 x * (1 / sqrt(tree_sum_D(x*x) + eps)); no rounding to bf16."""
+    require(x.dtype == BF16, f"gdn.l2norm: bf16 input required, got {x.dtype}")
+    xf = as_f32(x)
+    inv = 1.0 / torch.sqrt(tree_sum(xf * xf) + torch.tensor(eps, dtype=F32))
+    return xf * inv[..., None]
+
+
+# --- conv1d.causal ------------------------------------------------------------------------------
+def conv1d_causal(x, weight, window, *, kernel: int = 4):
+    """(out, window'): depthwise causal convolution of one sequence, SiLU after.
+
+    x [T, D] bf16 at consecutive positions; weight [D, W] bf16 (W = ``kernel``); window
+    [W-1, D] bf16 holds the inputs of the W-1 positions before x (zeros before position 0).
+    out[t] = bf16(silu(tree_sum_W(fp32 x[t-W+1+w] * fp32 weight[:, w]))), taps oldest first;
+    window' is the last W-1 inputs, the cache of the next call.
+    """
+    require(
+        x.dtype == BF16 and weight.dtype == BF16 and window.dtype == BF16,
+        "conv1d.causal: bf16 x, weight and window required",
+    )
+    require(x.dim() == 2, f"conv1d.causal: x must be [T, D], got {tuple(x.shape)}")
+    d = x.shape[1]
+    require(
+        weight.shape == (d, kernel),
+        f"conv1d.causal: weight must be [{d}, {kernel}] (kernel={kernel}), got "
+        f"{tuple(weight.shape)}",
+    )
+    require(
+        window.shape == (kernel - 1, d),
+        f"conv1d.causal: the cached window must be [{kernel - 1}, {d}], got "
+        f"{tuple(window.shape)}: a cache that does not match this layer",
+    )
+    full = torch.cat([window, x], dim=0)
+    n = x.shape[0]
+    ff = as_f32(full)
+    wf = as_f32(weight)
+    taps = torch.stack([ff[w : w + n] * wf[:, w] for w in range(kernel)], dim=-1)  # [T, D, W]
+    out = round_bf16(silu(tree_sum(taps)))
+    return out, full[full.shape[0] - (kernel - 1) :].clone()
+
+
+def conv1d_window(d: int, *, kernel: int = 4) -> torch.Tensor:
+    """The window of a sequence at position 0: W-1 zero inputs."""
+    return torch.zeros(kernel - 1, d, dtype=BF16)
+
+
+# --- gdn.chunked --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GdnState:
+    """The recurrent cache of one sequence at one GDN layer.
+
+    ``s`` [Hv, K, V] fp32 is the state at absolute position ``start``, a multiple of ``chunk``:
+    a function of the tokens before ``start`` only. ``k`` [w, Hk, K] fp32 (l2-normalized),
+    ``v`` [w, Hv, V] bf16 and ``g``, ``beta`` [w, Hv] fp32 are the tokens ``start ..
+    start+w-1`` of the current chunk (0 <= w < chunk). The next token is at ``position``.
+    """
+
+    chunk: int
+    start: int
+    s: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+
+    @property
+    def position(self) -> int:
+        return self.start + self.k.shape[0]
+
+
+def gdn_state(h_k: int, h_v: int, d_k: int, d_v: int, *, chunk: int = 64) -> GdnState:
+    """The state of a sequence at position 0: S = 0 and an empty window."""
+    return GdnState(
+        chunk=chunk,
+        start=0,
+        s=torch.zeros(h_v, d_k, d_v, dtype=F32),
+        k=torch.zeros(0, h_k, d_k, dtype=F32),
+        v=torch.zeros(0, h_v, d_v, dtype=BF16),
+        g=torch.zeros(0, h_v, dtype=F32),
+        beta=torch.zeros(0, h_v, dtype=F32),
+    )
+
+
+def default_scale(d_k: int) -> torch.Tensor:
+    """1 / sqrt(K) as float32, from IEEE sqrt and division."""
+    return 1.0 / torch.sqrt(torch.tensor(float(d_k), dtype=F32))
+
+
+def _check(q, k, v, g, beta, state: GdnState, position: int, chunk: int):
+    require(chunk >= 1 and chunk & (chunk - 1) == 0, f"gdn.chunked: chunk {chunk} not a power of 2")
+    require(
+        q.dtype == F32 and k.dtype == F32,
+        f"gdn.chunked: q and k must be float32 (gdn.l2norm outputs), got {q.dtype} and {k.dtype}",
+    )
+    require(v.dtype == BF16, f"gdn.chunked: v must be bf16, got {v.dtype}")
+    require(
+        g.dtype == F32 and beta.dtype == F32,
+        f"gdn.chunked: g and beta must be float32 (gdn.gating outputs), got {g.dtype} and "
+        f"{beta.dtype}",
+    )
+    require(
+        q.dim() == 3 and k.shape == q.shape and v.dim() == 3,
+        "gdn.chunked: q, k [T, Hk, K] of one shape and v [T, Hv, V]",
+    )
+    n, h_k, d_k = q.shape
+    _, h_v, d_v = v.shape
+    require(v.shape[0] == n, "gdn.chunked: q and v hold different token counts")
+    require(h_v % h_k == 0, f"gdn.chunked: {h_v} value heads over {h_k} key heads")
+    require(g.shape == (n, h_v) and beta.shape == (n, h_v), "gdn.chunked: g and beta [T, Hv]")
+    require(
+        state.chunk == chunk,
+        f"gdn.chunked: chunk size mismatch: the state was built with chunk={state.chunk}, "
+        f"the program runs chunk={chunk}",
+    )
+    require(
+        state.s.dtype == F32 and state.s.shape == (h_v, d_k, d_v),
+        f"gdn.chunked: the state must be float32 [{h_v}, {d_k}, {d_v}], got {state.s.dtype} "
+        f"{tuple(state.s.shape)}: a cache that does not match this layer",
+    )
+    w = state.k.shape[0]
+    require(
+        state.start >= 0 and state.start % chunk == 0 and w < chunk,
+        f"gdn.chunked: the state starts at {state.start} with {w} cached tokens; it must start "
+        f"at a multiple of chunk={chunk} and hold fewer than {chunk}",
+    )
+    require(
+        state.k.shape == (w, h_k, d_k)
+        and state.v.shape == (w, h_v, d_v)
+        and state.g.shape == (w, h_v)
+        and state.beta.shape == (w, h_v)
+        and state.k.dtype == F32
+        and state.v.dtype == BF16
+        and state.g.dtype == F32
+        and state.beta.dtype == F32,
+        "gdn.chunked: the cached window (k, v, g, beta) does not match the layer's heads and "
+        "dims or dtypes",
+    )
+    require(
+        position == state.position,
+        f"gdn.chunked: the state is at position {state.position}, the call starts at {position}:"
+        " a cache that does not match this sequence",
+    )
+    return n, h_k, h_v, d_k, d_v
+
+
+def gdn_chunked(q, k, v, g, beta, state: GdnState, *, position: int, chunk: int = 64, scale=None):
+    """(out [T, Hv, V] bf16, state'): the gated delta rule for T new tokens of ONE sequence.
+
+    q, k [T, Hk, K] fp32 (gdn.l2norm outputs), v [T, Hv, V] bf16, g, beta [T, Hv] fp32
+    (gdn.gating outputs), at absolute positions ``position .. position+T-1``; ``state`` holds
+    the state at the chunk start c of ``position`` and the cached tokens c .. position-1. Value
+    head h reads key head h // (Hv / Hk). Chunks are [jC, (j+1)C) in absolute positions; every
+    output is computed from its chunk's start state and the chunk's tokens up to it (``_chunk``),
+    the state moves only when a chunk is complete. state' is at the chunk start of the next token.
+    """
+    n, h_k, h_v, d_k, d_v = _check(q, k, v, g, beta, state, position, chunk)
+    if scale is None:
+        scale = default_scale(d_k)
+    if n == 0:
+        return torch.zeros(0, h_v, d_v, dtype=BF16), state
+    head_map = torch.arange(h_v) // (h_v // h_k)
+    kk = torch.cat([state.k, k], dim=0)
+    vv = torch.cat([state.v, v], dim=0)
+    gg = torch.cat([state.g, g], dim=0)
+    bb = torch.cat([state.beta, beta], dim=0)
+    qs = q * scale
+    end = position + n
+    s = state.s
+    outs = []
+    c = state.start
+    while c < end:
+        lo = c - state.start
+        m = min(chunk, end - c)
+        first = max(position - c, 0)  # first row of this chunk that is a new token
+        q_rows = qs[c + first - position : c + m - position]
+        o, s_next = _chunk_heads(
+            s,
+            q_rows[:, head_map],
+            kk[lo : lo + m][:, head_map],
+            as_f32(vv[lo : lo + m]),
+            gg[lo : lo + m],
+            bb[lo : lo + m],
+            first,
+            chunk,
+        )
+        outs.append(o)
+        if m == chunk:
+            s = s_next
+            c += chunk
+        else:
+            break
+    out = round_bf16(torch.cat(outs, dim=0))
+    keep = c - state.start
+    new_state = GdnState(
+        chunk=chunk,
+        start=c,
+        s=s,
+        k=kk[keep:].clone(),
+        v=vv[keep:].clone(),
+        g=gg[keep:].clone(),
+        beta=bb[keep:].clone(),
+    )
+    return out, new_state
+
+
+def _chunk_heads(s0, q, k, v, g, beta, first, chunk):
+    """``_chunk`` over groups of heads (heads never interact)."""
+    h_v, d_k, d_v = s0.shape
+    per_head = chunk * max(chunk, d_k) * d_v * 4
+    group = max(1, _CHUNK_BYTES // max(1, per_head))
+    outs, states = [], []
+    for h0 in range(0, h_v, group):
+        hs = slice(h0, h0 + group)
+        o, s = _chunk(s0[hs], q[:, hs], k[:, hs], v[:, hs], g[:, hs], beta[:, hs], first, chunk)
+        outs.append(o)
+        states.append(s)
+    return torch.cat(outs, dim=1), (torch.cat(states, dim=0) if states[0] is not None else None)
+
+
+def _chunk(s0, q, k, v, g, beta, first, chunk):
+    """One chunk of one sequence: rows 0..m-1 present (m <= C), outputs for rows first..m-1.
+
+    s0 [H, K, V]; q [m-first, H, K] (scaled); k [m, H, K]; v [m, H, V]; g, beta [m, H]; all
+    fp32. Every reduction over the chunk's rows is a tree of fixed width C whose entries past
+    the row's own token are forced to +0, so a row's bytes do not depend on m.
+    Returns (out fp32 [m-first, H, V], the state at the chunk end if m == C else None).
+    """
+    m = k.shape[0]
+    c = chunk
+    h = s0.shape[0]
+    zero = torch.zeros((), dtype=F32)
+    # Head-major, padded to C rows with zeros (padding never reaches a kept value: masks below).
+    kh = torch.zeros(h, c, k.shape[2], dtype=F32)
+    kh[:, :m] = k.transpose(0, 1)
+    vh = v.transpose(0, 1)  # [H, m, V]
+    bh = beta.transpose(0, 1)  # [H, m]
+    # G_i = g_0 + g_1 + ... + g_i, left to right; rows past m stay 0 (always masked).
+    gcum = torch.zeros(h, c, dtype=F32)
+    acc = g[0]
+    gcum[:, 0] = acc
+    for i in range(1, m):
+        acc = acc + g[i]
+        gcum[:, i] = acc
+    gam = exp(gcum)  # [H, C] decay from the chunk start through token i
+    rows = torch.arange(c)
+    le = rows[None, :] <= rows[:, None]  # [i, j]: j <= i
+    lt = rows[None, :] < rows[:, None]
+    decay = exp(gcum[:, :, None] - gcum[:, None, :])  # [H, i, j] exp(G_i - G_j)
+    decay = torch.where(le, decay, zero)
+    kk = tree_sum(kh[:, :m, None, :] * kh[:, None, :, :])  # [H, m, C] k_i . k_j over K
+    # a_ij = beta_i * (k_i.k_j * exp(G_i - G_j)), j < i
+    a = torch.where(lt[:m], bh[:, :, None] * (kk * decay[:, :m]), zero)  # [H, m, C]
+    # r_i = beta_i * (v_i - gamma_i * (S0^T k_i)); S0^T k_i is a tree over K.
+    sk = tree_sum(s0[:, None, :, :] * kh[:, :m, :, None], dim=2)  # [H, m, V]
+    r = bh[:, :, None] * (vh - gam[:, :m, None] * sk)
+    # Forward substitution, row by row: u_i = r_i - tree_sum_C(a_ij * u_j), j < i.
+    u = torch.zeros(h, c, vh.shape[2], dtype=F32)
+    for i in range(m):
+        prod = torch.where(lt[i][None, :, None], a[:, i, :, None] * u, zero)
+        u[:, i] = r[:, i] - tree_sum(prod, dim=1)
+    # Outputs: o_i = gamma_i * (S0^T q_i) + tree_sum_C(q_i.k_j * exp(G_i - G_j) * u_j), j <= i.
+    qh = q.transpose(0, 1)  # [H, n, K]
+    sel = slice(first, m)
+    qk = tree_sum(qh[:, :, None, :] * kh[:, None, :, :])  # [H, n, C]
+    p = torch.where(le[sel], qk * decay[:, sel], zero)
+    intra = tree_sum(torch.where(le[sel][None, :, :, None], p[..., None] * u[:, None], zero), dim=2)
+    sq = tree_sum(s0[:, None, :, :] * qh[..., None], dim=2)  # [H, n, V]
+    out = gam[:, sel, None] * sq + intra
+    s_end = None
+    if m == c:
+        # S_end = gamma_last * S0 + tree_sum_C((exp(G_last - G_j) * k_j) u_j^T)
+        wk = decay[:, c - 1, :, None] * kh  # [H, C, K]
+        upd = tree_sum(wk[:, :, :, None] * u[:, :, None, :], dim=1)  # [H, K, V]
+        s_end = gam[:, c - 1, None, None] * s0 + upd
+    return out.transpose(0, 1), s_end
