@@ -168,3 +168,76 @@ def test_the_ladders_adapters_have_a_rank_an_odd_top_k_divides(tmp_path):
     a = make_adapter(moe, tmp_path / "A", rank=ladder.rank, seed=2)  # refused at rank 8
     assert load_adapter(a, ModelDir(moe)).rank == 9
     assert Ladder(manager(), _tiny(tmp_path), tmp_path / "q2").rank == 8
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--trainer-tp", "3"], "tp 3 does not divide"),
+        (["--sampler-tp", "3"], "tp 3 does not divide"),
+        (["--trainer-ep", "3"], "ep 3 does not divide the model's 8 experts"),
+        (["--trainer-ep", "0"], "ep must be an int >= 1, got 0"),
+    ],
+)
+def test_qualify_refuses_a_layout_that_does_not_divide_before_any_engine(
+    tmp_path, capsys, flags, message
+):
+    model = _tiny(tmp_path)
+    out = tmp_path / "q"
+    assert main(["qualify", "--model", str(model), "--out", str(out), *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not (out / "traces").exists()  # refused before the first capture
+
+
+def test_the_ladder_hands_each_half_its_own_layout(tmp_path):
+    """The sampler's layout reaches every capture request, the trainer's every replay request
+    (a first-called recorder stops each call before an engine starts)."""
+    from lockstep_exact import hookimpl
+    from lockstep_exact.plugins import manager
+    from lockstep_exact.qualify import Ladder
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    class Recorder:
+        @hookimpl(tryfirst=True)
+        def lockstep_capture(self, request):
+            seen["capture"] = request
+            raise Stop
+
+        @hookimpl(tryfirst=True)
+        def lockstep_replay(self, request):
+            seen["replay"] = request
+            raise Stop
+
+    pm = manager()
+    pm.register(Recorder())
+    ladder = Ladder(pm, _tiny(tmp_path), tmp_path / "q", sampler_tp=2, trainer_tp=2, trainer_ep=4)
+    with pytest.raises(Stop):
+        ladder.capture("x", adapter=None, n_prompts=1, per_prompt=1)
+    with pytest.raises(Stop):
+        ladder.replay(tmp_path / "trace", adapter=None)
+    assert seen["capture"].tp == 2
+    assert (seen["replay"].tp, seen["replay"].ep) == (2, 4)
+    assert ladder.layouts == {"sampler": {"tp": 2}, "trainer": {"tp": 2, "ep": 4}}
+
+
+def test_qualify_runs_the_trainer_at_its_own_layout(tmp_path, capsys):
+    """The base ruler with the trainer at tp 2 (Megatron in two gloo ranks) against the sampler
+    at tp 1: byte-equal replays, and the report names both layouts."""
+    from lockstep_exact.adapters import make_adapter
+
+    model = make_tiny(tmp_path / "dense", arch="qwen3", seed=3)
+    adapter = make_adapter(model, tmp_path / "A", rank=8, seed=2)
+    out = tmp_path / "q"
+    argv = ["qualify", "--model", str(model), "--adapter", str(adapter), "--out", str(out)]
+    assert main([*argv, "--decisions", "8", "--trainer-tp", "2"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["layouts"] == {"sampler": {"tp": 1}, "trainer": {"tp": 2, "ep": 1}}
+    checks = report["gates"][0]["checks"]
+    assert [c["passed"] for c in checks] == [True, True, True]
+    assert checks[-1]["byte_equal"] == checks[-1]["decisions"] == 8
+    assert "layouts: sampler tp 1; trainer tp 2 ep 1" in capsys.readouterr().out
+    assert "layouts sampler tp 1; trainer tp 2 ep 1" in (out / "report.html").read_text()

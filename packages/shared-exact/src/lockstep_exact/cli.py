@@ -264,6 +264,9 @@ def _cmd_qualify(args) -> int:
             adapter_dir=Path(args.adapter) if args.adapter else None,
             progress=say,
             sampler_model=Path(args.sampler_model) if args.sampler_model else None,
+            sampler_tp=args.sampler_tp,
+            trainer_tp=args.trainer_tp,
+            trainer_ep=args.trainer_ep,
         )
         rep = ladder.run(engines)
     jpath, hpath = report_mod.write(rep, out)
@@ -471,6 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
     qual.add_argument("--seed", type=int, default=0, help="seed of the tiny model")
     qual.add_argument("--out", default="lockstep-qualify", help="report and traces go here")
     qual.add_argument("--sampler-model", help="debugging: the sampler reads this copy of --model")
+    qual.add_argument("--sampler-tp", type=int, default=1, help="sampler's tensor-parallel size")
+    qual.add_argument("--trainer-tp", type=int, default=1, help="trainer's tensor-parallel size")
+    qual.add_argument("--trainer-ep", type=int, default=1, help="trainer's expert-parallel size")
     qual.set_defaults(func=_cmd_qualify)
 
     tr = sub.add_parser(

@@ -20,6 +20,14 @@ def write(report: Report, out_dir: Path) -> tuple[Path, Path]:
     return jpath, hpath
 
 
+def layout_line(layouts: dict) -> str:
+    """The halves' layouts on one line: "sampler tp 2; trainer tp 1 ep 2"."""
+    return "; ".join(
+        f"{half} " + " ".join(f"{k} {v}" for k, v in sizes.items())
+        for half, sizes in layouts.items()
+    )
+
+
 def table(report: Report) -> str:
     rows = [("gate", "check", "decisions", "byte-equal", "K3 max", "result")]
     for g in report.gates:
@@ -46,6 +54,8 @@ def table(report: Report) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     verdict = "QUALIFIED" if report.passed else "NOT QUALIFIED"
     lines.append(f"{verdict}: {report.lane} {report.contract[:19]}... in {report.seconds:.0f} s")
+    if report.layouts:
+        lines.append(f"layouts: {layout_line(report.layouts)}")
     return "\n".join(lines)
 
 
@@ -100,7 +110,9 @@ def render_html(data: dict) -> str:
         "</style></head><body>",
         f"<h1>Lockstep qualification: <span style='color:{color}'>{verdict}</span></h1>",
         f"<p>lane <b>{esc(data['lane'])}</b><br>contract <code>{esc(data['contract'])}"
-        f"</code><br>model <code>{esc(data['model'])}</code><br>lockstep-exact "
+        f"</code><br>model <code>{esc(data['model'])}</code><br>"
+        + (f"layouts {esc(layout_line(data['layouts']))}<br>" if data.get("layouts") else "")
+        + "lockstep-exact "
         f"{esc(data['lockstep_exact'])}, {data['seconds']:.1f} s</p><h2>Engines</h2><ul>",
     ]
     for e in data["engines"]:

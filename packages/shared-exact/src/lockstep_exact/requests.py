@@ -42,6 +42,7 @@ class ReplayRequest:
     backend: str = "cpu"
     micro_batch: int = 3  # the trainer's own batching, deliberately unlike the sampler's
     tp: int = 1  # the trainer's tensor-parallel size (the bytes do not depend on it)
+    ep: int = 1  # the trainer's expert-parallel size (nor on this)
     # Negative controls only: replay on an adapter other than the trace's (the adapter-hash
     # admission is skipped; the contract is still admitted). Reports record it.
     control: bool = False
