@@ -207,6 +207,8 @@ def _cmd_replay(args) -> int:
             trace_dir=Path(args.trace),
             adapter_dir=Path(args.adapter) if args.adapter else None,
             tp=args.tp,
+            ep=args.ep,
+            backend=args.backend,
         ),
     )
     cmp = compare(torch.as_tensor(trace.logprobs), result.logprobs)
@@ -462,6 +464,12 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", help="write the report as JSON here")
     rep.add_argument(
         "--tp", type=int, default=1, help="the trainer's tensor-parallel size (same bytes)"
+    )
+    rep.add_argument(
+        "--ep", type=int, default=1, help="the trainer's expert-parallel size (same bytes)"
+    )
+    rep.add_argument(
+        "--backend", default="cpu", choices=("cpu", "cuda"), help="cuda: Megatron on one GPU"
     )
     rep.set_defaults(func=_cmd_replay)
 

@@ -137,11 +137,20 @@ class ShardedSlots(DictSlots):
         """This rank's experts on the rows routed to them; each (row, slot) then takes the
         output of the rank that owns its expert (a select: no sum, no reordering)."""
         out = local_dispatch(h, ids, expert, owned=self.owned)
-        if self.ep_gather.size == 1:
-            return out
-        owners = torch.stack(self.ep_gather.all(out))  # [ep, T, k, H]
-        pick = (ids // self.per_expert).to(torch.long)  # [T, k]: the owner's ep index
-        return torch.gather(owners, 0, pick[None, :, :, None].expand(1, *out.shape)).squeeze(0)
+        return select_owners(out, ids, self.ep_gather, self.per_expert)
+
+
+def select_owners(out: torch.Tensor, ids: torch.Tensor, ep_gather: P.Gather, per_expert: int):
+    """Expert parallelism's exchange: ``out`` [T, k, H] holds this rank's experts' outputs
+    (other slots zero); every rank's ``out`` is all-gathered over ``ep_gather`` in rank order
+    and each (row, slot) takes the copy of the rank owning its expert (``ids // per_expert``):
+    a select, so moe.fold sees one device's bytes in slot order at any ep. Both engines'
+    dispatch slots call it (the reference here, Megatron's MoELayer in the trainer)."""
+    if ep_gather.size == 1:
+        return out
+    owners = torch.stack(ep_gather.all(out))  # [ep, T, k, H]
+    pick = (ids // per_expert).to(torch.long)  # [T, k]: the owner's ep index
+    return torch.gather(owners, 0, pick[None, :, :, None].expand(1, *out.shape)).squeeze(0)
 
 
 def check(contract, layout: Layout) -> None:

@@ -42,7 +42,8 @@ def sites(model: LockstepGPT) -> Iterator[Site]:
             yield Site(f"{p}self_attn.{part}", att.linear_qkv, part, False)
         yield Site(f"{p}self_attn.o_proj", att.linear_proj, "o_proj", False)
         if model.geom.is_moe:
-            for e, ex in enumerate(layer.mlp.experts.local_experts):
+            moe = layer.mlp  # this rank's experts, by global id (all of them at ep 1)
+            for e, ex in zip(moe.local_expert_indices, moe.experts.local_experts, strict=True):
                 for part, fc in zip(MLP, ("linear_fc1", "linear_fc1", "linear_fc2"), strict=True):
                     yield Site(f"{p}mlp.experts.{e}.{part}", getattr(ex, fc), part, True)
         else:

@@ -59,6 +59,7 @@ def lockstep_replay(request):
         micro_batch=request.micro_batch,
         control=getattr(request, "control", False),
         tp=getattr(request, "tp", 1),
+        ep=getattr(request, "ep", 1),
     )
     return ReplayResult(
         logprobs=lps, engine=f"megatron-core {_megatron_version()}", seconds=seconds

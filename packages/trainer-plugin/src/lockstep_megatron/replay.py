@@ -250,30 +250,47 @@ def replay(
     micro_batch: int = 3,
     control: bool = False,
     tp: int = 1,
+    ep: int = 1,
 ) -> tuple[torch.Tensor, float]:
-    """(fp32 logprob per decision in trace order, seconds). ``tp`` > 1: Megatron's tensor
-    parallelism in ``tp`` processes (``parallel.replay_tp``); every rank must agree."""
-    if backend != "cpu":
-        raise NotImplementedError(f"the Megatron exact lane runs on cpu here, not {backend!r}")
-    if tp > 1 and not _inside_ranks(tp):
+    """(fp32 logprob per decision in trace order, seconds). ``tp`` or ``ep`` > 1: Megatron's
+    tensor and expert parallelism in ``tp * ep`` processes (``parallel.replay_tp``); every
+    rank must agree."""
+    check_replay_backend(backend, tp * ep)
+    if tp * ep > 1 and not _inside_ranks(tp * ep):
         from .parallel import replay_tp
 
-        return replay_tp(model_dir, trace_dir, adapter_dir, backend, micro_batch, control, tp)
+        return replay_tp(model_dir, trace_dir, adapter_dir, backend, micro_batch, control, tp, ep)
     trace = Trace.load(trace_dir)
     adapter = Path(adapter_dir) if adapter_dir else None
     base = ModelDir(model_dir)  # parsed and hashed once for every check below
     admit_trace(trace, base, adapter, backend, control)
     t0 = time.perf_counter()
-    model = build(base.path, tp).eval()
+    model = build(base.path, tp, ep).eval()
     if adapter_dir is not None:
         export.load_into(model, adapter_dir, base)
+    if backend == "cuda":
+        model = model.cuda()  # the programs dispatch on the tensors' device: the cuda lane
     admit_invoked(trace, model, base, backend, control)
     lps = score(model, trace, micro_batch, control)
     return lps, time.perf_counter() - t0
 
 
-def _inside_ranks(tp: int) -> bool:
-    """True in one of ``parallel.replay_tp``'s ranks (a process group of ``tp`` is up)."""
+def check_replay_backend(backend: str, world: int = 1) -> None:
+    """cpu at any layout; cuda on one GPU (the cuda programs make Megatron's forward the
+    sampler's bytes there; tensor and expert parallel ranks on cuda run in layout tests only)."""
+    if backend not in ("cpu", "cuda"):
+        raise NotImplementedError(f"the Megatron exact lane runs on cpu or cuda, not {backend!r}")
+    if backend == "cuda":
+        if world > 1:
+            raise NotImplementedError(
+                f"replay on cuda runs on one GPU here (tp x ep = 1), not {world} ranks"
+            )
+        if not torch.cuda.is_available():
+            raise NotImplementedError("replay on cuda: no CUDA device here")
+
+
+def _inside_ranks(world: int) -> bool:
+    """True in one of ``parallel.replay_tp``'s ranks (a process group of ``world`` is up)."""
     import torch.distributed as dist
 
-    return dist.is_initialized() and dist.get_world_size() == tp
+    return dist.is_initialized() and dist.get_world_size() == world

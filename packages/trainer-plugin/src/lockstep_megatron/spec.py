@@ -115,7 +115,8 @@ def parallel_linear(kind: str) -> type:
         # input arrives split. Zero init: the weights are loaded right after.
         where = {"gather_output": False} if kind == "column" else {"input_is_parallel": True}
 
-        def __init__(self, input_size, output_size, parts, *, config):
+        def __init__(self, input_size, output_size, parts, *, config, **group):
+            # group: is_expert / tp_group for an expert's linear (moe.py)
             base.__init__(
                 self,
                 input_size,
@@ -125,6 +126,7 @@ def parallel_linear(kind: str) -> type:
                 bias=False,
                 skip_bias_add=True,
                 **where,
+                **group,
             )
             self._exact_init(parts, input_size)
 
@@ -188,50 +190,22 @@ def fc1_parts(ffn: int) -> dict[str, torch.Tensor]:
 
 
 class ExactMLP(nn.Module):
-    """linear_fc1 (gate|up) and linear_fc2 (down) weights: Megatron's column- and row-parallel
-    linears in a dense layer (fc1 holds [gate shard; up shard] on each rank), whole matrices
-    for an expert."""
+    """A dense layer's linear_fc1 (gate|up) and linear_fc2 (down) weights: Megatron's column-
+    and row-parallel linears (fc1 holds [gate shard; up shard] on each rank). A MoE layer's
+    experts are Megatron's own MLPs (moe.py)."""
 
-    def __init__(self, config=None, hidden: int = 0, ffn: int = 0, **_):
+    def __init__(self, config, **_):
         super().__init__()
-        if config is not None:  # a dense layer's MLP, built by Megatron's spec
-            hidden, ffn, tp = config.hidden_size, config.ffn_hidden_size, tp_size(config)
-            self.linear_fc1 = parallel_linear("column")(
-                hidden, 2 * ffn, fc1_parts(ffn // tp), config=config
-            )
-            self.linear_fc2 = parallel_linear("row")(
-                ffn, hidden, {"down_proj": _cols(0, hidden)}, config=config
-            )
-            return
-        self.linear_fc1 = ExactLinear(hidden, fc1_parts(ffn))
-        self.linear_fc2 = ExactLinear(ffn, {"down_proj": _cols(0, hidden)})
+        hidden, ffn, tp = config.hidden_size, config.ffn_hidden_size, tp_size(config)
+        self.linear_fc1 = parallel_linear("column")(
+            hidden, 2 * ffn, fc1_parts(ffn // tp), config=config
+        )
+        self.linear_fc2 = parallel_linear("row")(
+            ffn, hidden, {"down_proj": _cols(0, hidden)}, config=config
+        )
 
     def linear_for(self, part: str) -> ExactLinear:
         return self.linear_fc2 if part == "down_proj" else self.linear_fc1
-
-
-class ExactRouter(nn.Module):
-    def __init__(self, hidden: int, experts: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(experts, hidden, dtype=BF16), requires_grad=False)
-
-
-class _Experts(nn.Module):
-    def __init__(self, hidden: int, ffn: int, experts: int):
-        super().__init__()
-        self.local_experts = nn.ModuleList(ExactMLP(hidden=hidden, ffn=ffn) for _ in range(experts))
-
-
-class ExactMoE(nn.Module):
-    """Router and experts' weights (EP = 1); routing, dispatch and fold run in the composition."""
-
-    geometry: Geometry | None = None  # set by the spec (the class is built per geometry)
-
-    def __init__(self, config=None, **_):
-        super().__init__()
-        g = self.geometry
-        self.router = ExactRouter(g.hidden, g.experts)
-        self.experts = _Experts(g.hidden, g.moe_intermediate, g.experts)
 
 
 class MegatronSlots(qwen3.Slots):
@@ -249,8 +223,13 @@ class MegatronSlots(qwen3.Slots):
         if parts[0] == "self_attn":
             att = mod.self_attention
             return (att.linear_proj if part == "o_proj" else att.linear_qkv), part
-        if parts[1] == "experts":
-            return mod.mlp.experts.local_experts[int(parts[2])].linear_for(part), part
+        if parts[1] == "experts":  # a global expert id: this rank's expert (moe.py)
+            from .moe import expert_linear
+
+            moe = mod.mlp
+            return expert_linear(
+                moe.experts.local_experts[moe.local_index(int(parts[2]))], part
+            ), part
         return mod.mlp.linear_for(part), part
 
     def weight(self, layer, name):
@@ -292,6 +271,10 @@ class MegatronSlots(qwen3.Slots):
         outs = [core(qs[:, i], ks[:, i], vs[:, i], pos) for i in range(b)]
         return torch.stack(outs, dim=1).reshape(q.shape)
 
+    def dispatch(self, layer, h, ids, expert):
+        """Megatron's MoELayer runs this rank's experts and gathers the others' (moe.py)."""
+        return self.lane.gpt.decoder.layers[layer].mlp.lane_dispatch(h, ids, expert)
+
 
 def _layer_class():
     from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -327,17 +310,72 @@ class ExactFinalNorm(nn.Module):
         return rows.view(x.shape)
 
 
+def vocab_shard(vocab: int, tp: int, rank: int) -> tuple[int, int]:
+    """(first column, rows) of tensor-parallel rank ``rank``'s share of the vocabulary, padded
+    to a multiple of ``tp`` (Megatron's vocab-parallel embedding wants equal shards); columns
+    from ``vocab`` on are padding, cut before log_softmax."""
+    rows = -(-vocab // tp)
+    return rank * rows, rows
+
+
+def vocab_rows(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of a whole [vocab, hidden] table, padding rows zero."""
+    start, rows = vocab_shard(t.shape[0], tp, rank)
+    out = t.new_zeros(rows, *t.shape[1:])
+    real = t[start : start + rows]
+    out[: real.shape[0]] = real
+    return out
+
+
+class _HeadSlots(MegatronSlots):
+    """The LM head's slots under tensor parallelism: the tied embedding is this rank's own
+    vocabulary rows (Megatron's vocab-parallel shard), not the gathered table."""
+
+    def weight(self, layer, name):
+        if layer is None and name == "model.embed_tokens.weight":
+            return self.lane.gpt.embedding.word_embeddings.weight
+        return super().weight(layer, name)
+
+
+class _GatherVocab(torch.autograd.Function):
+    """The ranks' log-probability shards (``real[r]`` columns each, padded to ``rows``)
+    concatenated in rank order: no arithmetic. Backward: this rank's columns of the gradient
+    every rank holds (Megatron's gather-from-tensor-parallel-region rule)."""
+
+    @staticmethod
+    def forward(ctx, gather, lo, real, rows, lp):
+        ctx.lo, ctx.width = lo, lp.shape[-1]
+        parts = gather.all(torch.nn.functional.pad(lp, (0, rows - lp.shape[-1])))
+        return torch.cat([p[..., :n] for p, n in zip(parts, real, strict=True)], dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, None, None, grad[..., ctx.lo : ctx.lo + ctx.width]
+
+
 class ExactOutputLayer(nn.Module):
-    """The LM head slot: the composition's lm_head (gemm.kblock, fp32 out)."""
+    """The LM head slot: the composition's lm_head (gemm.kblock, fp32 out). At tp > 1 it is
+    vocab-parallel: this rank's rows of lm_head (or of the tied embedding) give the logits of
+    its vocabulary shard (gemm.kblock computes each output element alone, so these are the
+    whole head's bytes for those columns), and ``LockstepGPT.forward`` runs the sharded
+    log_softmax.tree on them."""
 
     def __init__(self, weight: nn.Parameter | None):
         super().__init__()
         self.weight = weight  # None when tied: GPTModel passes the embedding weight
         self.lane: LockstepGPT | None = None
 
+    @classmethod
+    def for_lane(cls, geom: Geometry, tp: int) -> ExactOutputLayer:
+        """Untied: this rank's rows of lm_head (the whole head at tp 1)."""
+        if geom.tie_embeddings:
+            return cls(None)
+        rows = vocab_shard(geom.vocab, tp, 0)[1]
+        return cls(nn.Parameter(torch.zeros(rows, geom.hidden)))
+
     def forward(self, x, weight=None, runtime_gather_output=None):
         lane = self.lane
-        slots = MegatronSlots(lane, x.shape[0], x.shape[1])
+        slots = (MegatronSlots if lane.tp == 1 else _HeadSlots)(lane, x.shape[0], x.shape[1])
         rows = qwen3.lm_head(lane.ops(x.device), lane.geom, slots, x.reshape(-1, x.shape[-1]))
         return rows.view(*x.shape[:-1], rows.shape[-1]), None
 
@@ -349,7 +387,12 @@ def layer_spec(geom: Geometry):
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-    mlp = type("ExactMoE", (ExactMoE,), {"geometry": geom}) if geom.is_moe else ExactMLP
+    if geom.is_moe:
+        from .moe import moe_spec
+
+        mlp = moe_spec()
+    else:
+        mlp = ExactMLP
     return ModuleSpec(
         module=_layer_class(),
         submodules=TransformerLayerSubmodules(
@@ -381,10 +424,13 @@ def block_spec(geom: Geometry):
     )
 
 
-def transformer_config(geom: Geometry, tp: int = 1):
+def transformer_config(geom: Geometry, tp: int = 1, ep: int = 1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from .moe import moe_config
+
     return TransformerConfig(
+        **moe_config(geom, ep),
         tensor_model_parallel_size=tp,
         num_layers=geom.layers,
         hidden_size=geom.hidden,
@@ -414,7 +460,7 @@ def transformer_config(geom: Geometry, tp: int = 1):
 class LockstepGPT(nn.Module):
     """``Float16Module(GPTModel)`` with the exact spec, then log_softmax: tokens -> logprobs."""
 
-    def __init__(self, geom: Geometry, tp: int = 1):
+    def __init__(self, geom: Geometry, tp: int = 1, ep: int = 1):
         super().__init__()
         from megatron.core.models.gpt import GPTModel
         from megatron.core.transformer.module import Float16Module
@@ -424,9 +470,10 @@ class LockstepGPT(nn.Module):
 
         check()  # never run beside a lockstep-exact this release was not built against
         self.gather = P.LOCAL
-        if tp == 1:
+        self.tp, self.ep, self.tp_rank = tp, ep, 0
+        if tp == 1 and ep == 1:
             init_single_process()
-        else:  # the caller's ranks (parallel.py): Megatron's tensor-parallel group is set up
+        else:  # the caller's ranks (parallel.py): Megatron's parallel groups are set up
             from megatron.core import parallel_state
 
             from lockstep_exact.layout import DistGather
@@ -434,32 +481,24 @@ class LockstepGPT(nn.Module):
             have = parallel_state.get_tensor_model_parallel_world_size()
             if have != tp:
                 raise RuntimeError(f"Megatron's tensor-parallel group has {have} ranks, not {tp}")
-            if geom.is_moe:
-                raise NotImplementedError(
-                    "Megatron MoE layers at tp > 1 are not wired to the lane yet (issue 14): "
-                    "the trainer runs MoE at tp 1"
-                )
-            self.gather = DistGather(parallel_state.get_tensor_model_parallel_group(), tp)
-        self.tp = tp
-        self.tp_rank = 0
-        if tp > 1:
-            from megatron.core import parallel_state
-
-            self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+            have = parallel_state.get_expert_model_parallel_world_size()
+            if have != ep:
+                raise RuntimeError(f"Megatron's expert-parallel group has {have} ranks, not {ep}")
+            if tp > 1:
+                self.gather = DistGather(parallel_state.get_tensor_model_parallel_group(), tp)
+                self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.geom = geom
-        config = transformer_config(geom, tp)
+        config = transformer_config(geom, tp, ep)
         gpt = GPTModel(
             config=config,
             transformer_layer_spec=block_spec(geom),
-            vocab_size=geom.vocab,
+            vocab_size=vocab_shard(geom.vocab, tp, 0)[1] * tp,  # geom.vocab at tp 1
             max_sequence_length=1 << 16,
             position_embedding_type="none",
             share_embeddings_and_output_weights=geom.tie_embeddings,
             parallel_output=True,
         )
-        gpt.output_layer = ExactOutputLayer(
-            None if geom.tie_embeddings else nn.Parameter(torch.zeros(geom.vocab, geom.hidden))
-        )
+        gpt.output_layer = ExactOutputLayer.for_lane(geom, tp)
         for p in gpt.parameters():
             p.requires_grad_(False)
         self.model = Float16Module(config, gpt)
@@ -501,5 +540,16 @@ class LockstepGPT(nn.Module):
         """tokens [b, s] (right-padded, each sequence from position 0) -> [b, s, V] float32."""
         logits = self.model(input_ids=tokens, position_ids=None, attention_mask=None)
         b, s, v = logits.shape
-        lp = qwen3.logprobs(self.ops(logits.device), logits.reshape(b * s, v))
-        return lp.view(b, s, v)
+        ops = self.ops(logits.device)
+        if self.tp == 1:
+            return qwen3.logprobs(ops, logits.reshape(b * s, v)).view(b, s, v)
+        # Vocab-parallel head: this rank's shard of the logits -> its log-probabilities (the
+        # unsharded bytes), then every rank's shard in rank order: the whole [b, s, V] row.
+        vocab, tp = self.geom.vocab, self.tp
+        start, rows = vocab_shard(vocab, tp, self.tp_rank)
+        lp = qwen3.logprobs(
+            ops, logits.reshape(b * s, v), start=start, vocab=vocab, gather=self.gather
+        )
+        real = [max(0, min(rows, vocab - vocab_shard(vocab, tp, r)[0])) for r in range(tp)]
+        full = _GatherVocab.apply(self.gather, min(start, vocab), real, rows, lp)
+        return full.view(b, s, vocab)

@@ -186,9 +186,20 @@ class Ops:
             b,
         )
 
-    def log_softmax(self, path: str, logits):
+    def log_softmax(self, path: str, logits, *, start: int = 0, vocab=None, gather=P.LOCAL):
+        """log_softmax.tree over the row. Vocab-parallel (``vocab`` given, or ``gather`` over
+        several ranks): ``logits`` are this rank's columns [start, start + n) of a possibly
+        padded vocabulary of ``vocab`` real columns, and the result is this rank's real
+        columns, with the unsharded bytes (``programs.log_softmax_sharded``)."""
         prog = self.program(path, "log_softmax.tree")
-        return self._call(path, prog, P.log_softmax, V.log_softmax, logits)
+        if vocab is None and gather.size == 1:
+            return self._call(path, prog, P.log_softmax, V.log_softmax, logits)
+        vocab = logits.shape[-1] if vocab is None else vocab
+
+        def fn(z):
+            return P.log_softmax_sharded(z, start, vocab, gather)
+
+        return self._call(path, prog, fn, _sharded_log_softmax_ideal(start, vocab, gather), logits)
 
     def sample(self, path: str, logprobs, *, temperature, top_p, seeds, positions):
         """int64 [T]: each fp32 log-probability row's token under the contract's sampling rule.
@@ -204,6 +215,42 @@ class Ops:
             positions=positions,
             rounds=prog.param("rounds"),
         )
+
+
+class _RowGather(torch.autograd.Function):
+    """Every rank's real columns concatenated in rank order (the whole row); backward: the
+    gradients every rank computed for this rank's columns, summed in rank order."""
+
+    @staticmethod
+    def forward(ctx, gather, lo, z):
+        widths = [int(w) for w in gather.all(torch.tensor([z.shape[-1]], device=z.device))]
+        pad = torch.nn.functional.pad(z, (0, max(widths) - z.shape[-1]))
+        parts = gather.all(pad)
+        ctx.gather, ctx.lo, ctx.width = gather, lo, z.shape[-1]
+        return torch.cat([p[..., :w] for p, w in zip(parts, widths, strict=True)], dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = None
+        for g in ctx.gather.all(grad.contiguous()):
+            total = g if total is None else total + g
+        return None, None, total[..., ctx.lo : ctx.lo + ctx.width]
+
+
+def _sharded_log_softmax_ideal(start: int, vocab: int, gather):
+    """The textbook VJP of a vocab-parallel log_softmax: this rank's columns of
+    torch.log_softmax over the gathered row (a collective in the backward, too)."""
+
+    def ideal(z):
+        real = max(0, min(z.shape[-1], vocab - start))
+        lo = min(start, vocab)
+        zr = z[..., :real]
+        if gather.size == 1:
+            return torch.log_softmax(zr, dim=-1)
+        full = _RowGather.apply(gather, lo, zr)
+        return torch.log_softmax(full, dim=-1)[..., lo : lo + real]
+
+    return ideal
 
 
 def check_invoked(declared: Contract, invoked: Contract, who: str) -> None:

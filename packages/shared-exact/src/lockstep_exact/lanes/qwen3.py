@@ -298,8 +298,10 @@ def final_logits(ops, geom: Geometry, slots: Slots, h):
     return lm_head(ops, geom, slots, final_norm(ops, slots, h))
 
 
-def logprobs(ops, logits):
-    return ops.log_softmax("logprobs", logits)
+def logprobs(ops, logits, **shard):
+    """fp32 log-probabilities of the logits rows; ``shard`` (start, vocab, gather) when the
+    head is vocab-parallel: this rank's columns, with the unsharded bytes (Ops.log_softmax)."""
+    return ops.log_softmax("logprobs", logits, **shard)
 
 
 def forward(ops, geom: Geometry, slots: Slots, tokens, positions):

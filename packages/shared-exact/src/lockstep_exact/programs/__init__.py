@@ -213,6 +213,71 @@ def log_softmax(x):
     return _impl("log_softmax", x)(x)
 
 
+def log_softmax_sharded(x, start: int, vocab: int, gather=LOCAL):
+    """log_softmax.tree of a row the ranks of ``gather`` hold in contiguous shards.
+
+    ``x`` [..., n] fp32 is this rank's columns [start, start + n) of the vocabulary, which may
+    be padded (Megatron's): columns from ``vocab`` on are cut before the program sees them.
+    Returns [..., r], the log-probabilities of this rank's r real columns; the ranks' results
+    concatenated in rank order are the bytes of ``log_softmax`` on the whole row.
+
+    cpu: every rank sums exp over the nodes of the unsharded tree that lie inside its columns,
+    the nodes (and each rank's max, exact) are all-gathered in rank order, and the top of the
+    same tree is folded from them: the additions of the unsharded program. A backend without
+    that split (cuda: its lanes sum in another shape) all-gathers the whole fp32 row and runs
+    its ``log_softmax``: the same bytes, a row of memory per rank.
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+        raise ValueError(f"log_softmax.tree takes float32 logits, got {getattr(x, 'dtype', x)}")
+    n = x.shape[-1]
+    if start < 0 or vocab < 1:
+        raise ValueError(f"log_softmax.tree: shard at column {start} of a {vocab}-column row")
+    real = max(0, min(n, vocab - start))
+    x = x[..., :real]
+    if gather.size == 1:
+        if start != 0 or real != vocab:
+            raise ValueError(
+                f"log_softmax.tree: one rank holds columns [{start}, {start + n}) of a "
+                f"{vocab}-column row; a single rank must hold the whole row"
+            )
+        return log_softmax(x)
+    lead = x.shape[:-1]
+    rows = 1
+    for d in lead:
+        rows *= int(d)
+    meta = torch.tensor([start, n, rows], dtype=torch.int64, device=x.device)
+    metas = [tuple(int(v) for v in m.tolist()) for m in gather.all(meta)]
+    if len({m[2] for m in metas}) != 1:
+        counts = [m[2] for m in metas]
+        raise ValueError(f"log_softmax.tree: the ranks hold different numbers of rows: {counts}")
+    end = 0
+    for r, (s0, w, _) in enumerate(metas):
+        if s0 != end:
+            raise ValueError(
+                f"log_softmax.tree: rank {r} holds columns from {s0}, but the ranks before it "
+                f"end at {end}: the shards must tile the vocabulary in rank order"
+            )
+        end = s0 + w
+    if end < vocab:
+        raise ValueError(f"log_softmax.tree: the {len(metas)} shards end at column {end} < {vocab}")
+    ranges = [(min(s0, vocab), min(s0 + w, vocab)) for s0, w, _ in metas]
+    x2 = x.reshape(rows, real)
+    module = backend_module(backend_of(x))
+    if not hasattr(module, "shard_tree_nodes"):
+        width = max(hi - lo for lo, hi in ranges)
+        padded = torch.nn.functional.pad(x2, (0, width - real))
+        parts = gather.all(padded)
+        full = torch.cat([p[:, : hi - lo] for p, (lo, hi) in zip(parts, ranges, strict=True)], -1)
+        lo = min(start, vocab)
+        return log_softmax(full)[:, lo : lo + real].reshape(*lead, real)
+    m_local = x2.amax(-1) if real else x2.new_full((rows,), float("-inf"))
+    m = torch.stack(gather.all(m_local)).amax(0)  # exact in any order
+    s = x2 - m[:, None]
+    nodes = module.shard_tree_nodes(s, min(start, vocab), vocab)
+    total = module.fold_tree_nodes(ranges, gather.all(nodes), vocab)
+    return module.log_softmax_from_sum(s, total).reshape(*lead, real)
+
+
 def router_topk(logits, k: int, *, normalize: bool = True):
     return _impl("router_topk", logits)(logits, k, normalize=normalize)
 
@@ -333,6 +398,7 @@ __all__ = [
     "gemm_kpart",
     "kpart_partial",
     "log_softmax",
+    "log_softmax_sharded",
     "lora_expand",
     "lora_shrink",
     "moe_fold",

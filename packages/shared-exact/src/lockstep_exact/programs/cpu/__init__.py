@@ -19,7 +19,7 @@ from .moe import moe_fold, moe_fold_fp32, router_topk
 from .norm import residual_add, rmsnorm
 from .rope import rope, rope_tables
 from .sampling import sample
-from .softmax import log_softmax, softmax
+from .softmax import fold_tree_nodes, log_softmax, log_softmax_from_sum, shard_tree_nodes, softmax
 
 __all__ = [
     "GdnState",
@@ -36,9 +36,11 @@ __all__ = [
     "attention",
     "default_scale",
     "exp",
+    "fold_tree_nodes",
     "gemm",
     "log",
     "log_softmax",
+    "log_softmax_from_sum",
     "lora_expand",
     "lora_shrink",
     "moe_fold",
@@ -50,6 +52,7 @@ __all__ = [
     "round_bf16",
     "router_topk",
     "sample",
+    "shard_tree_nodes",
     "silu",
     "softmax",
     "swiglu",
