@@ -314,3 +314,43 @@ def test_head_dim_16_at_block_size_5_gives_the_same_bytes_on_cache_hits_and_chun
     for i, (a, b) in enumerate(zip(whole, chunked, strict=True)):
         assert _decisions(a)[0] == _decisions(b)[0]
         assert_same_bytes_and_control(_decisions(a)[1], _decisions(b)[1], f"prompt {i}: chunks")
+
+
+def test_the_backend_declares_the_lanes_cache_shape_and_refuses_another_cache_dtype():
+    # vLLM 0.26 views each layer's cache through get_kv_cache_shape (0.32 never asks).
+    shape = ab.LaneAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, BS, HKV, D)
+    assert shape == (NUM_BLOCKS, HKV, BS, 2 * D)
+    assert ab.LaneAttentionBackend.get_kv_cache_shape(3, 16, 8, 128, "bfloat16") == (3, 8, 16, 256)
+    with pytest.raises(LaneRefused) as err:
+        ab.LaneAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, BS, HKV, D, "fp8_e4m3")
+    assert str(err.value) == (
+        "Lockstep exact lane refused to start: kv_cache_dtype 'fp8_e4m3': the cache must hold "
+        "the bf16 K/V bytes"
+    )
+
+
+def test_on_a_vllm_with_only_the_custom_slot_a_slot_held_by_another_class_is_refused(
+    monkeypatch,
+):
+    """vLLM 0.26 cannot add a backend name: the lane takes AttentionBackendEnum.CUSTOM, and
+    refuses when another out-of-tree backend already holds it (0.32's enum has the same slot,
+    so the 0.26 path runs here with NAMES_ADDED off)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    custom = AttentionBackendEnum.CUSTOM
+    monkeypatch.setattr(ab, "NAMES_ADDED", False)
+    try:
+        register_backend(custom, "somebody.else.Backend")
+        with pytest.raises(LaneRefused) as err:
+            ab.register()
+        assert str(err.value) == (
+            "Lockstep exact lane refused to start: vLLM's CUSTOM attention backend is already "
+            "registered to 'somebody.else.Backend'; on this vLLM the lane's backend needs that "
+            "slot (one out-of-tree backend per process)"
+        )
+        custom.clear_override()
+        ab.register()  # a free slot is taken, and taking it again is a no-op
+        ab.register()
+        assert custom.get_path() == ab.BACKEND_PATH
+    finally:
+        custom.clear_override()

@@ -42,8 +42,9 @@ def runs(request, tiny_models, tmp_path_factory):
     zero = make_adapter(model_dir, tmp / "zero", rank=8, zero_b=True)
     factor = f"{PREFIX}model.layers.0.self_attn.q_proj.lora_B.weight"
     nudged = perturb_adapter(adapter, tmp / "nudged", factor, delta=2.0**-9)
-    lora, zero_req, nudged_req = (
-        lora_request_for(d, i) for i, d in ((1, adapter), (2, zero), (3, nudged))
+    other = make_adapter(model_dir, tmp / "other", rank=8, seed=5)  # adapter B
+    lora, zero_req, nudged_req, other_req = (
+        lora_request_for(d, i) for i, d in ((1, adapter), (2, zero), (3, nudged), (4, other))
     )
     r = {"family": request.param, "model_dir": model_dir, "adapter": adapter}
     llm = start_engine(model_dir, enable_lora=True, max_loras=4, max_lora_rank=8)
@@ -55,6 +56,8 @@ def runs(request, tiny_models, tmp_path_factory):
         (r["base_solo"],) = gen([BASE_PROMPT], None)
         (r["lora_solo"],) = gen([LORA_PROMPT], lora)
         r["mixed"] = gen([BASE_PROMPT, LORA_PROMPT], [None, lora])
+        (r["other_solo"],) = gen([LORA_PROMPT], other_req)
+        r["mixed_two"] = gen([BASE_PROMPT, LORA_PROMPT, LORA_PROMPT], [None, lora, other_req])
         (r["zero_on_base_prompt"],) = gen([BASE_PROMPT], zero_req)
         (r["nudged"],) = gen([LORA_PROMPT], nudged_req)
         # Upstream, LoRA + prompt_logprobs with 2+ prompts crashes in punica; the lane has none.
@@ -84,6 +87,19 @@ def test_lora_and_base_requests_in_one_batch_each_equal_their_solo_runs(runs):
     ):
         assert _decisions(solo)[0] == _decisions(batched)[0]
         assert_same_bytes_and_control(_decisions(solo)[1], _decisions(batched)[1], what)
+
+
+def test_base_adapter_a_and_adapter_b_in_one_batch_each_equal_their_solo_runs(runs):
+    base_batch, a_batch, b_batch = runs["mixed_two"]
+    for solo, batched, what in (
+        (runs["base_solo"], base_batch, "base"),
+        (runs["lora_solo"], a_batch, "adapter A"),
+        (runs["other_solo"], b_batch, "adapter B"),
+    ):
+        assert _decisions(solo)[0] == _decisions(batched)[0]
+        assert_same_bytes_and_control(_decisions(solo)[1], _decisions(batched)[1], what)
+    # the two adapters are really two: the same prompt under A and under B differs
+    assert not same_bytes(_decisions(a_batch)[1], _decisions(b_batch)[1])
 
 
 def test_the_zero_adapter_gives_exactly_the_base_bytes(runs):

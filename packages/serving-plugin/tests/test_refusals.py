@@ -118,3 +118,63 @@ def test_a_vllm_without_a_patched_target_is_refused_at_start(dense, monkeypatch)
     gone = patches.Target("vllm.v1.sample.sampler", "Sampler.gone_in_this_vllm", "patch", "test")
     monkeypatch.setattr(patches, "TABLE", patches.TABLE + (gone,))
     _refused(dense, r"does not support this vLLM: vllm\.v1\.sample\.sampler\.Sampler\.gone_in")
+
+
+def test_a_vllm_version_without_a_patch_table_is_refused_at_start_naming_the_supported(
+    dense, monkeypatch
+):
+    from lockstep_serving import patches
+
+    monkeypatch.setattr(patches, "TABLE", patches.table_for("0.27.0"))
+    _refused(
+        dense,
+        r"does not support this vLLM: vLLM 0\.27\.0 is not among the supported "
+        r"\('0\.32\.0', '0\.26\.0'\)",
+    )
+
+
+def test_a_device_without_lane_programs_is_refused():
+    from types import SimpleNamespace
+
+    from lockstep_serving.vllm_model import lane_backend
+
+    config = SimpleNamespace(device_config=SimpleNamespace(device_type="xpu"))
+    with pytest.raises(LaneRefused) as err:
+        lane_backend(config)
+    assert str(err.value) == (
+        "Lockstep exact lane refused to start: device 'xpu': the lane's programs run on cpu "
+        "and cuda only"
+    )
+    assert lane_backend(SimpleNamespace(device_config=SimpleNamespace(device_type="cpu"))) == "cpu"
+
+
+def test_capture_refuses_a_backend_it_has_no_engine_for(monkeypatch):
+    import torch
+
+    from lockstep_serving.capture import check_backend
+
+    with pytest.raises(LaneRefused) as err:
+        check_backend("tpu")
+    assert str(err.value) == "backend 'tpu': this plugin serves the ('cpu', 'cuda') lanes only"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(LaneRefused) as err:
+        check_backend("cuda")
+    assert str(err.value) == (
+        "backend 'cuda': no CUDA device here (a CUDA vLLM, 0.26.0, serves the cuda lane)"
+    )
+
+
+def test_capture_refuses_a_trace_whose_engine_ran_another_backend(dense, monkeypatch):
+    """A CUDA device beside a CPU vLLM: the engine runs the cpu lane, so a capture asked for
+    cuda is refused once the engine reports what it ran (here the device check is bypassed)."""
+    from lockstep_exact.requests import CaptureRequest
+    from lockstep_serving import capture as cap
+
+    monkeypatch.setattr(cap, "check_backend", lambda backend: None)
+    request = CaptureRequest(model_dir=dense, prompts=("Hello",), decisions=2, backend="cuda")
+    with pytest.raises(LaneRefused) as err:
+        cap.capture(request)
+    assert str(err.value) == (
+        "the engine ran the cpu lane but backend 'cuda' was asked for (the lane's backend is "
+        "the engine's device)"
+    )

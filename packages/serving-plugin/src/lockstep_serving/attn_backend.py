@@ -36,9 +36,15 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 
 from .patches import LaneRefused
 
-BACKEND_NAME = "LOCKSTEP_LANE"
 BACKEND_PATH = f"{__name__}.LaneAttentionBackend"
 KV_CACHE_DTYPES = ("auto", "bfloat16")
+# vLLM 0.32 adds an enum member for a new backend name; 0.26 only lets a backend take the
+# CUSTOM member it reserves for out-of-tree backends (``Attention`` looks ``get_name()`` up in
+# the enum, so the name must be that member's).
+NAMES_ADDED = "CUSTOM" not in AttentionBackendEnum.__members__ or hasattr(
+    AttentionBackendEnum, "register"
+)
+BACKEND_NAME = "LOCKSTEP_LANE" if NAMES_ADDED else "CUSTOM"
 
 
 def _refuse(msg: str):
@@ -176,11 +182,39 @@ class LaneAttentionBackend(AttentionBackend):
     def supports_kv_connector(cls) -> bool:
         return False  # the builder refuses one (kv_transfer_config)
 
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        """The lane's layout (vLLM 0.26 views each layer's cache with it; 0.32 never asks):
+        ``[num_blocks, kv_heads, block_size, 2 * head_size]``, K then V in the last axis, with
+        no stride order of its own (so contiguous in that shape), as ``kv_halves`` reads it."""
+        if cache_dtype_str not in KV_CACHE_DTYPES:
+            _refuse(f"kv_cache_dtype {cache_dtype_str!r}: the cache must hold the bf16 K/V bytes")
+        return (num_blocks, num_kv_heads, block_size, 2 * head_size)
+
 
 def register() -> None:
-    """Make the backend's name known to vLLM (``Attention`` looks it up); idempotent."""
-    if BACKEND_NAME not in AttentionBackendEnum.__members__:
-        register_backend(BACKEND_NAME, BACKEND_PATH)
+    """Make the backend known to vLLM (``Attention`` looks it up by name); idempotent.
+
+    vLLM 0.32: a new enum member LOCKSTEP_LANE. vLLM 0.26: the CUSTOM member, refused when
+    another class already holds it (the lane would take its layers' slot from it)."""
+    if NAMES_ADDED:
+        if BACKEND_NAME not in AttentionBackendEnum.__members__:
+            register_backend(BACKEND_NAME, BACKEND_PATH)
+        return
+    custom = AttentionBackendEnum.CUSTOM
+    if custom.is_overridden() and custom.get_path() != BACKEND_PATH:
+        _refuse(
+            f"vLLM's CUSTOM attention backend is already registered to {custom.get_path()!r}; "
+            "on this vLLM the lane's backend needs that slot (one out-of-tree backend per "
+            "process)"
+        )
+    register_backend(custom, BACKEND_PATH)
 
 
 def kv_halves(kv_cache: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,14 +38,35 @@ def _check_tokenizer(model: ModelDir) -> None:
         )
 
 
+BACKENDS = ("cpu", "cuda")
+
+
+def check_backend(backend: str) -> None:
+    """The lane runs the cpu programs in a CPU vLLM and the cuda programs in a CUDA one."""
+    if backend not in BACKENDS:
+        raise LaneRefused(f"backend {backend!r}: this plugin serves the {BACKENDS} lanes only")
+    if backend == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise LaneRefused(
+                "backend 'cuda': no CUDA device here (a CUDA vLLM, 0.26.0, serves the cuda lane)"
+            )
+
+
 def check_model(request) -> ModelDir:
     """What every engine start checks first: the backend, the model (refused, naming what
     the lane cannot run) and its tokenizer."""
-    if request.backend != "cpu":
-        raise LaneRefused(f"backend {request.backend!r}: this plugin serves the cpu lane only")
+    check_backend(request.backend)
     # The offline engine runs its core in this process unless the caller chose otherwise.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if request.backend == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    else:
+        # The lane's sampler lives on vLLM's V1 model runner; vLLM 0.26 would put a dense
+        # model on V2. An engine this plugin starts asks for V1 unless the caller chose (a
+        # caller's VLLM_USE_V2_MODEL_RUNNER=1 is refused by the lane model, naming it).
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     model = ModelDir(request.model_dir)
     _check_tokenizer(model)
     return model
@@ -164,6 +185,11 @@ def capture(request) -> Trace:
                 for p, sp in zip(prompts, params, strict=True)
             ]
         invoked = invoked_contract(llm)  # what the engine ran, checked against the contract
+        if invoked.backend != request.backend:
+            raise LaneRefused(
+                f"the engine ran the {invoked.backend} lane but backend {request.backend!r} "
+                "was asked for (the lane's backend is the engine's device)"
+            )
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -172,7 +198,7 @@ def capture(request) -> Trace:
         params,
         invoked,
         model,
-        adapter_hash(request.adapter_dir, model) if request.adapter_dir else None,
+        adapter_hash(request.adapter_dir, model, request.backend) if request.adapter_dir else None,
         prompts=prompts,
         seed=request.seed,
         batch=request.batch,

@@ -27,16 +27,17 @@ def lora_request_for(adapter_dir, lora_int_id: int = 1):
     )
 
 
-def adapter_hash(adapter_dir, model_dir) -> str:
+def adapter_hash(adapter_dir, model_dir, backend: str = "cpu") -> str:
     """Validate a PEFT adapter for this lane (AdapterError naming the problem); its hash.
 
     The hash covers the factors and the adapter config's numeric fields; a Lockstep export
     must be bound to this base model, a foreign (peft-made) adapter is recorded beside the
-    model hash in the trace."""
+    model hash in the trace. An export names the lane contract it was made for: the
+    ``backend``'s (cuda adapters for a cuda engine)."""
     from lockstep_exact.model import ModelDir
 
     base = ModelDir.of(model_dir)
-    return load_adapter(adapter_dir, base, contract=base.contract().fingerprint).sha256
+    return load_adapter(adapter_dir, base, contract=base.contract(backend).fingerprint).sha256
 
 
 class LaneLoRAManager:
@@ -73,7 +74,11 @@ class LaneLoRAManager:
             raise LaneRefused(
                 f"Lockstep exact lane refused adapter {lora_request.lora_name}: {err}"
             ) from err
-        self.adapters[lid] = adapter.modules
+        dev = getattr(self.model, "device", None)  # the engine's device (cuda on the GPU)
+        self.adapters[lid] = {
+            name: (a.to(dev), b.to(dev), scale) if dev is not None else (a, b, scale)
+            for name, (a, b, scale) in adapter.modules.items()
+        }
         self.paths[lid] = lora_request.lora_path
         return True
 

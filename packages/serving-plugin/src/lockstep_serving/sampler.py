@@ -71,7 +71,13 @@ def request_problem(sp) -> tuple[str, object, str] | None:
             sp.thinking_token_budget is not None,
             "forced tokens",
         ),
-        ("watermarking", sp.watermarking, bool(sp.watermarking), "a watermark bias"),
+        # vLLM 0.26 has no watermarking field (0.32 added it).
+        (
+            "watermarking",
+            getattr(sp, "watermarking", None),
+            bool(getattr(sp, "watermarking", None)),
+            "a watermark bias",
+        ),
         (
             "seed",
             sp.seed,

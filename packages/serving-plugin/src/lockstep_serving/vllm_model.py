@@ -41,12 +41,29 @@ def _refuse(msg: str):
     raise LaneRefused(f"Lockstep exact lane refused to start: {msg}")
 
 
+def lane_backend(vllm_config) -> str:
+    """The lane's backend on this engine's device: cpu programs on a cpu engine, cuda
+    programs on a cuda one (bytes are compared within a backend only)."""
+    device = vllm_config.device_config.device_type
+    if device not in ("cpu", "cuda"):
+        _refuse(f"device {device!r}: the lane's programs run on cpu and cuda only")
+    return device
+
+
 def _validate_config(vllm_config, arch: str) -> tuple[qwen3.Geometry, Path]:
     """Everything the lane cannot cover exactly is refused here, by name."""
     try:
         check()
     except LaneRefused as err:
         _refuse(str(err))
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        # vLLM 0.26 runs a dense model on its V2 model runner by default on CUDA; the lane's
+        # sampler and LoRA patches live on the V1 runner, so V2 would sample with its own rule.
+        _refuse(
+            "vLLM chose its V2 model runner, where the lane's sampler is not installed; "
+            "start the engine with VLLM_USE_V2_MODEL_RUNNER=0 in its environment"
+        )
+    backend = lane_backend(vllm_config)
     mc = vllm_config.model_config
     model_dir = Path(mc.model)
     if not (model_dir / "config.json").is_file():
@@ -77,13 +94,13 @@ def _validate_config(vllm_config, arch: str) -> tuple[qwen3.Geometry, Path]:
     if geom.family != want:
         _refuse(f"{arch} serves the {want} family but {model_dir} is {geom.family}")
     try:
-        check_layout(lane_contract(model_dir), tp=par.tensor_parallel_size)
+        check_layout(lane_contract(model_dir, backend=backend), tp=par.tensor_parallel_size)
     except ContractMismatch as err:
         _refuse(str(err))
     requested = getattr(mc.hf_config, CONTRACT_OVERRIDE, None) or os.environ.get(CONTRACT_ENV)
     if requested:
         try:
-            admit(lane_contract(model_dir), requested)
+            admit(lane_contract(model_dir, backend=backend), requested)
         except ContractMismatch as err:
             _refuse(str(err))
     return geom, model_dir
@@ -133,7 +150,7 @@ class LockstepQwen3ForCausalLM(nn.Module):
         check()  # never start beside a lockstep-exact this release was not built against
 
         self.geom, self.model_dir = _validate_config(vllm_config, self.lane_arch)
-        self.contract = lane_contract(self.model_dir)
+        self.contract = lane_contract(self.model_dir, backend=lane_backend(vllm_config))
         self.ops = Ops(self.contract)  # every program call reads this contract
         g = self.geom
         # Tensor parallelism: this rank holds column-parallel projections by output rows and
@@ -152,6 +169,7 @@ class LockstepQwen3ForCausalLM(nn.Module):
             on_cpu = vllm_config.device_config.device_type == "cpu"
             self.gather = DistGather(group.cpu_group if on_cpu else group.device_group, self.tp)
         self.weights: dict[str, torch.Tensor] = {}
+        self.device = torch.device(vllm_config.device_config.device)
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(g.layers)]
         # vLLM's Attention modules own the paged KV cache; their forward is unused. They run on
         # the lane's own backend (attn_backend.py): no vLLM kernel, so no kernel's shape limits.
@@ -181,7 +199,8 @@ class LockstepQwen3ForCausalLM(nn.Module):
                 _refuse(f"unexpected tensor {name!r} in the checkpoint (not part of the lane)")
             if t.dtype != torch.bfloat16:
                 _refuse(f"tensor {name!r} is {t.dtype}; the exact lane loads bf16 weights only")
-            self.weights[name] = shard_weight(name, t.detach(), self.tp_rank, self.tp).clone()
+            shard = shard_weight(name, t.detach(), self.tp_rank, self.tp)
+            self.weights[name] = shard.to(self.device, copy=True)  # the engine's device
         missing = sorted(expected - set(self.weights))
         if missing:
             _refuse(f"checkpoint lacks {len(missing)} tensor(s), first {missing[0]!r}")

@@ -360,3 +360,41 @@ def attention(
             G=g, D=d, ROWS=_COMBINE_ROWS, SEG=SEGMENT, num_warps=4, **EXACT,
         )  # fmt: skip
     return out
+
+
+def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` rows of one sequence, copied out of a paged cache: ``cache``
+    [num_blocks, Hkv, page, D] (a strided view is fine), ``block_table`` the sequence's block
+    ids in position order; returns [seq_len, Hkv, D], position t read from block
+    ``block_table[t // page]``, row ``t % page``. A copy: no arithmetic, so no byte moves."""
+    require_cuda(cache)
+    require(cache.dim() == 4, "gather_pages: cache [num_blocks, Hkv, page, D]")
+    _, h_kv, page, d = cache.shape
+    n_pages = triton.cdiv(seq_len, page)
+    require(block_table.numel() >= n_pages, "gather_pages: the block table is too short")
+    ids = block_table[:n_pages].to(device=cache.device, dtype=torch.int64)
+    rows = cache[ids].transpose(1, 2).reshape(n_pages * page, h_kv, d)
+    return rows[:seq_len]
+
+
+def attention_paged(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    positions: torch.Tensor,
+    *,
+    scale: torch.Tensor | float | None = None,
+    block: int = 32,
+) -> torch.Tensor:
+    """attention.blocked for ONE sequence whose keys and values sit in a paged cache.
+
+    ``key_cache``/``value_cache`` [num_blocks, Hkv, page, D] bf16 (vLLM's pages, viewed per
+    half), ``block_table`` the sequence's block ids, ``seq_len`` its keys in the cache. The
+    pages are gathered into contiguous [seq_len, Hkv, D] copies and ``attention`` runs on
+    them, so every row has the contiguous program's bytes by construction (issue 11); a
+    kernel reading the pages in place is issue 12's work."""
+    k = gather_pages(key_cache, block_table, seq_len)
+    v = gather_pages(value_cache, block_table, seq_len)
+    return attention(q, k, v, positions, scale=scale, block=block)
