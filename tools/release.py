@@ -124,7 +124,13 @@ def verify(out: Path) -> None:
                 str(py),
                 "--overrides",
                 str(overrides),
-                *map(str, wheels),
+                # lockstep-serving's engine is an extra (vllm or sglang: they conflict).
+                *(
+                    f"lockstep-serving[vllm] @ {w.as_uri()}"
+                    if w.name.startswith("lockstep_serving-")
+                    else str(w)
+                    for w in wheels
+                ),
             ],
             env=env,
         )

@@ -45,14 +45,42 @@ def _engines(args):
     return engine_output(args.engine_log, verbose=args.verbose)
 
 
-def _drive(args, hook_name: str, half: str, package: str, message: str, request):
-    """Call one plugin hook with the engine output sent to the command's log."""
+def _only_engine(pm, hook_name: str, engine: str, package: str):
+    """``hook_name``'s caller restricted to the plugin registered under the entry-point name
+    ``engine`` (``vllm``, ``sglang``), or MissingHalf naming the installed ones."""
+    from .plugins import MissingHalf
+
+    impls = getattr(pm.hook, hook_name).get_hookimpls()
+    names = sorted({pm.get_name(i.plugin) for i in impls})
+    if engine not in names:
+        raise MissingHalf(
+            f"no installed plugin named {engine!r} answers {hook_name} (installed: "
+            f"{', '.join(names) or 'none'}); install {package}"
+        )
+    others = [i.plugin for i in impls if pm.get_name(i.plugin) != engine]
+    return pm.subset_hook_caller(hook_name, remove_plugins=others)
+
+
+def _drive(args, hook_name: str, half: str, package: str, message: str, request, engine=None):
+    """Call one plugin hook with the engine output sent to the command's log. ``engine``:
+    only the plugin of that entry-point name answers (None: every installed one)."""
     from .plugins import manager, require_hook
 
-    hook = require_hook(manager(), hook_name, half, package)
+    pm = manager()
+    hook = require_hook(pm, hook_name, half, package)
+    if engine is not None:
+        hook = _only_engine(pm, hook_name, engine, package)
     with _engines(args) as console:
         console.say(message)
-        return hook(request=request)
+        result = hook(request=request)
+    if result is None and engine is not None:
+        from .plugins import MissingHalf
+
+        raise MissingHalf(
+            f"the {engine!r} plugin did not answer {hook_name}: {engine} is not installed in "
+            f"this environment; install {package}"
+        )
+    return result
 
 
 def _cmd_tiny(args) -> int:
@@ -181,7 +209,9 @@ def _cmd_capture(args) -> int:
             out_dir=Path(args.out),
             seed=args.seed,
             tp=args.tp,
+            backend=args.backend,
         ),
+        engine=args.engine,
     )
     print(f"captured {trace.num_decisions} decisions from {len(prompts)} prompts -> {args.out}")
     print(f"engine log: {args.engine_log}")
@@ -454,6 +484,15 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--out", required=True)
     cap.add_argument(
         "--tp", type=int, default=1, help="the sampler's tensor-parallel size (same bytes)"
+    )
+    cap.add_argument(
+        "--backend", default="cpu", choices=("cpu", "cuda"), help="cuda: a CUDA vLLM (0.26.0)"
+    )
+    cap.add_argument(
+        "--engine",
+        choices=("vllm", "sglang"),
+        help="the serving engine (default: the installed one; sglang needs the sglang "
+        "environment, docs/sglang.md)",
     )
     cap.set_defaults(func=_cmd_capture)
 

@@ -1,0 +1,382 @@
+"""Exact-lane model classes for SGLang: the shared Qwen3 composition over SGLang's KV pool.
+
+Every floating-point op is a shared-exact byte program called through
+``lockstep_exact.lanes.qwen3`` (the composition vLLM and Megatron run too); this module only
+wires it into SGLang: weights from SGLang's loader, each step's K/V rows copied into the
+engine's ``MHATokenToKVPool`` at the batch's ``out_cache_loc``, and each request's keys and
+values read back through ``req_to_token`` (the radix cache: a prefix hit is simply a request
+whose first positions were written by an earlier one), then the composition's attention site
+over them. The forward returns SGLang's ``LogitsProcessorOutput`` holding the lane's fp32
+logits of each request's last row; the lane's sampler (``sglang_sampler``) takes it from there.
+
+The lane is selected per engine, as in vLLM, by naming its architecture::
+
+    sglang.Engine(
+        model_path=...,
+        json_model_override_args='{"architectures": ["LockstepQwen3ForCausalLM"]}',
+        device="cpu",
+        attention_backend="torch_native",
+        ...,
+    )
+
+(``sglang_capture.engine_args`` builds these). Everything the lane cannot run exactly is
+refused when the model is built, naming the setting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lockstep_exact.contract import ContractMismatch, admit, lane_contract
+from lockstep_exact.lanes import qwen3
+from lockstep_exact.lanes.ops import Ops
+from lockstep_exact.sites import is_recording, paused
+
+from .patches import LaneRefused
+
+CONTRACT_ENV = "LOCKSTEP_CONTRACT"
+CONTRACT_OVERRIDE = "lockstep_contract"  # json_model_override_args key: the fingerprint asked for
+REPORT_ENV = "LOCKSTEP_SGLANG_REPORT"  # a file the model keeps its invoked contract in
+
+# Lane models alive in this process; while one lives, the lane's sampler applies its rule.
+LIVE: weakref.WeakSet = weakref.WeakSet()
+
+FAMILY_OF = {
+    "LockstepQwen3ForCausalLM": "qwen3",
+    "LockstepQwen3MoeForCausalLM": "qwen3-moe",
+}
+LANE_OF_HF = {
+    "Qwen3ForCausalLM": "LockstepQwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "LockstepQwen3MoeForCausalLM",
+}
+# The engine settings the lane needs, and the values it accepts (server args name -> values).
+REQUIRED = {
+    "attention_backend": ("torch_native",),
+    "dtype": ("bfloat16",),
+    "kv_cache_dtype": ("auto", "bfloat16", "bf16"),
+    "device": ("cpu",),
+}
+# Settings that must be off: (server args name, what the lane would not cover).
+MUST_BE_OFF = (
+    ("speculative_algorithm", "speculative decoding (its draft/verify path is not exact)"),
+    ("enable_lora", "SGLang's LoRA backends (the lane's LoRA is not wired into SGLang yet)"),
+    ("enable_torch_compile", "torch.compile of the model"),
+    ("enable_dp_attention", "data-parallel attention"),
+    ("enable_deterministic_inference", "SGLang's own deterministic kernels (GPU only)"),
+    ("rl_on_policy_target", "SGLang's RL on-policy mode (its own logprob path)"),
+)
+ONE = ("tp_size", "pp_size", "dp_size", "ep_size")
+ACCEPTED_MODES = ("EXTEND", "MIXED", "DECODE", "IDLE")
+
+
+def _refuse(msg: str):
+    raise LaneRefused(f"Lockstep exact lane refused to start: {msg}")
+
+
+def _validate(config, quant_config, arch: str) -> tuple[qwen3.Geometry, Path]:
+    """Everything the lane cannot cover exactly is refused here, by name."""
+    from sglang.srt.runtime_context import get_server_args
+
+    from ._release import check as check_release
+    from .sglang_patches import check
+
+    check_release()  # never start beside a lockstep-exact this release was not built against
+    try:
+        check()
+    except LaneRefused as err:
+        _refuse(str(err))
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
+        _refuse("SGLANG_USE_CPU_ENGINE=1 is not set: the lane runs on SGLang's CPU engine only")
+    sa = get_server_args()
+    if quant_config is not None or getattr(sa, "quantization", None):
+        _refuse(f"quantized weights ({getattr(sa, 'quantization', None)!r}) have no exact lane")
+    for name, accepted in REQUIRED.items():
+        value = getattr(sa, name, None)
+        if str(value) not in accepted:
+            _refuse(f"{name}={value!r}; the lane needs {' or '.join(map(repr, accepted))}")
+    for name, what in MUST_BE_OFF:
+        if getattr(sa, name, None):
+            _refuse(f"{name}={getattr(sa, name)!r}: {what} is not part of the lane")
+    for name in ONE:
+        value = getattr(sa, name, 1)
+        if value not in (None, 1):
+            _refuse(f"{name}={value}: the SGLang lane runs on one process (no parallelism yet)")
+    model_dir = Path(sa.model_path)
+    if not (model_dir / "config.json").is_file():
+        _refuse(f"{sa.model_path!r} is not a local HF model directory (config.json missing)")
+    from . import sglang_sampler
+
+    if not any(True for _ in sglang_sampler.SAMPLERS):
+        _refuse(
+            "SGLang did not build the lane's sampler in this process (sampling_backend "
+            f"{getattr(sa, 'sampling_backend', None)!r}); the lockstep SGLang plugin registers "
+            "it under 'pytorch': is the plugin loaded (entry point sglang.srt.plugins, "
+            "SGLANG_PLUGINS)?"
+        )
+    try:
+        geom = qwen3.Geometry.from_model_dir(model_dir)
+    except qwen3.UnsupportedModel as err:
+        _refuse(str(err))
+    want = FAMILY_OF[arch]
+    if geom.family != want:
+        _refuse(f"{arch} serves the {want} family but {model_dir} is {geom.family}")
+    requested = getattr(config, CONTRACT_OVERRIDE, None) or os.environ.get(CONTRACT_ENV)
+    if requested:
+        try:
+            admit(lane_contract(model_dir), requested)
+        except ContractMismatch as err:
+            _refuse(str(err))
+    return geom, model_dir
+
+
+def _expected_names(geom: qwen3.Geometry) -> set[str]:
+    from .vllm_model import _expected_names as names  # plain function: imports no vLLM
+
+    return names(geom)
+
+
+class LockstepQwen3ForCausalLM(nn.Module):
+    """Qwen3 on the exact lane, inside SGLang (select with json_model_override_args)."""
+
+    lane_arch = "LockstepQwen3ForCausalLM"
+
+    def __init__(self, config, quant_config=None, prefix: str = ""):
+        super().__init__()
+        self.config = config
+        self.geom, self.model_dir = _validate(config, quant_config, self.lane_arch)
+        self.contract = lane_contract(self.model_dir)
+        self.ops = Ops(self.contract)  # every program call reads this contract
+        self.weights: dict[str, torch.Tensor] = {}
+        self._layer_weights: list[dict[str, torch.Tensor]] = []
+        self._unsampled = 0  # steps whose logits no lane sampler consumed yet
+        self._report = os.environ.get(REPORT_ENV)
+        self._reported: tuple[int, int] | None = None
+        self.steps = 0
+        self.samples = 0
+        LIVE.add(self)
+
+    # --- weights ---------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        expected = _expected_names(self.geom)
+        for name, t in weights:
+            if name not in expected:
+                _refuse(f"unexpected tensor {name!r} in the checkpoint (not part of the lane)")
+            if t.dtype != torch.bfloat16:
+                _refuse(f"tensor {name!r} is {t.dtype}; the exact lane loads bf16 weights only")
+            self.weights[name] = t.detach().to("cpu").clone()
+        missing = sorted(expected - set(self.weights))
+        if missing:
+            _refuse(f"checkpoint lacks {len(missing)} tensor(s), first {missing[0]!r}")
+        self._layer_weights = qwen3.split_layers(self.weights, self.geom)
+
+    def slots(self) -> qwen3.DictSlots:
+        return qwen3.DictSlots(self.weights, self.geom, per_layer=self._layer_weights)
+
+    # --- the sampler's side of the run-time check ---------------------------------------------
+    def sampled(self) -> None:
+        """Called by the lane's sampler for every batch of logits it consumes."""
+        self._unsampled = 0
+        self.samples += 1
+        self.write_report()
+
+    # --- forward ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, input_ids, positions, forward_batch, *args, **kwargs):
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+
+        fb = forward_batch
+        if not self.check_step(fb) or input_ids.shape[0] == 0:
+            return LogitsProcessorOutput(
+                next_token_logits=torch.empty(0, self.geom.vocab, dtype=torch.float32)
+            )
+        reqs = self._requests(fb)
+        slots = PoolSlots(self, fb, reqs)
+        h = qwen3.embed(self.ops, slots, input_ids)
+        h = qwen3.layers(self.ops, self.geom, slots, h, positions)
+        last = torch.tensor([end - 1 for _, _, end, _ in reqs], dtype=torch.int64)
+        with paused():  # bisect's final sites come from every row, below
+            logits = qwen3.final_logits(self.ops, self.geom, self.slots(), h[last])
+        if is_recording():
+            qwen3.logprobs(self.ops, qwen3.final_logits(self.ops, self.geom, self.slots(), h))
+        self._unsampled = 1
+        self.steps += 1
+        self.write_report()
+        return LogitsProcessorOutput(next_token_logits=logits)
+
+    def check_step(self, fb) -> bool:
+        """Refuse a step the lane cannot run, naming why; False for an idle step."""
+        mode = fb.forward_mode
+        if mode.name not in ACCEPTED_MODES:
+            raise LaneRefused(
+                f"Lockstep exact lane: forward mode {mode.name} is not part of the lane "
+                f"(it runs {', '.join(ACCEPTED_MODES)})"
+            )
+        if mode.name == "IDLE":
+            return False
+        if self._unsampled:
+            raise LaneRefused(
+                "Lockstep exact lane: the previous step's logits were not consumed by the "
+                "lane's sampler; SGLang is sampling with another sampler (its sampling_backend "
+                "must resolve to the lane's 'pytorch' registration)"
+            )
+        if fb.input_embeds is not None:
+            raise LaneRefused("Lockstep exact lane: input embeddings are not part of the lane")
+        if fb.lora_ids is not None and any(x is not None for x in fb.lora_ids):
+            raise LaneRefused("Lockstep exact lane: LoRA requests are not wired into SGLang yet")
+        if fb.spec_info is not None:
+            raise LaneRefused("Lockstep exact lane: speculative decoding is not part of the lane")
+        return True
+
+    def _requests(self, fb) -> list[tuple[int, int, int, int]]:
+        """(b, start, end, seq_len) per request: its rows in the batch and its cache length."""
+        seq_lens = [int(x) for x in fb.seq_lens_cpu.tolist()]
+        if fb.forward_mode.is_decode():
+            return [(b, b, b + 1, s) for b, s in enumerate(seq_lens)]
+        ext = [int(x) for x in fb.extend_seq_lens_cpu]
+        if fb.return_logprob:
+            starts = [int(x) for x in fb.extend_logprob_start_lens_cpu]
+            for b, (n, s) in enumerate(zip(ext, starts, strict=True)):
+                if n - s > 0:
+                    raise LaneRefused(
+                        f"Lockstep exact lane: request {b} asks for prompt logprobs "
+                        "(logprob_start_len); the SGLang lane reports sampled-token logprobs only"
+                    )
+        out, start = [], 0
+        for b, (n, s) in enumerate(zip(ext, seq_lens, strict=True)):
+            out.append((b, start, start + n, s))
+            start += n
+        if start != fb.input_ids.shape[0]:
+            raise LaneRefused(
+                f"Lockstep exact lane: the batch has {fb.input_ids.shape[0]} rows but its "
+                f"requests extend by {start}"
+            )
+        return out
+
+    # --- what the engine actually ran --------------------------------------------------------
+    def write_report(self) -> None:
+        """Keep the invoked contract in ``$LOCKSTEP_SGLANG_REPORT`` (captures read it: the
+        scheduler process holds the model, the capture's process does not)."""
+        if not self._report:
+            return
+        key = (len(self.ops.invoked), self.samples)
+        if key == self._reported:
+            return
+        body = {
+            "pid": os.getpid(),
+            "declared": self.contract.to_json(),
+            "invoked": self.ops.invoked_contract().to_json(),
+            "steps": self.steps,
+            "samples": self.samples,
+            "sampler": "lockstep",
+        }
+        tmp = f"{self._report}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(body, f, sort_keys=True)
+        os.replace(tmp, self._report)
+        self._reported = key
+
+
+class PoolSlots(qwen3.DictSlots):
+    """The composition's slots in SGLang: the engine's weights and attention over SGLang's
+    token-to-KV pool (``pool_attention``)."""
+
+    def __init__(self, model: LockstepQwen3ForCausalLM, fb, reqs):
+        super().__init__(model.weights, model.geom, per_layer=model._layer_weights)
+        self.fb, self.reqs = fb, reqs
+
+    def attend(self, layer, q, k, v, positions, core):
+        from sglang.srt.model_executor.forward_context import (
+            get_req_to_token_pool,
+            get_token_to_kv_pool,
+        )
+
+        return pool_attention(
+            layer,
+            q,
+            k,
+            v,
+            positions,
+            self.fb,
+            self.reqs,
+            get_token_to_kv_pool(),
+            get_req_to_token_pool().req_to_token,
+            core=core,
+        )
+
+
+class LockstepQwen3MoeForCausalLM(LockstepQwen3ForCausalLM):
+    """Qwen3-MoE on the exact lane (router, experts and fold are shared programs)."""
+
+    lane_arch = "LockstepQwen3MoeForCausalLM"
+
+
+def pool_buffers(pool, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's K and V buffers ``[slots, kv_heads, head_dim]``, refused unless they hold
+    exactly the lane's rows (an index write into another dtype would cast silently)."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    if type(pool) is not MHATokenToKVPool:
+        raise LaneRefused(
+            f"Lockstep exact lane: the KV pool is {type(pool).__name__}, not MHATokenToKVPool "
+            "(quantized, hybrid or offloaded KV caches are not part of the lane)"
+        )
+    kb, vb = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
+    _, hkv, d = k.shape
+    for name, buf in (("key", kb), ("value", vb)):
+        if buf.dim() != 3 or tuple(buf.shape[1:]) != (hkv, d) or buf.dtype != k.dtype:
+            raise LaneRefused(
+                f"Lockstep exact lane: the layer's {name} buffer is {tuple(buf.shape)} "
+                f"{buf.dtype}, not [slots, {hkv}, {d}] {k.dtype}; the pool must hold the "
+                "lane's K/V bytes"
+            )
+    return kb, vb
+
+
+def pool_attention(layer, q, k, v, positions, fb, reqs, pool, req_to_token, *, core):
+    """Write this step's K/V rows into the pool, then attend each request over its slots.
+
+    ``reqs`` = [(b, start, end, seq_len)]: request ``b`` of the batch owns rows start..end-1
+    (its newest positions) and, once they are written, ``seq_len`` positions in the cache,
+    whose slots are ``req_to_token[req_pool_indices[b], :seq_len]`` (a radix-cache hit filled
+    the first ones in an earlier step, possibly for another request). Every cache access is an
+    exact copy; ``core(q_rows, keys, values, positions)`` is the composition's attention site.
+    """
+    kb, vb = pool_buffers(pool, layer, k)
+    loc = fb.out_cache_loc.to(torch.int64)
+    if loc.shape[0] != k.shape[0]:
+        raise LaneRefused(
+            f"Lockstep exact lane: {k.shape[0]} K/V rows but {loc.shape[0]} cache slots"
+        )
+    kb[loc] = k
+    vb[loc] = v
+    out = torch.empty_like(q)
+    pool_rows = fb.req_pool_indices.tolist()
+    for b, start, end, seq_len in reqs:
+        pos = positions[start:end]
+        if int(pos[-1]) != seq_len - 1:
+            raise LaneRefused(
+                f"request {b}: last query position {int(pos[-1])} is not seq_len-1 "
+                f"({seq_len - 1}); the lane cannot place its queries in the cache"
+            )
+        at = req_to_token[pool_rows[b], :seq_len].to(torch.int64)
+        out[start:end] = core(q[start:end], kb[at], vb[at], pos)
+    return out
+
+
+def architecture_for(model_dir) -> str:
+    """The lane architecture serving ``model_dir`` (from its config.json), or refuse."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    arch = (cfg.get("architectures") or ["?"])[0]
+    if arch not in LANE_OF_HF:
+        _refuse(f"architecture {arch!r} has no exact lane; supported: {sorted(LANE_OF_HF)}")
+    return LANE_OF_HF[arch]
+
+
+EntryClass = [LockstepQwen3ForCausalLM, LockstepQwen3MoeForCausalLM]

@@ -1,0 +1,202 @@
+"""The SGLang patch table: every SGLang symbol the SGLang half patches, registers, reads or
+constructs (the counterpart of ``patches.py`` for vLLM).
+
+SGLang's internals move between releases (the KV pool accessors, the forward context and the
+sampler's signature all did), so the table names the one version it was written and tested
+on; any other version, or a target that is missing or changed shape, makes the lane refuse to
+start (``LaneRefused``) naming each problem. Stock SGLang keeps working either way: the
+general plugin (``sglang_plugin.register``) leaves SGLang untouched when the table has
+problems, and only a lane model refuses.
+"""
+
+from __future__ import annotations
+
+from lockstep_exact.patching import PatchTable, Target
+
+from .patches import LaneRefused
+
+SUPPORTED_SGLANG = ("0.5.21",)
+
+
+def _from_schedule_batch():
+    from .sglang_sampler import from_schedule_batch
+
+    return classmethod(from_schedule_batch)
+
+
+def _create_tokenized_object():
+    from .sglang_sampler import create_tokenized_object
+
+    return create_tokenized_object
+
+
+TARGETS: tuple[Target, ...] = (
+    Target(
+        "sglang.srt.managers.tokenizer_manager",
+        "TokenizerManager._create_tokenized_object",
+        "patch",
+        "a lane engine's front end refuses sampling parameters its rule lacks (and prompt "
+        "logprobs, LoRA), naming them: the request fails, the engine serves on",
+        params=("self", "obj", "input_text", "input_ids"),
+        replacement=_create_tokenized_object,
+    ),
+    Target(
+        "sglang.srt.models.registry",
+        "ModelRegistry",
+        "register",
+        "LockstepQwen3ForCausalLM / LockstepQwen3MoeForCausalLM into ModelRegistry.models "
+        "(selected per engine by json_model_override_args architectures)",
+        attrs=("models",),
+    ),
+    Target(
+        "sglang.srt.layers.sampler",
+        "register_sampler_backend",
+        "register",
+        "the lane's sampler under the name 'pytorch' (SGLang forces that backend on CPU); it "
+        "runs SGLang's own sampler for any model that is not a lane model",
+        params=("backend", "factory"),
+    ),
+    Target(
+        "sglang.srt.layers.sampler",
+        "Sampler.forward",
+        "construct",
+        "LaneSampler overrides it: sample.gumbel_topp over log_softmax.tree rows, raw logprobs",
+        params=(
+            "self",
+            "logits_output",
+            "sampling_info",
+            "return_logprob",
+            "top_logprobs_nums",
+            "token_ids_logprobs",
+            "positions",
+        ),
+    ),
+    Target(
+        "sglang.srt.layers.logprob_processor",
+        "OutputLogprobProcessor.compute_logprobs",
+        "read",
+        "sampled-token, top-k and requested-id logprobs gathered from the lane's raw rows "
+        "(the Sampler's output_logprob_processor)",
+        params=("self", "logprobs", "top_logprobs_nums", "token_ids_logprobs"),
+    ),
+    Target(
+        "sglang.srt.sampling.sampling_batch_info",
+        "SamplingBatchInfo.from_schedule_batch",
+        "patch",
+        "a lane engine's batch carries every request's seed (sampling_seed), and a random "
+        "request without one gets a fresh seed for its whole life",
+        params=("batch", "vocab_size"),
+        replacement=_from_schedule_batch,
+    ),
+    Target(
+        "sglang.srt.sampling.sampling_batch_info",
+        "SamplingBatchInfo",
+        "read",
+        "each row's temperature, top_p and seed, and every option the lane's rule refuses",
+        attrs=(
+            "temperatures",
+            "top_ps",
+            "top_ks",
+            "min_ps",
+            "sampling_seed",
+            "grammars",
+            "penalizer_orchestrator",
+            "logit_bias",
+            "has_custom_logit_processor",
+        ),
+    ),
+    Target(
+        "sglang.srt.sampling.sampling_params",
+        "SamplingParams",
+        "read",
+        "the request's seed (sampling_seed) and the parameters the lane refuses",
+        attrs=(
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "sampling_seed",
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
+            "min_new_tokens",
+            "logit_bias",
+        ),
+    ),
+    Target(
+        "sglang.srt.layers.logits_processor",
+        "LogitsProcessorOutput",
+        "construct",
+        "the lane model's forward returns it: next_token_logits are the lane's fp32 logits",
+        attrs=("next_token_logits", "next_token_logprobs"),
+    ),
+    Target(
+        "sglang.srt.model_executor.forward_context",
+        "get_token_to_kv_pool",
+        "read",
+        "the KV pool of the running batch (the lane writes and reads its K/V rows there)",
+    ),
+    Target(
+        "sglang.srt.model_executor.forward_context",
+        "get_req_to_token_pool",
+        "read",
+        "each request's KV slots, position by position (radix-cache hits included)",
+    ),
+    Target(
+        "sglang.srt.mem_cache.memory_pool",
+        "MHATokenToKVPool",
+        "read",
+        "the only pool kind the lane accepts: per layer [slots, kv_heads, head_dim] bf16 buffers",
+        attrs=("get_key_buffer", "get_value_buffer"),
+    ),
+    Target(
+        "sglang.srt.model_executor.forward_batch_info",
+        "ForwardBatch",
+        "read",
+        "the step: mode, rows per request, positions, cache slots, logprob requests",
+        attrs=(
+            "forward_mode",
+            "batch_size",
+            "input_ids",
+            "req_pool_indices",
+            "seq_lens",
+            "out_cache_loc",
+            "seq_lens_cpu",
+            "positions",
+            "extend_seq_lens_cpu",
+            "extend_prefix_lens_cpu",
+            "extend_logprob_start_lens_cpu",
+            "return_logprob",
+            "input_embeds",
+            "lora_ids",
+            "spec_info",
+        ),
+    ),
+    Target(
+        "sglang.srt.runtime_context",
+        "get_server_args",
+        "read",
+        "the engine's settings, checked by the lane model (attention backend, parallelism...)",
+    ),
+)
+
+
+TABLE = PatchTable(
+    "SGLang",
+    "sglang",
+    SUPPORTED_SGLANG,
+    TARGETS,
+    error=LaneRefused,
+    refusal="the Lockstep exact lane does not support this SGLang",
+    source="lockstep_serving/sglang_patches.py",
+)
+
+
+def problems() -> list[str]:
+    """Every target that is missing or changed shape in the installed SGLang, as sentences."""
+    return TABLE.problems()
+
+
+def check() -> None:
+    """Raise LaneRefused naming every target the installed SGLang lacks."""
+    TABLE.check()

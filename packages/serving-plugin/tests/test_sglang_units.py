@@ -1,0 +1,792 @@
+"""The SGLang half's refusals and plumbing, without SGLang (runs in the default environment).
+
+Each refusal the SGLang half adds is asserted here by its message: request parameters the
+lane's rule lacks, batch options that change the logits, engine settings the lane model
+refuses (with a stand-in for SGLang's server arguments), the capture's pre-flight checks,
+the CLI's ``--engine`` choice, and the import-time stand-ins of SGLang's CPU environment.
+The real engine runs in ``tests/test_sglang.py`` (SGLang environment).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lockstep_exact.plugins import manager as _MANAGER  # the real one, before any patch
+from lockstep_exact.requests import CaptureRequest
+from lockstep_exact.tiny import make_tiny
+from lockstep_serving import sglang_capture, sglang_hooks, sglang_model, sglang_sampler
+from lockstep_serving.patches import LaneRefused
+
+STANDINS = Path(__file__).resolve().parents[2] / "sglang-cpu-standins" / "src"
+
+
+def _load(name: str, path: Path):
+    """A stand-in module loaded under another name (it must not shadow anything here)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- the import-time stand-ins ---------------------------------------------------------------
+def test_every_sgl_kernel_standin_name_refuses_naming_itself_and_the_feature():
+    kernel = _load("lockstep_test_sgl_kernel", STANDINS / "sgl_kernel" / "__init__.py")
+    assert len(kernel.FEATURES) == 9
+    for name, feature in kernel.FEATURES.items():
+        with pytest.raises(kernel.StandInCalled) as err:
+            getattr(kernel, name)(torch.zeros(1))
+        assert f"sgl_kernel.{name} was called" in str(err.value)
+        assert f"{feature} is not supported on the lane" in str(err.value)
+    # SGLang's AMX probe must find nothing else here.
+    assert not hasattr(kernel, "convert_weight_packed")
+
+
+def test_torchvision_standin_placeholders_refuse_when_used():
+    ph = _load("lockstep_test_tv", STANDINS / "torchvision" / "_placeholder.py")
+    cls = ph.module_getattr("InterpolationMode")
+    assert cls.BICUBIC.__name__ == "InterpolationMode.BICUBIC"  # attribute access is inert
+    with pytest.raises(RuntimeError, match=r"torchvision\.Resize is a stand-in"):
+        ph.module_getattr("Resize")(224)
+    with pytest.raises(AttributeError):
+        ph.module_getattr("__wrapped__")
+
+
+# --- the sampling rule -----------------------------------------------------------------------
+def _sp(**over):
+    base = dict(
+        temperature=1.0,
+        top_p=1.0,
+        top_k=sglang_sampler.TOP_K_ALL,
+        min_p=0.0,
+        frequency_penalty=0.0,
+        presence_penalty=0.0,
+        repetition_penalty=1.0,
+        min_new_tokens=0,
+        logit_bias=None,
+        json_schema=None,
+        regex=None,
+        ebnf=None,
+        structural_tag=None,
+        sampling_seed=3,
+    )
+    base.update(over)
+    return SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize(
+    "name,value,why",
+    [
+        ("min_p", 0.1, "min-p truncation"),
+        ("frequency_penalty", 0.5, "a penalty"),
+        ("presence_penalty", 0.5, "a penalty"),
+        ("repetition_penalty", 1.1, "a penalty"),
+        ("min_new_tokens", 2, "a mask over stop tokens"),
+        ("logit_bias", {"3": 1.0}, "a logit bias"),
+        ("json_schema", "{}", "a grammar mask"),
+        ("regex", "a+", "a grammar mask"),
+        ("ebnf", "root ::= 'a'", "a grammar mask"),
+        ("structural_tag", "{}", "a grammar mask"),
+        ("sampling_seed", 2**63, "a seed outside int64"),
+        ("top_k", 5, "top-k truncation"),
+    ],
+)
+def test_request_parameters_the_rule_lacks_are_refused_by_name(name, value, why):
+    message = sglang_sampler.refusal(_sp(**{name: value}))
+    assert message == (
+        f"Lockstep exact lane: {name}={value!r} is not supported: it would change the token "
+        f"distribution ({why}), and the lane draws every token with "
+        f"{sglang_sampler.RULE.ident} (temperature and top_p only)"
+    )
+
+
+def test_temperature_top_p_seed_and_greedy_are_the_rule():
+    assert sglang_sampler.refusal(_sp(temperature=0.7, top_p=0.9)) is None
+    assert sglang_sampler.refusal(_sp(top_k=1)) is None  # SGLang's greedy
+
+
+class _Orchestrator:
+    def __init__(self, required: bool):
+        self.required = required
+
+    def is_required(self):
+        return self.required
+
+
+def _info(n=2, **over):
+    base = dict(
+        temperatures=torch.tensor([[0.7], [1.0]][:n]),
+        top_ps=torch.tensor([0.9, 1.0][:n]),
+        top_ks=torch.tensor([sglang_sampler.TOP_K_ALL, 1][:n], dtype=torch.int32),
+        min_ps=torch.zeros(n),
+        sampling_seed=torch.tensor([5, 9][:n]),
+        has_custom_logit_processor=False,
+        logit_bias=None,
+        grammars=None,
+        penalizer_orchestrator=_Orchestrator(False),
+    )
+    base.update(over)
+    return SimpleNamespace(**base)
+
+
+def test_rows_give_each_request_its_rule_and_greedy_rows_temperature_zero():
+    temps, tops, seeds = sglang_sampler._rows(_info(), 2)
+    assert temps == [pytest.approx(0.7), 0.0] and tops == [pytest.approx(0.9), 1.0]
+    assert seeds == [5, 0]
+
+
+@pytest.mark.parametrize(
+    "over,message",
+    [
+        (
+            {"has_custom_logit_processor": True},
+            "Lockstep exact lane: a custom logit processor changes the logits",
+        ),
+        ({"logit_bias": torch.zeros(2, 8)}, "Lockstep exact lane: a logit bias changes the logits"),
+        ({"grammars": [None, object()]}, "Lockstep exact lane: a grammar masks the logits"),
+        (
+            {"penalizer_orchestrator": _Orchestrator(True)},
+            "Lockstep exact lane: a penalty (or min_new_tokens) changes the logits",
+        ),
+        (
+            {"sampling_seed": None},
+            "Lockstep exact lane: the batch carries no seed per request (was the plugin's "
+            "SamplingBatchInfo.from_schedule_batch patch bypassed?)",
+        ),
+        (
+            {"top_ks": torch.tensor([5, 1], dtype=torch.int32)},
+            "Lockstep exact lane: row 0 asks for top_k=5, min_p=0.0; the lane draws with "
+            f"{sglang_sampler.RULE.ident} (temperature and top_p only)",
+        ),
+    ],
+)
+def test_batch_options_that_change_the_logits_are_refused(over, message):
+    with pytest.raises(LaneRefused) as err:
+        sglang_sampler._rows(_info(**over), 2)
+    assert str(err.value) == message
+
+
+# --- the model's reading of a batch ------------------------------------------------------------
+def _fb(**over):
+    mode = SimpleNamespace(is_decode=lambda: False)
+    base = dict(
+        forward_mode=mode,
+        seq_lens_cpu=torch.tensor([5, 3]),
+        extend_seq_lens_cpu=[2, 3],
+        extend_logprob_start_lens_cpu=[2, 3],
+        return_logprob=True,
+        input_ids=torch.zeros(5, dtype=torch.int64),
+    )
+    base.update(over)
+    return SimpleNamespace(**base)
+
+
+def test_requests_are_rows_and_cache_lengths_prefix_hits_included():
+    # request 0 extends a cached 3-token prefix by 2 rows; request 1 is new.
+    reqs = sglang_model.LockstepQwen3ForCausalLM._requests(None, _fb())
+    assert reqs == [(0, 0, 2, 5), (1, 2, 5, 3)]
+
+
+def test_prompt_logprobs_are_refused():
+    with pytest.raises(LaneRefused) as err:
+        sglang_model.LockstepQwen3ForCausalLM._requests(
+            None, _fb(extend_logprob_start_lens_cpu=[0, 3])
+        )
+    assert str(err.value) == (
+        "Lockstep exact lane: request 0 asks for prompt logprobs (logprob_start_len); the "
+        "SGLang lane reports sampled-token logprobs only"
+    )
+
+
+def test_rows_that_do_not_add_up_are_refused():
+    with pytest.raises(LaneRefused) as err:
+        sglang_model.LockstepQwen3ForCausalLM._requests(
+            None, _fb(input_ids=torch.zeros(6, dtype=torch.int64))
+        )
+    assert str(err.value) == (
+        "Lockstep exact lane: the batch has 6 rows but its requests extend by 5"
+    )
+
+
+# --- the engine settings the lane model refuses -------------------------------------------------
+@pytest.fixture()
+def fake_sglang(monkeypatch, tmp_path):
+    """SGLang's server arguments as the lane model reads them, without SGLang."""
+    model = make_tiny(tmp_path / "m", arch="qwen3")
+    args = SimpleNamespace(
+        model_path=str(model),
+        attention_backend="torch_native",
+        dtype="bfloat16",
+        kv_cache_dtype="auto",
+        device="cpu",
+        sampling_backend="pytorch",
+        quantization=None,
+        tp_size=1,
+        pp_size=1,
+        dp_size=1,
+        ep_size=1,
+    )
+    for name in ("sglang", "sglang.srt", "sglang.srt.runtime_context"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["sglang.srt.runtime_context"].get_server_args = lambda: args
+    monkeypatch.setattr("lockstep_serving.sglang_patches.check", lambda: None)
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    sampler = object.__new__(type("FakeLaneSampler", (), {}))
+    monkeypatch.setattr(sglang_sampler, "SAMPLERS", [sampler])
+    return args, model
+
+
+def _validate(arch="LockstepQwen3ForCausalLM", quant=None, config=None):
+    return sglang_model._validate(config or SimpleNamespace(), quant, arch)
+
+
+def test_the_lane_model_starts_on_a_fitting_engine(fake_sglang):
+    geom, model_dir = _validate()
+    assert geom.family == "qwen3" and model_dir == fake_sglang[1]
+
+
+@pytest.mark.parametrize(
+    "name,value,message",
+    [
+        (
+            "attention_backend",
+            "triton",
+            "attention_backend='triton'; the lane needs 'torch_native'",
+        ),
+        ("dtype", "float16", "dtype='float16'; the lane needs 'bfloat16'"),
+        (
+            "kv_cache_dtype",
+            "fp8_e5m2",
+            "kv_cache_dtype='fp8_e5m2'; the lane needs 'auto' or 'bfloat16' or 'bf16'",
+        ),
+        ("quantization", "fp8", "quantized weights ('fp8') have no exact lane"),
+        (
+            "speculative_algorithm",
+            "EAGLE",
+            "speculative_algorithm='EAGLE': speculative decoding (its draft/verify path is not "
+            "exact) is not part of the lane",
+        ),
+        (
+            "enable_lora",
+            True,
+            "enable_lora=True: SGLang's LoRA backends (the lane's LoRA is not wired into SGLang "
+            "yet) is not part of the lane",
+        ),
+        (
+            "enable_torch_compile",
+            True,
+            "enable_torch_compile=True: torch.compile of the model is not part of the lane",
+        ),
+        (
+            "enable_dp_attention",
+            True,
+            "enable_dp_attention=True: data-parallel attention is not part of the lane",
+        ),
+        (
+            "enable_deterministic_inference",
+            True,
+            "enable_deterministic_inference=True: SGLang's own deterministic kernels (GPU only) "
+            "is not part of the lane",
+        ),
+        (
+            "rl_on_policy_target",
+            "fsdp",
+            "rl_on_policy_target='fsdp': SGLang's RL on-policy mode (its own logprob path) is "
+            "not part of the lane",
+        ),
+        ("tp_size", 2, "tp_size=2: the SGLang lane runs on one process (no parallelism yet)"),
+        ("pp_size", 2, "pp_size=2: the SGLang lane runs on one process (no parallelism yet)"),
+        ("dp_size", 2, "dp_size=2: the SGLang lane runs on one process (no parallelism yet)"),
+        ("ep_size", 2, "ep_size=2: the SGLang lane runs on one process (no parallelism yet)"),
+    ],
+)
+def test_engine_settings_outside_the_lane_are_refused_by_name(fake_sglang, name, value, message):
+    setattr(fake_sglang[0], name, value)
+    with pytest.raises(LaneRefused) as err:
+        _validate()
+    assert str(err.value) == f"Lockstep exact lane refused to start: {message}"
+
+
+def test_quantized_weights_are_refused(fake_sglang):
+    with pytest.raises(LaneRefused, match=r"quantized weights \(None\) have no exact lane"):
+        _validate(quant=object())
+
+
+def test_the_cpu_engine_variable_is_required(fake_sglang, monkeypatch):
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE")
+    with pytest.raises(LaneRefused) as err:
+        _validate()
+    assert str(err.value) == (
+        "Lockstep exact lane refused to start: SGLANG_USE_CPU_ENGINE=1 is not set: the lane "
+        "runs on SGLang's CPU engine only"
+    )
+
+
+def test_a_model_without_the_lane_sampler_is_refused(fake_sglang, monkeypatch):
+    monkeypatch.setattr(sglang_sampler, "SAMPLERS", [])
+    with pytest.raises(LaneRefused) as err:
+        _validate()
+    assert str(err.value) == (
+        "Lockstep exact lane refused to start: SGLang did not build the lane's sampler in this "
+        "process (sampling_backend 'pytorch'); the lockstep SGLang plugin registers it under "
+        "'pytorch': is the plugin loaded (entry point sglang.srt.plugins, SGLANG_PLUGINS)?"
+    )
+
+
+def test_the_wrong_family_and_a_foreign_contract_are_refused(fake_sglang):
+    with pytest.raises(LaneRefused, match="LockstepQwen3MoeForCausalLM serves the qwen3-moe"):
+        _validate(arch="LockstepQwen3MoeForCausalLM")
+    with pytest.raises(LaneRefused, match="refused to start: .*sha256:0000"):
+        _validate(config=SimpleNamespace(lockstep_contract="sha256:" + "0" * 64))
+
+
+def test_a_model_path_without_config_is_refused(fake_sglang, tmp_path):
+    fake_sglang[0].model_path = str(tmp_path)
+    with pytest.raises(LaneRefused) as err:
+        _validate()
+    assert str(err.value) == (
+        f"Lockstep exact lane refused to start: {str(tmp_path)!r} is not a local HF model "
+        "directory (config.json missing)"
+    )
+
+
+# --- capture: engine arguments and pre-flight refusals ------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("sgl") / "m", arch="qwen3")
+
+
+def test_engine_args_select_the_lane_architecture_and_contract(tiny):
+    args = sglang_capture.engine_args(tiny, contract="sha256:abc")
+    override = json.loads(args["json_model_override_args"])
+    assert override == {
+        "architectures": ["LockstepQwen3ForCausalLM"],
+        "lockstep_contract": "sha256:abc",
+    }
+    assert args["attention_backend"] == "torch_native" and args["device"] == "cpu"
+    assert args["sampling_backend"] == "pytorch" and args["grammar_backend"] == "none"
+
+
+def _request(model, **over):
+    return CaptureRequest(model_dir=model, prompts=("hi",), decisions=2, **over)
+
+
+@pytest.mark.parametrize(
+    "over,message",
+    [
+        (
+            {"backend": "cuda"},
+            "backend 'cuda': the SGLang lane runs on SGLang's CPU engine only",
+        ),
+        ({"tp": 2}, "--tp 2: the SGLang lane runs on one process (no parallelism yet)"),
+        (
+            {"adapter_dir": Path("/nonexistent")},
+            "adapters (LoRA) are not wired into the SGLang lane yet; capture with vLLM",
+        ),
+    ],
+)
+def test_capture_refuses_before_any_engine(tiny, over, message):
+    with pytest.raises(LaneRefused) as err:
+        sglang_capture.preflight(_request(tiny, **over))
+    assert str(err.value) == f"Lockstep exact lane refused to start: {message}"
+
+
+def test_capture_refuses_a_model_without_tokenizer(tiny, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (bare / f).write_bytes((tiny / f).read_bytes())
+    with pytest.raises(LaneRefused, match="has no tokenizer"):
+        sglang_capture.preflight(_request(bare))
+
+
+def test_an_architecture_without_lane_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(LaneRefused) as err:
+        sglang_model.architecture_for(tmp_path)
+    assert str(err.value) == (
+        "Lockstep exact lane refused to start: architecture 'LlamaForCausalLM' has no exact "
+        "lane; supported: ['Qwen3ForCausalLM', 'Qwen3MoeForCausalLM']"
+    )
+
+
+def test_a_capture_report_that_never_came_is_refused(tmp_path):
+    with pytest.raises(LaneRefused, match="no lane model reported what it ran"):
+        sglang_capture.invoked_contract(tmp_path / "report.json")
+    (tmp_path / "report.json").write_text(json.dumps({"samples": 0}))
+    with pytest.raises(LaneRefused, match="the lane's sampler never ran in the engine"):
+        sglang_capture.invoked_contract(tmp_path / "report.json")
+
+
+# --- the lockstep hooks and the CLI's --engine -------------------------------------------------
+def test_hooks_stay_silent_where_sglang_is_not_installed(monkeypatch):
+    monkeypatch.setattr(sglang_hooks, "sglang_version", lambda: None)
+    assert sglang_hooks.lockstep_engine_info() is None
+    assert sglang_hooks.lockstep_capture(request=None) is None
+
+
+def test_an_unsupported_sglang_version_is_named(monkeypatch):
+    monkeypatch.setattr(sglang_hooks, "sglang_version", lambda: "0.5.23")
+    info = sglang_hooks.lockstep_engine_info()
+    assert info.engine == "sglang" and "SGLang 0.5.23 is not among the supported" in info.problem
+
+
+def _answering(name: str, value):
+    """A plugin (a module) whose lockstep_capture answers ``value``."""
+    from lockstep_exact import hookimpl
+
+    def lockstep_capture(request):
+        return value
+
+    plugin = types.ModuleType(f"fake_{name}")
+    plugin.lockstep_capture = hookimpl(lockstep_capture)
+    return plugin
+
+
+def _pm(**plugins):
+    pm = _MANAGER(load_entry_points=False)
+    for name, value in plugins.items():
+        pm.register(_answering(name, value), name=name)
+    return pm
+
+
+def test_cli_engine_picks_the_plugin_by_name(monkeypatch, capsys, tmp_path):
+    from lockstep_exact import cli
+
+    pm = _pm(vllm="from vllm", sglang="from sglang")
+    hook = cli._only_engine(pm, "lockstep_capture", "sglang", "lockstep-serving")
+    assert hook(request=None) == "from sglang"
+    assert cli._only_engine(pm, "lockstep_capture", "vllm", "x")(request=None) == "from vllm"
+
+
+def test_cli_engine_refuses_an_engine_not_installed(monkeypatch, capsys, tmp_path):
+    from lockstep_exact import cli
+
+    monkeypatch.setattr("lockstep_exact.plugins.manager", lambda: _pm(vllm="t"))
+    code = cli.main(
+        ["capture", "--engine", "sglang", "--model", str(tmp_path), "--out", str(tmp_path / "o")]
+    )
+    assert code == 2
+    assert (
+        "error: no installed plugin named 'sglang' answers lockstep_capture (installed: vllm); "
+        "install lockstep-serving" in capsys.readouterr().err
+    )
+    # Installed as a plugin but SGLang itself missing: the hook answers None.
+    monkeypatch.setattr("lockstep_exact.plugins.manager", lambda: _pm(vllm="t", sglang=None))
+    code = cli.main(
+        ["capture", "--engine", "sglang", "--model", str(tmp_path), "--out", str(tmp_path / "o")]
+    )
+    assert code == 2
+    assert (
+        "error: the 'sglang' plugin did not answer lockstep_capture: sglang is not installed in "
+        "this environment; install lockstep-serving" in capsys.readouterr().err
+    )
+
+
+# --- a step and the KV pool, as the lane model reads them -----------------------------------
+def _step(mode="EXTEND", **over):
+    base = dict(
+        forward_mode=SimpleNamespace(name=mode),
+        input_embeds=None,
+        lora_ids=None,
+        spec_info=None,
+    )
+    base.update(over)
+    return SimpleNamespace(**base)
+
+
+def _bare_model(unsampled=0):
+    model = object.__new__(sglang_model.LockstepQwen3ForCausalLM)
+    model._unsampled = unsampled
+    return model
+
+
+def test_a_step_the_lane_runs_and_an_idle_one():
+    assert _bare_model().check_step(_step("DECODE")) is True
+    assert _bare_model().check_step(_step("IDLE")) is False
+
+
+@pytest.mark.parametrize(
+    "step,unsampled,message",
+    [
+        (
+            _step("TARGET_VERIFY"),
+            0,
+            "Lockstep exact lane: forward mode TARGET_VERIFY is not part of the lane (it runs "
+            "EXTEND, MIXED, DECODE, IDLE)",
+        ),
+        (
+            _step(),
+            1,
+            "Lockstep exact lane: the previous step's logits were not consumed by the lane's "
+            "sampler; SGLang is sampling with another sampler (its sampling_backend must resolve "
+            "to the lane's 'pytorch' registration)",
+        ),
+        (
+            _step(input_embeds=torch.zeros(1)),
+            0,
+            "Lockstep exact lane: input embeddings are not part of the lane",
+        ),
+        (
+            _step(lora_ids=[None, "a"]),
+            0,
+            "Lockstep exact lane: LoRA requests are not wired into SGLang yet",
+        ),
+        (
+            _step(spec_info=object()),
+            0,
+            "Lockstep exact lane: speculative decoding is not part of the lane",
+        ),
+    ],
+)
+def test_steps_outside_the_lane_are_refused(step, unsampled, message):
+    with pytest.raises(LaneRefused) as err:
+        _bare_model(unsampled).check_step(step)
+    assert str(err.value) == message
+
+
+class _Pool:
+    """A stand-in for SGLang's MHATokenToKVPool: per layer [slots, kv_heads, head_dim]."""
+
+    def __init__(self, slots=16, hkv=2, d=4, dtype=torch.bfloat16):
+        self.k = torch.zeros(slots, hkv, d, dtype=dtype)
+        self.v = torch.zeros(slots, hkv, d, dtype=dtype)
+
+    def get_key_buffer(self, layer):
+        return self.k
+
+    def get_value_buffer(self, layer):
+        return self.v
+
+
+@pytest.fixture()
+def fake_pool_module(monkeypatch):
+    for name in ("sglang", "sglang.srt", "sglang.srt.mem_cache"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    module = types.ModuleType("sglang.srt.mem_cache.memory_pool")
+    module.MHATokenToKVPool = _Pool
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+
+
+def test_pool_attention_writes_rows_and_reads_each_request_through_req_to_token(fake_pool_module):
+    torch.manual_seed(0)
+    pool = _Pool()
+    req_to_token = torch.tensor([[3, 7, 9, 0], [5, 11, 0, 0]])
+    # Request 0 has positions 0..1 cached (slots 3, 7) and extends by one (slot 9);
+    # request 1 is new, two rows (slots 5, 11).
+    k = torch.randn(3, 2, 4).to(torch.bfloat16)
+    v = torch.randn(3, 2, 4).to(torch.bfloat16)
+    pool.k[3], pool.k[7] = torch.ones(2, 4), 2 * torch.ones(2, 4)
+    fb = SimpleNamespace(
+        out_cache_loc=torch.tensor([9, 5, 11]), req_pool_indices=torch.tensor([0, 1])
+    )
+    seen = []
+
+    def core(q, keys, values, pos):
+        seen.append((keys.clone(), pos.tolist()))
+        return q
+
+    q = torch.randn(3, 4, 4).to(torch.bfloat16)
+    out = sglang_model.pool_attention(
+        0,
+        q,
+        k,
+        v,
+        torch.tensor([2, 0, 1]),
+        fb,
+        [(0, 0, 1, 3), (1, 1, 3, 2)],
+        pool,
+        req_to_token,
+        core=core,
+    )
+    assert torch.equal(out, q)
+    assert torch.equal(pool.k[9], k[0]) and torch.equal(pool.v[11], v[2])
+    assert torch.equal(seen[0][0], torch.stack([pool.k[3], pool.k[7], k[0]])) and seen[0][1] == [2]
+    assert torch.equal(seen[1][0], k[1:]) and seen[1][1] == [0, 1]
+
+
+def test_a_pool_of_another_kind_or_layout_is_refused(fake_pool_module):
+    k = torch.zeros(1, 2, 4, dtype=torch.bfloat16)
+    with pytest.raises(LaneRefused) as err:
+        sglang_model.pool_buffers(SimpleNamespace(), 0, k)
+    assert str(err.value) == (
+        "Lockstep exact lane: the KV pool is SimpleNamespace, not MHATokenToKVPool (quantized, "
+        "hybrid or offloaded KV caches are not part of the lane)"
+    )
+    with pytest.raises(LaneRefused) as err:
+        sglang_model.pool_buffers(_Pool(dtype=torch.float16), 0, k)
+    assert str(err.value) == (
+        "Lockstep exact lane: the layer's key buffer is (16, 2, 4) torch.float16, not [slots, 2, "
+        "4] torch.bfloat16; the pool must hold the lane's K/V bytes"
+    )
+
+
+def test_rows_without_slots_and_misplaced_queries_are_refused(fake_pool_module):
+    pool, k = _Pool(), torch.zeros(2, 2, 4, dtype=torch.bfloat16)
+    fb = SimpleNamespace(out_cache_loc=torch.tensor([1]), req_pool_indices=torch.tensor([0]))
+    args = (torch.zeros(2, 4, 4), k, k, torch.tensor([0, 1]))
+    with pytest.raises(LaneRefused) as err:
+        sglang_model.pool_attention(0, *args, fb, [(0, 0, 2, 2)], pool, None, core=None)
+    assert str(err.value) == "Lockstep exact lane: 2 K/V rows but 1 cache slots"
+    fb.out_cache_loc = torch.tensor([1, 2])
+    with pytest.raises(LaneRefused) as err:
+        sglang_model.pool_attention(
+            0, *args, fb, [(0, 0, 2, 5)], pool, torch.zeros(1, 8, dtype=torch.int64), core=None
+        )
+    assert str(err.value) == (
+        "request 0: last query position 1 is not seq_len-1 (4); the lane cannot place its "
+        "queries in the cache"
+    )
+
+
+def test_weights_outside_the_lane_are_refused(tiny):
+    from safetensors.torch import load_file
+
+    from lockstep_exact.lanes.qwen3 import Geometry
+
+    weights = load_file(str(tiny / "model.safetensors"))
+    model = object.__new__(sglang_model.LockstepQwen3ForCausalLM)
+    torch.nn.Module.__init__(model)
+    model.geom, model.weights = Geometry.from_model_dir(tiny), {}
+    model.load_weights(weights.items())  # the whole checkpoint: accepted
+    assert set(model.weights) == set(weights)
+    cases = [
+        (
+            {**weights, "model.extra.weight": torch.zeros(1, dtype=torch.bfloat16)},
+            "unexpected tensor 'model.extra.weight' in the checkpoint (not part of the lane)",
+        ),
+        (
+            {**weights, "model.norm.weight": weights["model.norm.weight"].float()},
+            "tensor 'model.norm.weight' is torch.float32; the exact lane loads bf16 weights only",
+        ),
+        (
+            {k: t for k, t in weights.items() if k != "model.norm.weight"},
+            "checkpoint lacks 1 tensor(s), first 'model.norm.weight'",
+        ),
+    ]
+    for given, message in cases:
+        model.weights = {}
+        with pytest.raises(LaneRefused) as err:
+            model.load_weights(given.items())
+        assert str(err.value) == f"Lockstep exact lane refused to start: {message}"
+
+
+def test_the_batch_patch_seeds_random_requests_and_refuses_the_rest(monkeypatch):
+    from lockstep_serving.sglang_patches import TABLE
+
+    calls = []
+
+    def original(batch, vocab_size):
+        calls.append(batch)
+        return SimpleNamespace(temperatures=torch.zeros(len(batch.reqs), 1), sampling_seed=None)
+
+    monkeypatch.setattr(TABLE, "original", lambda name: original)
+    req = lambda rid, **over: SimpleNamespace(rid=rid, sampling_params=_sp(**over))  # noqa: E731
+    # No lane model in the process: SGLang's own batch, untouched.
+    monkeypatch.setattr(sglang_sampler, "_lane_model", lambda: None)
+    assert (
+        sglang_sampler.from_schedule_batch(None, SimpleNamespace(reqs=[]), 8).sampling_seed is None
+    )
+    monkeypatch.setattr(sglang_sampler, "_lane_model", lambda: object())
+    batch = SimpleNamespace(
+        reqs=[req("a", sampling_seed=None), req("b", top_k=1, sampling_seed=None), req("c")]
+    )
+    info = sglang_sampler.from_schedule_batch(None, batch, 8)
+    fresh = batch.reqs[0].sampling_params.sampling_seed
+    assert isinstance(fresh, int) and 0 <= fresh < 2**63  # kept for the request's life
+    assert batch.reqs[1].sampling_params.sampling_seed is None  # greedy: no seed needed
+    assert info.sampling_seed.tolist() == [fresh, 0, 3]
+    with pytest.raises(LaneRefused) as err:
+        sglang_sampler.from_schedule_batch(None, SimpleNamespace(reqs=[req("d", min_p=0.1)]), 8)
+    assert str(err.value) == f"request d: {sglang_sampler.refusal(_sp(min_p=0.1))}"
+
+
+def test_the_lane_sampler_draws_with_the_rule_and_refuses_foreign_logits(tiny):
+    from lockstep_exact.contract import lane_contract
+    from lockstep_exact.lanes.ops import Ops
+
+    ops = Ops(lane_contract(tiny))
+    model = SimpleNamespace(ops=ops, sampled=lambda: None)
+    logits = torch.randn(2, 1024, generator=torch.Generator().manual_seed(0))
+    out = SimpleNamespace(next_token_logits=logits)
+    tokens = sglang_sampler.lane_forward(
+        None, model, out, _info(), False, [0, 0], [None, None], torch.tensor([4, 6])
+    )
+    raw = ops.log_softmax("logprobs", logits)
+    want = ops.sample(
+        "sample",
+        raw,
+        temperature=[0.7, 0.0],
+        top_p=[0.9, 1.0],
+        seeds=[5, 0],
+        positions=torch.tensor([5, 7]),
+    )
+    assert torch.equal(tokens, want.to(torch.int32))
+    out = SimpleNamespace(next_token_logits=logits.to(torch.bfloat16))
+    with pytest.raises(LaneRefused) as err:
+        sglang_sampler.lane_forward(None, model, out, _info(), False, [], [], torch.tensor([4, 6]))
+    assert str(err.value) == (
+        "Lockstep exact lane: the sampler got torch.bfloat16 logits; the lane's are fp32 (was "
+        "the lane model's LogitsProcessorOutput replaced?)"
+    )
+    out = SimpleNamespace(next_token_logits=logits)
+    with pytest.raises(LaneRefused) as err:
+        sglang_sampler.lane_forward(None, model, out, _info(), False, [], [], torch.tensor([4]))
+    assert str(err.value) == "the lane's sampler got 1 positions for 2 rows"
+
+
+def test_the_front_end_refuses_a_lane_request_and_passes_others(monkeypatch):
+    from lockstep_serving.sglang_patches import TABLE
+
+    made = SimpleNamespace(sampling_params=_sp(top_k=5))
+    monkeypatch.setattr(TABLE, "original", lambda name: lambda self, obj, *a, **k: made)
+    lane = SimpleNamespace(
+        model_config=SimpleNamespace(
+            hf_config=SimpleNamespace(architectures=["LockstepQwen3ForCausalLM"])
+        )
+    )
+    stock = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=["Qwen3ForCausalLM"]))
+    )
+    obj = SimpleNamespace(return_logprob=True, logprob_start_len=-1, lora_path=None)
+    assert sglang_sampler.create_tokenized_object(stock, obj, "", [1]) is made
+    with pytest.raises(ValueError) as err:
+        sglang_sampler.create_tokenized_object(lane, obj, "", [1])
+    assert str(err.value) == sglang_sampler.refusal(_sp(top_k=5))
+    made.sampling_params = _sp()
+    assert sglang_sampler.create_tokenized_object(lane, obj, "", [1]) is made
+    cases = [
+        (
+            SimpleNamespace(return_logprob=True, logprob_start_len=0, lora_path=None),
+            "Lockstep exact lane: logprob_start_len=0 asks for prompt logprobs; the SGLang lane "
+            "reports sampled-token logprobs only",
+        ),
+        (
+            SimpleNamespace(return_logprob=False, logprob_start_len=-1, lora_path="a"),
+            "Lockstep exact lane: lora_path: LoRA is not wired into the SGLang lane yet",
+        ),
+    ]
+    for request, message in cases:
+        with pytest.raises(ValueError) as err:
+            sglang_sampler.create_tokenized_object(lane, request, "", [1])
+        assert str(err.value) == message
+
+
+def test_sglang_outputs_are_read_exactly_or_refused():
+    out = {
+        "output_ids": [7, 9],
+        "meta_info": {"output_token_logprobs": [(-0.5, 7, None), (-1.25, 9, None)]},
+    }
+    assert sglang_capture.sampled(out) == ([7, 9], [-0.5, -1.25])
+    out["meta_info"]["output_token_logprobs"][1] = (-1.25, 8, None)
+    with pytest.raises(
+        RuntimeError, match="SGLang's output_token_logprobs do not match its output_ids"
+    ):
+        sglang_capture.sampled(out)

@@ -1,0 +1,170 @@
+"""Real SGLang samples, real Megatron replays, real vLLM agrees: every logprob byte is equal.
+
+SGLang and vLLM cannot share an environment (docs/sglang.md), and Megatron lives in the
+workspace one. So SGLang runs as a subprocess in the SGLang environment
+(``tests/sglang_support.py``: one CPU engine, three traces of the same 8 requests, written as
+trace directories), and this module, in the workspace environment, replays them with Megatron
+and captures the same requests with vLLM. Dense and MoE; 8 prompts of different lengths, 8
+decisions each (64).
+
+Skipped unless an SGLang environment is found: ``LOCKSTEP_SGLANG_PYTHON`` (its python), else
+``.venv-sglang/bin/python`` in the repository.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from cross_support import capture, forge, nudged_copy, replay
+
+from lockstep_exact.k3 import compare
+from lockstep_exact.model import model_hash as dir_hash
+from lockstep_exact.parity import nudge_ulp
+from lockstep_exact.plugins import manager
+from lockstep_exact.tiny import make_tiny
+from lockstep_exact.trace import Trace
+
+REPO = Path(__file__).resolve().parents[1]
+SUPPORT = Path(__file__).with_name("sglang_support.py")
+
+
+def sglang_python() -> str | None:
+    """The SGLang environment's python, or None."""
+    given = os.environ.get("LOCKSTEP_SGLANG_PYTHON")
+    path = Path(given) if given else REPO / ".venv-sglang" / "bin" / "python"
+    return str(path) if path.is_file() else None
+
+
+PYTHON = sglang_python()
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(
+        PYTHON is None,
+        reason="no SGLang environment (LOCKSTEP_SGLANG_PYTHON, or .venv-sglang: docs/sglang.md)",
+    ),
+]
+
+
+def same_bytes(a: Trace, b: Trace) -> bool:
+    """Prompts, sampled tokens and the raw bytes of every logprob: equal, or not."""
+    return (
+        torch.equal(a.prompt_tokens, b.prompt_tokens)
+        and torch.equal(a.prompt_offsets, b.prompt_offsets)
+        and torch.equal(a.sampled_tokens, b.sampled_tokens)
+        and torch.equal(a.logprobs.view(torch.int32), b.logprobs.view(torch.int32))
+    )
+
+
+def one_ulp_off(trace: Trace, index: int = 5) -> Trace:
+    """``trace`` with one logprob one float32 ulp away (the negative control)."""
+    lp = trace.logprobs.clone()
+    lp[index] = nudge_ulp(lp[index : index + 1], 0)[0]
+    n = trace.num_sequences
+    offsets = trace.sampled_offsets.tolist()
+    seqs = [lp[offsets[i] : offsets[i + 1]] for i in range(n)]
+    return Trace.from_sequences(
+        [trace.prompt(i) for i in range(n)],
+        [trace.sampled(i) for i in range(n)],
+        seqs,
+        contract_fingerprint=trace.contract_fingerprint,
+        contract=trace.contract,
+        model_hash=trace.model_hash,
+        sampling=trace.sampling,
+        engine=trace.engine,
+    )
+
+
+@pytest.fixture(scope="module")
+def pm():
+    return manager()
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3-moe"])
+def lane(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"sglang-{request.param}")
+    model = make_tiny(root / "model", arch=request.param, seed=11)
+    out = root / "sglang"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    chunk = "4" if request.param == "qwen3" else "0"  # chunked prefill: the dense lane only
+    proc = subprocess.run(
+        [PYTHON, str(SUPPORT), str(model), str(out), "8", "3", chunk],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        env=env,
+    )
+    assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-4000:])
+    info = json.loads((out / "cached.json").read_text())
+    return root, model, out, info
+
+
+def test_megatron_replays_every_sglang_decision_byte_for_byte(pm, lane):
+    _, model, out, _ = lane
+    trace = Trace.load(out / "batched")
+    assert trace.num_decisions == 64 and trace.engine["name"] == "sglang"
+    assert trace.sampling.rule is not None  # replay re-draws every token with the rule
+    cmp = compare(trace.logprobs, replay(pm, model, out / "batched"))
+    assert cmp.exact and cmp.k3_max == 0.0, str(cmp)
+
+
+def test_a_one_ulp_model_copy_is_caught_by_the_replay(pm, lane):
+    root, model, out, _ = lane
+    copy = nudged_copy(model, root / "nudged", "model.norm.weight")
+    original = Trace.load(out / "batched")
+    forged = forge(original, root / "forged", keep_rule=False, model_hash=dir_hash(copy))
+    cmp = compare(original.logprobs, replay(pm, copy, forged))
+    assert not cmp.exact and cmp.first_diff is not None and cmp.k3_max > 0.0
+
+
+def test_a_radix_cache_hit_gives_the_bytes_of_a_miss(lane):
+    _, _, out, info = lane
+    cached = info["cached"]
+    assert all(c > 0 for c in cached["alone-hit"]), cached  # every prompt was in the cache
+    assert sum(cached["alone-miss"]) < sum(cached["alone-hit"]), cached
+    hit, miss = Trace.load(out / "alone-hit"), Trace.load(out / "alone-miss")
+    assert same_bytes(hit, miss)
+    assert not same_bytes(hit, one_ulp_off(miss))  # the check can fail
+
+
+def test_alone_gives_the_bytes_of_batched(lane):
+    _, _, out, info = lane
+    cached = info["cached"]
+    assert sum(cached["batched"]) == 0, cached  # both runs miss: only the batching differs
+    alone, batched = Trace.load(out / "alone-miss"), Trace.load(out / "batched")
+    assert batched.engine["batch"] is True and alone.engine["batch"] is False
+    assert same_bytes(alone, batched)
+    assert not same_bytes(alone, one_ulp_off(batched))
+
+
+def test_vllm_and_sglang_traces_of_the_same_requests_are_byte_equal(pm, lane):
+    root, model, out, _ = lane
+    sgl = Trace.load(out / "batched")
+    vllm = capture(pm, model, root / "vllm", seed=3)  # same prompts, seeds and decisions
+    assert vllm.engine["name"] == "vllm" and sgl.engine["name"] == "sglang"
+    assert vllm.contract_fingerprint == sgl.contract_fingerprint
+    assert vllm.sampling.seeds == sgl.sampling.seeds and vllm.sampling.rule == sgl.sampling.rule
+    assert same_bytes(vllm, sgl)
+    assert not same_bytes(vllm, one_ulp_off(sgl))
+
+
+def test_chunked_prefill_gives_the_bytes_of_one_pass(lane):
+    _, _, out, info = lane
+    if "chunked" not in info["steps"]:
+        pytest.skip("chunked prefill is captured for the dense lane only (one more engine start)")
+    # 4-token chunks: the batch's prompts took more forward steps than one prefill.
+    assert info["steps"]["chunked"] > info["steps"]["batched"], info["steps"]
+    chunked, batched = Trace.load(out / "chunked"), Trace.load(out / "batched")
+    assert same_bytes(chunked, batched)
+    assert not same_bytes(chunked, one_ulp_off(batched))
+
+
+def test_a_request_outside_the_rule_is_refused_and_the_engine_serves_on(lane):
+    _, _, _, info = lane
+    assert info["refused"] is not None, "SGLang accepted a top_k=5 request on the lane"
+    assert "Lockstep exact lane: top_k=5 is not supported" in info["refused"]
+    assert info["decisions_after"] == 2
