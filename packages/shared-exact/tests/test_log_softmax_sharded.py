@@ -304,3 +304,18 @@ def test_lm_head_rows_give_the_whole_heads_bytes_for_their_columns():
     full = P.gemm(x, w, bk=32, out_dtype=torch.float32)
     for lo, hi in ((0, 333), (333, 334), (334, 1000), (17, 911)):
         assert same_bytes(P.gemm(x, w[lo:hi], bk=32, out_dtype=torch.float32), full[:, lo:hi])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [1000, 32003, 151936])
+def test_on_cuda_the_gathered_row_gives_the_unsharded_bytes(vocab):
+    """cuda has no node split: each rank gathers the fp32 row and keeps its columns of the
+    cuda program's bytes (threads stand in for the ranks, on one device); one ulp is caught."""
+    x = rows(vocab, seed=7).cuda()
+    ref = P.log_softmax(x)
+    for bounds in (uneven(vocab, 3, seed=2), megatron(vocab, 4)):
+        assert same_bytes(sharded(padded_row(x, bounds), bounds, vocab), ref), bounds
+    bumped = x.clone()
+    col = int(x[0].argmax())
+    bumped[0, col] = torch.nextafter(x[0, col], torch.tensor(INF, device="cuda"))
+    assert not same_bytes(sharded(bumped, even(vocab, 2), vocab), ref)
