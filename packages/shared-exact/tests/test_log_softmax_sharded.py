@@ -12,13 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from sharded_support import INF, gloo_rank, rows
 
 from lockstep_exact import programs as P
-from lockstep_exact.layout import DistGather
 from lockstep_exact.parity import same_bytes
 from lockstep_exact.programs.cpu.softmax import tree_node_count, tree_spans, tree_width
-
-INF, NAN = float("inf"), float("nan")
 
 
 class _Board:
@@ -77,21 +75,6 @@ def sharded(x: torch.Tensor, bounds: list[int], vocab: int) -> torch.Tensor:
         return P.log_softmax_sharded(x[..., lo:hi].contiguous(), lo, vocab, gather)
 
     return torch.cat(run_ranks(rank, len(bounds) - 1), dim=-1)
-
-
-def rows(vocab: int, seed: int = 0) -> torch.Tensor:
-    """Random rows plus the edge rows: all -inf, a NaN, a +inf, some -inf, signed zeros at
-    the max, a huge range."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(9, vocab, generator=g) * 5.0
-    x[1] = -INF
-    x[2, vocab // 3] = NAN
-    x[3, vocab - 1] = INF
-    x[4, ::7] = -INF
-    x[5] = x[5] - 50.0
-    x[5, 0], x[5, vocab // 2] = 0.0, -0.0
-    x[6] = x[6] * 1e4
-    return x
 
 
 def even(vocab: int, t: int) -> list[int]:
@@ -237,28 +220,11 @@ def test_refuses_ranks_with_different_rows():
 
 
 # --- the real distributed path -----------------------------------------------------------------
-def _gloo_rank(rank: int, store: str, out: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", world_size=2, rank=rank)
-    try:
-        vocab, bounds = 32003, [0, 12345, 32003]
-        x = rows(vocab, seed=7)
-        lo, hi = bounds[rank], bounds[rank + 1]
-        gather = DistGather(dist.group.WORLD, 2)
-        torch.save(
-            P.log_softmax_sharded(x[:, lo:hi].contiguous(), lo, vocab, gather), f"{out}.{rank}"
-        )
-    finally:
-        dist.destroy_process_group()
-
-
 def test_two_gloo_processes_get_the_unsharded_bytes(tmp_path):
     import torch.multiprocessing as mp
 
     mp.start_processes(
-        _gloo_rank,
+        gloo_rank,
         args=(str(tmp_path / "store"), str(tmp_path / "lp")),
         nprocs=2,
         start_method="spawn",
