@@ -1,8 +1,10 @@
 """Layout invariance in the trainer: Megatron at tensor-parallel size 2 (two processes over
 gloo; Megatron's own ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding hold
 each rank's shard) replays a vLLM tp=1 trace byte for byte, with and without a LoRA adapter;
-Megatron's MoELayer at expert-parallel size 2 (each rank holds half the experts) and at tp 2 x
-ep 2 (four processes) gives the bytes of one process on a MoE trace from real vLLM at tp 1."""
+Megatron's MoELayer at expert-parallel size 2 (each rank holds half the experts and its own
+share of the sequences; Megatron's token dispatcher moves the routed rows between the ranks)
+and at tp 2 x ep 2 (four processes) gives the bytes of one process on a MoE trace from real
+vLLM at tp 1."""
 
 from __future__ import annotations
 
@@ -112,10 +114,16 @@ def moe_control(moe):
     return copy, forge(trace, root / "forged", keep_rule=False, model_hash=dir_hash(copy))
 
 
-def test_megatron_moe_at_ep2_gives_the_bytes_of_ep1(pm, moe):
+def test_megatron_moe_at_ep2_gives_the_bytes_of_ep1(moe):
+    """Each ep rank scores its own micro-batches; its experts ran on rows of tokens that only
+    the other rank held (counted by the rank: zero if the dispatcher were bypassed)."""
+    from lockstep_megatron.parallel import replay_tp
+
     root, model, trace, one = moe
-    two = _replay(pm, model, root / "trace", 1, ep=2)
+    stats: dict = {}
+    two, _ = replay_tp(model, root / "trace", None, "cpu", 3, False, 1, 2, stats=stats)
     assert two.numel() == 64 and same_bytes(two, one)
+    assert len(stats["rows_received"]) == 2 and min(stats["rows_received"]) > 0, stats
     cmp = compare(trace.logprobs, two)
     assert cmp.exact and cmp.n == 64 and cmp.k3_max == 0.0, str(cmp)
 
@@ -156,7 +164,8 @@ def test_control_megatron_moe_at_tp2_ep2_with_one_shard_one_ulp_off_differs(pm, 
 
 def test_megatron_moe_refusals_inside_one_process(moe):
     """A model asked for an ep its parallel state lacks; an expert another rank owns; adapter
-    export at ep > 1 (each rank holds only its experts' adapters)."""
+    export at ep > 1 (each rank holds only its experts' adapters); a token dispatcher other
+    than allgather."""
     from lockstep_megatron.convert import build
     from lockstep_megatron.export import export_peft
     from lockstep_megatron.spec import LockstepGPT
@@ -169,3 +178,8 @@ def test_megatron_moe_refusals_inside_one_process(moe):
         built.gpt.decoder.layers[0].mlp.local_index(8)
     with pytest.raises(NotImplementedError, match="exporting an adapter from Megatron at ep > 1"):
         export_peft(SimpleNamespace(tp=1, ep=2), model / "never", model)
+    from lockstep_megatron.moe import classes
+
+    other = SimpleNamespace(moe_token_dispatcher_type="alltoall")
+    with pytest.raises(NotImplementedError, match="Megatron's allgather token dispatcher, not 'a"):
+        classes()["layer"](other)

@@ -144,8 +144,9 @@ def select_owners(out: torch.Tensor, ids: torch.Tensor, ep_gather: P.Gather, per
     """Expert parallelism's exchange: ``out`` [T, k, H] holds this rank's experts' outputs
     (other slots zero); every rank's ``out`` is all-gathered over ``ep_gather`` in rank order
     and each (row, slot) takes the copy of the rank owning its expert (``ids // per_expert``):
-    a select, so moe.fold sees one device's bytes in slot order at any ep. Both engines'
-    dispatch slots call it (the reference here, Megatron's MoELayer in the trainer)."""
+    a select, so moe.fold sees one device's bytes in slot order at any ep. The reference
+    engine's dispatch slot calls it; the trainer's MoELayer, whose ep ranks hold different
+    tokens, moves rows through Megatron's token dispatcher instead (lockstep_megatron/moe.py)."""
     if ep_gather.size == 1:
         return out
     owners = torch.stack(ep_gather.all(out))  # [ep, T, k, H]

@@ -9,16 +9,24 @@ linears over the expert tensor-parallel group (the tp group: Megatron's default)
 restates the op order: the layer's forward is the lane composition (``spec.ExactLayer``), which
 reads the router weight for router.softmax_topk, runs each expert's gemm / swiglu / LoRA sites
 through the slots, and calls ``ExactMoELayer.lane_dispatch`` for the rows routed to each expert.
-That dispatch runs this rank's experts and takes each (row, slot) from the rank owning its
-expert (``layout.select_owners``: an all-gather over Megatron's expert-parallel group and a
-select, never a sum), so moe.fold then adds a token's slots in global expert order whatever
-``ep`` is. Every rank holds the whole batch (replay gives every rank the same sequences), so
-Megatron's token dispatcher is built but has nothing to move.
+At ep 1 that dispatch runs the experts in place (``local_dispatch``). At ep > 1 the expert-
+parallel ranks hold different tokens (replay gives each its own share of the sequences) and
+the rows move through Megatron's own token dispatcher (``LaneAllGatherDispatcher``, a
+``MoEAllGatherTokenDispatcher``): its dispatch all-gathers every rank's rows, routing map and
+probabilities over the expert-parallel group and permutes out the rows of this rank's experts;
+the experts run on the rows this rank received (the lane's gemm programs are row-independent:
+a row's bytes do not depend on which rows share the call); its combine sends each row back to
+the rank that holds its token. The combine is the lane's where Megatron's would sum: each row
+lands at its (token, slot) of a [T, k, H] tensor instead of being added to its token's other
+slots, so moe.fold then adds a token's slots in global expert order, as at ep 1.
 """
 
 from __future__ import annotations
 
-from lockstep_exact import programs as P
+from types import SimpleNamespace
+
+import torch
+
 from lockstep_exact.lanes.qwen3 import local_dispatch
 
 from .spec import _cols, fc1_parts, parallel_linear
@@ -60,6 +68,53 @@ def expert_linear(expert, part: str):
 
 _CLASSES: dict[str, type] = {}
 
+# Rows this process's experts received of tokens another expert-parallel rank held (the
+# dispatcher moved them); replay's ranks report it (``parallel.replay_tp``).
+_MOVED = {"rows": 0}
+
+
+def rows_received() -> int:
+    """Rows of other ranks' tokens that this process's experts ran on since it started."""
+    return _MOVED["rows"]
+
+
+def _dispatcher_class() -> type:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    class LaneAllGatherDispatcher(MoEAllGatherTokenDispatcher):
+        """Megatron's all-gather token dispatcher over the expert-parallel group, with the
+        lane's combine.
+
+        Exchange: Megatron's ``token_dispatch`` (all-gather of rows, routing map and probs)
+        and ``token_combine`` (reduce-scatter back to the token's rank). Two changes. Its
+        tensor-parallel peers are left out of the exchange: Megatron's dispatcher treats the
+        tp ranks' tokens as sequence-parallel shards, and the lane runs without sequence
+        parallelism, so tp peers hold the same rows and each exchanges over the ep group
+        alone (peers then receive the same rows in the same order, which the experts'
+        row-parallel gemm.kpart needs). And ``combine_preprocess`` places each expert row at
+        its (token, slot) of a [G, k, H] tensor whose other entries are -0.0, instead of
+        Megatron's unpermute, which adds a token's slots together: the reduce-scatter then
+        adds, per element, one row's value to -0.0 from every other rank, and x + (-0.0) is
+        x for every x (IEEE), so what comes back is a select and moe.fold does the only sum.
+        The probs the lane dispatches are each (token, expert)'s slot number, which is how
+        the combine knows the slot of a row."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.tp_ep_group, self.tp_size, self.tp_rank = self.ep_group, 1, 0
+
+        def combine_preprocess(self, hidden_states):
+            tokens = self.reversed_local_input_permutation_mapping  # each row's token
+            slots = self.local_probs.to(torch.long)  # each row's slot (the dispatched probs)
+            g = self.hidden_shape_before_permute[0]
+            out = hidden_states.new_full((g, self.router_topk, hidden_states.shape[-1]), -0.0)
+            return out.index_put((tokens, slots), hidden_states)
+
+        def combine_postprocess(self, hidden_states):
+            return hidden_states  # [T, k, H]: moe.fold adds the slots
+
+    return LaneAllGatherDispatcher
+
 
 def classes() -> dict[str, type]:
     """Megatron's MoE classes with the lane's forward (built once, Megatron imported lazily):
@@ -94,6 +149,23 @@ def classes() -> dict[str, type]:
 
         forward = _composition_only
 
+        def __init__(self, config, *args, **kwargs):
+            kind = config.moe_token_dispatcher_type
+            if kind != "allgather":  # alltoall's __init__ makes a torch.cuda.Stream
+                raise NotImplementedError(
+                    "the exact lane's MoE layer moves tokens with Megatron's allgather token "
+                    f"dispatcher, not {kind!r}"
+                )
+            super().__init__(config, *args, **kwargs)
+            old = self.token_dispatcher
+            groups = SimpleNamespace(ep=old.ep_group, expt_tp=old.tp_group, tp_ep=old.tp_ep_group)
+            self.token_dispatcher = dispatcher(
+                self.num_local_experts,
+                self.local_expert_indices,
+                config=self.config,
+                pg_collection=groups,
+            )
+
         def local_index(self, expert: int) -> int:
             """This rank's index of global expert ``expert`` (refused if another rank owns it)."""
             first = self.local_expert_indices[0]
@@ -104,26 +176,46 @@ def classes() -> dict[str, type]:
                 )
             return expert - first
 
-        def ep_gather(self) -> P.Gather:
-            from megatron.core import utils
-
-            size = utils.get_pg_size(self.ep_group)
-            if size == 1:
-                return P.LOCAL
-            from lockstep_exact.layout import DistGather
-
-            return DistGather(self.ep_group, size)
-
         def lane_dispatch(self, h, ids, expert):
-            """[T, k, H] in slot order: this rank's experts on the rows routed to them, every
-            other (row, slot) taken from the rank that owns its expert."""
-            from lockstep_exact.layout import select_owners
+            """[T, k, H] in slot order: every (row, slot) run by the expert it was routed to.
+            At ep 1 in place; at ep > 1 through the token dispatcher (rows of every ep rank
+            to this rank's experts and back)."""
+            d = self.token_dispatcher
+            if d.ep_size == 1:
+                return local_dispatch(h, ids, expert)
+            import torch.distributed as dist
 
-            owned = self.local_expert_indices
-            out = local_dispatch(h, ids, expert, owned=owned)
-            return select_owners(out, ids, self.ep_gather(), self.num_local_experts)
+            t, k = ids.shape
+            # The all-gather takes as many rows from every rank: pad to the group's most with
+            # rows routed to no expert (they are not dispatched).
+            n = torch.tensor([t], dtype=torch.long)
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=d.ep_group)
+            n = int(n)
+            dev, experts = h.device, self.config.num_moe_experts
+            rows = torch.arange(t, device=dev).unsqueeze(1).expand(t, k)
+            routing = torch.zeros(n, experts, dtype=torch.bool, device=dev)
+            routing[rows, ids] = True
+            slot_of = torch.zeros(n, experts, dtype=torch.float32, device=dev)
+            slot_of[rows, ids] = torch.arange(k, dtype=torch.float32, device=dev).expand(t, k)
+            x = torch.cat([h, h.new_zeros(n - t, h.shape[1])]) if n > t else h
+            x, p = d.dispatch_preprocess(x, routing, slot_of)
+            x, p = d.token_dispatch(x, p)
+            x, per_expert, _ = d.dispatch_postprocess(x, p)
+            mine = d.ep_group.rank()
+            _MOVED["rows"] += int((d.reversed_local_input_permutation_mapping // n != mine).sum())
+            outs, start = [], 0
+            for e, c in zip(self.local_expert_indices, per_expert.tolist(), strict=True):
+                if c:
+                    outs.append(expert(e, x[start : start + c]))
+                start += c
+            y = torch.cat(outs) if outs else x.new_zeros(0, h.shape[1])
+            y = d.combine_postprocess(d.token_combine(d.combine_preprocess(y)))
+            return y[:t]
 
-    _CLASSES.update(router=ExactRouter, experts=ExactExperts, layer=ExactMoELayer)
+    dispatcher = _dispatcher_class()
+    _CLASSES.update(
+        router=ExactRouter, experts=ExactExperts, layer=ExactMoELayer, dispatcher=dispatcher
+    )
     return _CLASSES
 
 
@@ -169,4 +261,5 @@ __all__ = [
     "expert_tp_size",
     "moe_config",
     "moe_spec",
+    "rows_received",
 ]

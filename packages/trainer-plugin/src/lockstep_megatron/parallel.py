@@ -4,8 +4,10 @@ linears holding each rank's shard, MoE layers holding each rank's experts (``moe
 composition gathers the row-parallel sites' fp32 partials over Megatron's tensor-parallel group
 and the routed rows' expert outputs over its expert-parallel group.
 
-``replay_tp`` replays a trace in ``tp * ep`` ranks and returns their log-probabilities after
-checking every rank holds the same bytes (they must: each ends with one device's bytes).
+``replay_tp`` replays a trace in ``tp * ep`` ranks. The expert-parallel ranks hold different
+micro-batches (micro-batch i on ep rank i % ep, ``replay.share_of``; the MoE layers move their
+rows through Megatron's token dispatcher, ``moe.py``); the tensor-parallel peers of one ep rank
+hold the same ones and must compute the same bytes. The shares are put back in trace order.
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ def _rank(rank: int, tp: int, ep: int, store: str, args: tuple, out: str) -> Non
         from .replay import replay
 
         lps, seconds = replay(*args, tp=tp, ep=ep)
-        torch.save({"logprobs": lps, "seconds": seconds}, f"{out}.{rank}")
+        from .moe import rows_received
+
+        result = {"logprobs": lps, "seconds": seconds, "rows_received": rows_received()}
+        torch.save(result, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -58,8 +63,15 @@ def replay_tp(
     control: bool,
     tp: int,
     ep: int = 1,
+    stats: dict | None = None,
 ) -> tuple[torch.Tensor, float]:
+    """(logprobs in trace order, seconds). ``stats``, if given, receives ``rows_received``:
+    per rank, the expert rows it ran of tokens another expert-parallel rank held."""
     import torch.multiprocessing as mp
+
+    from lockstep_exact.trace import Trace
+
+    from .replay import share_of
 
     model = ModelDir(model_dir)
     check_layout(model.contract(backend), tp=tp, ep=ep)  # refuses, naming both numbers
@@ -75,13 +87,30 @@ def replay_tp(
             start_method="spawn",
         )
         results = [torch.load(f"{tmp}/out.{r}") for r in range(world)]
-    first = results[0]["logprobs"]
-    for r, res in enumerate(results[1:], start=1):
-        if not same_bytes(res["logprobs"], first):
+    for r, res in enumerate(results):
+        lead = r - r % tp  # tp index 0 of this rank's ep index
+        if not same_bytes(res["logprobs"], results[lead]["logprobs"]):
             raise RanksDisagree(
-                f"rank {r} (tp index {r % tp}, ep index {r // tp}) computed other bytes than rank 0"
+                f"rank {r} (tp index {r % tp}, ep index {r // tp}) computed other bytes than "
+                f"rank {lead}"
             )
-    return first, time.perf_counter() - t0
+    if stats is not None:
+        stats["rows_received"] = [res["rows_received"] for res in results]
+    if ep == 1:
+        return results[0]["logprobs"], time.perf_counter() - t0
+    trace = Trace.load(trace_dir)
+    n, mb = trace.num_sequences, micro_batch
+    decisions = [
+        sum(trace.sampled(i).numel() for i in range(b * mb, min(n, (b + 1) * mb)))
+        for b in range(-(-n // mb))
+    ]
+    pieces: dict[int, torch.Tensor] = {}
+    for e in range(ep):
+        mine = share_of(n, mb, e, ep)
+        parts = torch.split(results[e * tp]["logprobs"], [decisions[b] for b in mine])
+        pieces.update(zip(mine, parts, strict=True))
+    lps = torch.cat([pieces[b] for b in sorted(pieces)]) if pieces else results[0]["logprobs"]
+    return lps, time.perf_counter() - t0
 
 
 __all__ = ["RanksDisagree", "replay_tp"]

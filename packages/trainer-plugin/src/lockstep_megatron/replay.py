@@ -226,19 +226,39 @@ def sampled_logprobs(
     return out
 
 
+def share_of(num_sequences: int, micro_batch: int, index: int, ways: int) -> list[int]:
+    """The micro-batches (by number) that data-parallel rank ``index`` of ``ways`` scores:
+    micro-batch i goes to rank i % ways."""
+    return list(range(index, -(-num_sequences // micro_batch), ways))
+
+
 def score(
-    model: LockstepGPT, trace: Trace, micro_batch: int = 3, control: bool = False
+    model: LockstepGPT,
+    trace: Trace,
+    micro_batch: int = 3,
+    control: bool = False,
+    share: tuple[int, int] = (0, 1),
 ) -> torch.Tensor:
     """The trace's decisions' logprobs; the tokens are checked against the trace's sampling
-    rule too, except for a negative control (a perturbed model or adapter draws otherwise)."""
+    rule too, except for a negative control (a perturbed model or adapter draws otherwise).
+    ``share`` (index, ways): only the micro-batches ``share_of`` gives that rank, in order
+    (the expert-parallel ranks' split); a rank with one micro-batch fewer than the others
+    runs one more forward of the first sequence, discarded, so every rank's MoE layers
+    exchange tokens as many times."""
     seqs = sequences(trace)
     if any(p < 1 for _, p in seqs):
         raise ValueError("a sequence with an empty prompt has no logprob for its first token")
     rule = None if control else TokenRule(trace, model.ops(next(model.parameters()).device))
+    index, ways = share
+    mine = share_of(len(seqs), micro_batch, index, ways)
+    rounds = len(share_of(len(seqs), micro_batch, 0, ways))
     out: list[torch.Tensor] = []
     with torch.no_grad():
-        for b in range(0, len(seqs), micro_batch):
+        for i in mine:
+            b = i * micro_batch
             out.extend(sampled_logprobs(model, seqs[b : b + micro_batch], rule, b))
+        for _ in range(rounds - len(mine)):
+            sampled_logprobs(model, seqs[:1])
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float32)
 
 
@@ -253,8 +273,9 @@ def replay(
     ep: int = 1,
 ) -> tuple[torch.Tensor, float]:
     """(fp32 logprob per decision in trace order, seconds). ``tp`` or ``ep`` > 1: Megatron's
-    tensor and expert parallelism in ``tp * ep`` processes (``parallel.replay_tp``); every
-    rank must agree."""
+    tensor and expert parallelism in ``tp * ep`` processes (``parallel.replay_tp``): each
+    expert-parallel rank scores its share of the micro-batches (``share_of``), its
+    tensor-parallel peers must agree, and the shares are put back in trace order."""
     check_replay_backend(backend, tp * ep)
     if tp * ep > 1 and not _inside_ranks(tp * ep):
         from .parallel import replay_tp
@@ -271,7 +292,12 @@ def replay(
     if backend == "cuda":
         model = model.cuda()  # the programs dispatch on the tensors' device: the cuda lane
     admit_invoked(trace, model, base, backend, control)
-    lps = score(model, trace, micro_batch, control)
+    share = (0, 1)
+    if ep > 1:  # the expert-parallel ranks are data-parallel for the rest of the layer
+        from megatron.core import parallel_state
+
+        share = (parallel_state.get_expert_model_parallel_rank(), ep)
+    lps = score(model, trace, micro_batch, control, share)
     return lps, time.perf_counter() - t0
 
 

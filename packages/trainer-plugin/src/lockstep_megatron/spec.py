@@ -272,7 +272,8 @@ class MegatronSlots(qwen3.Slots):
         return torch.stack(outs, dim=1).reshape(q.shape)
 
     def dispatch(self, layer, h, ids, expert):
-        """Megatron's MoELayer runs this rank's experts and gathers the others' (moe.py)."""
+        """Megatron's MoELayer: at ep > 1 its token dispatcher moves the routed rows to the
+        ranks owning their experts and back (moe.py)."""
         return self.lane.gpt.decoder.layers[layer].mlp.lane_dispatch(h, ids, expert)
 
 
