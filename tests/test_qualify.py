@@ -4,7 +4,9 @@ at the base ruler, and the first-divergence search names the expert op site."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -35,7 +37,14 @@ def test_the_ladder_qualifies_the_default_tiny_moe(tmp_path, capsys):
     controls = [c for g in report["gates"] for c in g["checks"] if not c["expect_exact"]]
     assert len(controls) == 2 and all(c["byte_equal"] < c["decisions"] for c in controls)
     assert "<svg" in (tmp_path / "report.html").read_text()
-    assert "QUALIFIED" in capsys.readouterr().out
+    # the backend (the lane's name ends in it) and every engine's version, torch's with it
+    assert report["backend"] == "cpu" and report["lane"].endswith("/cpu")
+    engines = {e["engine"]: e for e in report["engines"]}
+    assert {"vllm", "megatron-core"} <= set(engines)
+    assert all(engines[n]["torch_version"] == torch.__version__ for n in ("vllm", "megatron-core"))
+    printed = capsys.readouterr().out
+    assert "QUALIFIED" in printed and f"backend: cpu on {report['device']}" in printed
+    assert f"trainer megatron-core {engines['megatron-core']['engine_version']}" in printed
 
 
 def _expert_nudge(model_dir):
@@ -241,3 +250,165 @@ def test_qualify_runs_the_trainer_at_its_own_layout(tmp_path, capsys):
     assert checks[-1]["byte_equal"] == checks[-1]["decisions"] == 8
     assert "layouts: sampler tp 1; trainer tp 2 ep 1" in capsys.readouterr().out
     assert "layouts sampler tp 1; trainer tp 2 ep 1" in (out / "report.html").read_text()
+
+
+# --- the backend (issue 11): cpu here, cuda on the GPU machine (tests/test_qualify_gpu.py) ------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+@pytest.mark.parametrize("source", ["tiny", "model"])
+def test_qualify_refuses_cuda_without_a_device_before_anything_starts(tmp_path, capsys, source):
+    out = tmp_path / "q"
+    model = ["--model", str(_tiny(tmp_path))] if source == "model" else []
+    assert main(["qualify", *model, "--out", str(out), "--backend", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert f"--backend cuda: torch {torch.__version__} sees no CUDA device on this machine" in err
+    assert "--backend cpu" in err
+    assert not out.exists()  # no tiny model made, no engine log, no trace
+
+
+def test_the_ladder_refuses_a_backend_it_cannot_run_by_name(tmp_path, monkeypatch):
+    from lockstep_exact.plugins import manager
+    from lockstep_exact.qualify import BackendRefused, Ladder
+
+    model = _tiny(tmp_path)
+    with pytest.raises(BackendRefused, match=r"backend 'rocm': the ladder runs on cpu or cuda"):
+        Ladder(manager(), model, tmp_path / "q", backend="rocm")
+    # with a device, cuda still runs the trainer on one GPU (refused before the contract)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(BackendRefused, match=r"one GPU \(tp x ep = 1\), not tp 1 x ep 2"):
+        Ladder(manager(), model, tmp_path / "q", backend="cuda", trainer_ep=2)
+
+
+def test_the_ladder_hands_its_backend_to_every_request(tmp_path, monkeypatch):
+    """``backend`` reaches both contract hooks and every capture, replay and train request
+    (a first-called recorder stops each call before an engine starts; the cuda check and
+    the cuda contract, which need a GPU and triton, are stood in for by the cpu ones)."""
+    from lockstep_exact import hookimpl
+    from lockstep_exact import qualify as Q
+    from lockstep_exact.model import ModelDir
+    from lockstep_exact.plugins import manager
+
+    cpu_contract = ModelDir.contract
+    monkeypatch.setattr(Q, "check_backend", lambda *args: None)
+    monkeypatch.setattr(ModelDir, "contract", lambda self, backend="cpu": cpu_contract(self))
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    class Recorder:
+        @hookimpl(tryfirst=True)
+        def lockstep_sampler_contract(self, model_dir, adapter_dir, backend):
+            seen["sampler contract"] = backend
+            return ModelDir(model_dir).contract(backend)
+
+        @hookimpl(tryfirst=True)
+        def lockstep_trainer_contract(self, model_dir, adapter_dir, backend):
+            seen["trainer contract"] = backend
+            return ModelDir(model_dir).contract(backend)
+
+        @hookimpl(tryfirst=True)
+        def lockstep_capture(self, request):
+            seen["capture"] = request.backend
+            raise Stop
+
+        @hookimpl(tryfirst=True)
+        def lockstep_replay(self, request):
+            seen["replay"] = request.backend
+            raise Stop
+
+        @hookimpl(tryfirst=True)
+        def lockstep_train_step(self, request):
+            seen["train"] = request.backend
+            raise Stop
+
+    pm = manager()
+    pm.register(Recorder())
+    ladder = Q.Ladder(pm, _tiny(tmp_path), tmp_path / "q", backend="cuda")
+    monkeypatch.setattr(ladder, "free_device", lambda: None)  # no device to free here
+    ladder.admit_halves()
+    with pytest.raises(Stop):
+        ladder.capture("x", adapter=None, n_prompts=1, per_prompt=1)
+    with pytest.raises(Stop):
+        ladder.replay(tmp_path / "trace", adapter=None)
+    ladder.adapter_a_trace, ladder.adapter_a_dir = tmp_path / "trace", tmp_path / "A"
+    with pytest.raises(Stop):
+        ladder.training(Q.Gate("training gate"))
+    assert seen == dict.fromkeys(
+        ["sampler contract", "trainer contract", "capture", "replay", "train"], "cuda"
+    )
+
+
+def test_the_report_names_the_backend_the_device_and_every_engines_version():
+    from lockstep_exact import report as R
+    from lockstep_exact.qualify import Report
+
+    engines = [
+        {"role": "sampler", "engine": "vllm", "engine_version": "0.26.0", "plugin": "p",
+         "plugin_version": "1", "backends": ("cuda",), "torch_version": "2.11.0"},
+        {"role": "trainer", "engine": "megatron-core", "engine_version": "0.16.1", "plugin": "q",
+         "plugin_version": "1", "backends": ("cpu", "cuda"), "torch_version": "2.11.0"},
+    ]  # fmt: skip
+    rep = Report("m", None, "f" * 64, "qwen3/bf16/cuda", engines, "cuda", "NVIDIA H200")
+    text = R.table(rep)
+    assert "NOT QUALIFIED: qwen3/bf16/cuda" in text
+    assert "backend: cuda on NVIDIA H200" in text
+    assert (
+        "engines: sampler vllm 0.26.0 (torch 2.11.0); trainer megatron-core 0.16.1 (torch 2.11.0)"
+        in text
+    )
+    page = R.render_html(rep.as_json())
+    assert "backend <b>cuda</b> on NVIDIA H200" in page
+    assert "megatron-core 0.16.1 (plugin q 1, torch 2.11.0, backends cpu,cuda)" in page
+
+
+def test_the_trainer_refuses_a_backend_it_cannot_train_on_by_name(tmp_path):
+    from lockstep_exact.requests import TrainRequest
+    from lockstep_megatron.plugin import lockstep_engine_info
+    from lockstep_megatron.run import train
+
+    req = TrainRequest(tmp_path / "model", tmp_path / "trace", None, tmp_path / "B")
+    with pytest.raises(NotImplementedError, match="trains on cpu or cuda, not 'rocm'"):
+        train(replace(req, backend="rocm"))
+    info = lockstep_engine_info()
+    assert info.torch_version == torch.__version__
+    if torch.cuda.is_available():
+        assert info.backends == ("cpu", "cuda")
+        return
+    assert info.backends == ("cpu",)
+    with pytest.raises(NotImplementedError, match="training on cuda: no CUDA device here"):
+        train(replace(req, backend="cuda"))  # refused before the trace or model is read
+
+
+def test_the_training_step_is_deterministic_on_cuda_and_unchanged_on_cpu(monkeypatch):
+    """``train.deterministic``: torch's deterministic algorithms on a cuda device only, the
+    caller's cuBLAS workspace kept, the previous setting back afterwards (no device needed)."""
+    from lockstep_megatron.train import deterministic
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    was = torch.are_deterministic_algorithms_enabled()
+    with deterministic(torch.device("cpu")):
+        assert torch.are_deterministic_algorithms_enabled() == was
+    with deterministic(torch.device("cuda")):
+        assert torch.are_deterministic_algorithms_enabled()
+    assert torch.are_deterministic_algorithms_enabled() == was
+    assert torch.is_deterministic_algorithms_warn_only_enabled() is False
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+
+
+def test_a_failed_gate_on_cuda_says_its_first_divergence_search_was_not_run(tmp_path, monkeypatch):
+    from lockstep_exact import qualify as Q
+    from lockstep_exact.model import ModelDir
+    from lockstep_exact.plugins import manager
+
+    cpu_contract = ModelDir.contract
+    monkeypatch.setattr(Q, "check_backend", lambda *args: None)
+    monkeypatch.setattr(ModelDir, "contract", lambda self, backend="cpu": cpu_contract(self))
+    ladder = Q.Ladder(manager(), _tiny(tmp_path), tmp_path / "q", backend="cuda")
+    ladder._last = (tmp_path / "03-adapter-A", None)
+    gate = Q.Gate("adapter A join", error="AdmissionError: model hash")
+    ladder._bisect(gate)
+    assert gate.bisect == {
+        "error": "the first-divergence search dumps op sites on cpu only; not run for this cuda "
+        "ladder (decision 0 of 03-adapter-A)"
+    }

@@ -34,6 +34,7 @@ def lockstep_engine_info():
             engine_version=None,
             plugin_version=__version__,
             problem=f"vllm is not importable: {err}",
+            torch_version=_torch_version(),
         )
     from ._release import problem
     from .patches import problems
@@ -47,7 +48,14 @@ def lockstep_engine_info():
         plugin_version=__version__,
         backends=_backends(),
         problem="; ".join(found) if found else None,
+        torch_version=_torch_version(),
     )
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 @hookimpl

@@ -269,8 +269,10 @@ def _cmd_qualify(args) -> int:
 
     from . import report as report_mod
     from .plugins import manager
-    from .qualify import Ladder
+    from .qualify import Ladder, check_backend
 
+    # cuda where torch sees no device is refused here, before a model is made or read
+    check_backend(args.backend, args.trainer_tp, args.trainer_ep)
     out = Path(args.out)
     t0 = time.perf_counter()
     with _engines(args) as console:
@@ -299,6 +301,7 @@ def _cmd_qualify(args) -> int:
             sampler_tp=args.sampler_tp,
             trainer_tp=args.trainer_tp,
             trainer_ep=args.trainer_ep,
+            backend=args.backend,
         )
         rep = ladder.run(engines)
     jpath, hpath = report_mod.write(rep, out)
@@ -524,6 +527,12 @@ def build_parser() -> argparse.ArgumentParser:
     qual.add_argument("--sampler-tp", type=int, default=1, help="sampler's tensor-parallel size")
     qual.add_argument("--trainer-tp", type=int, default=1, help="trainer's tensor-parallel size")
     qual.add_argument("--trainer-ep", type=int, default=1, help="trainer's expert-parallel size")
+    qual.add_argument(
+        "--backend",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cuda: both halves on the GPU (vLLM 0.26.0, Megatron on one GPU)",
+    )
     qual.set_defaults(func=_cmd_qualify)
 
     tr = sub.add_parser(

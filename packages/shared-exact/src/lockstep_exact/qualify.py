@@ -7,6 +7,8 @@ failure (after a first-divergence search when both halves can dump their op site
 
 from __future__ import annotations
 
+import gc
+import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -59,6 +61,8 @@ class Report:
     contract: str
     lane: str
     engines: list[dict]
+    backend: str = "cpu"  # where both halves ran the lane (its name ends in it too)
+    device: str | None = None  # the GPU's name on cuda, the processor on cpu
     # Each half's parallel layout, e.g. {"sampler": {"tp": 2}, "trainer": {"tp": 1, "ep": 2}}.
     layouts: dict = field(default_factory=dict)
     lockstep_exact: str = __version__
@@ -72,6 +76,38 @@ class Report:
 
 class GateFailed(Exception):
     pass
+
+
+class BackendRefused(ValueError):
+    """The ladder cannot run on the asked backend here (said before any engine starts)."""
+
+
+BACKENDS = ("cpu", "cuda")
+
+
+def check_backend(backend: str, trainer_tp: int = 1, trainer_ep: int = 1) -> None:
+    """cpu anywhere; cuda where torch sees a CUDA device, with the trainer on one GPU."""
+    if backend not in BACKENDS:
+        raise BackendRefused(f"backend {backend!r}: the ladder runs on {' or '.join(BACKENDS)}")
+    if backend != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise BackendRefused(
+            f"--backend cuda: torch {torch.__version__} sees no CUDA device on this machine; "
+            "qualify there on the GPU machine (vLLM 0.26.0), or here with --backend cpu"
+        )
+    if trainer_tp * trainer_ep != 1:
+        raise BackendRefused(
+            f"--backend cuda runs the trainer on one GPU (tp x ep = 1), not tp {trainer_tp} "
+            f"x ep {trainer_ep}"
+        )
+
+
+def device_name(backend: str) -> str:
+    """What the report names as the device: the GPU on cuda, the processor on cpu."""
+    if backend == "cuda":
+        return torch.cuda.get_device_name()
+    return f"cpu ({platform.processor() or platform.machine() or 'unknown'})"
 
 
 class Ladder:
@@ -92,7 +128,11 @@ class Ladder:
         sampler_tp: int = 1,
         trainer_tp: int = 1,
         trainer_ep: int = 1,
+        backend: str = "cpu",
     ):
+        # The backend first: on a machine without CUDA, cuda is refused before anything is read.
+        check_backend(backend, trainer_tp, trainer_ep)
+        self.backend = backend
         self.pm = pm
         self.model = Path(model_dir)
         # A sampler-side copy of the model (debugging a fleet whose copy may differ).
@@ -108,7 +148,7 @@ class Ladder:
         # expert LoRA gives each routed expert rank r // topk).
         topk = self.geom.topk if self.geom.is_moe else 1
         self.rank = rank if rank is not None else 8 + (-8) % topk
-        self.contract = self.model_dir.contract()
+        self.contract = self.model_dir.contract(backend)
         # Each half's layout, refused here (naming both numbers) when it does not divide the
         # contract: before any engine starts. The bytes must not depend on either.
         check_layout(self.contract, tp=sampler_tp)
@@ -122,12 +162,19 @@ class Ladder:
         self._traces = 0
 
     # --- primitives --------------------------------------------------------------------------
+    def free_device(self) -> None:
+        """On cuda, hand the previous engine's memory back before the next one starts (one
+        engine at a time: each vLLM engine sizes its cache from the memory it finds free)."""
+        if self.backend == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+
     def admit_halves(self) -> None:
         for half, hook in (
             ("sampler", self.pm.hook.lockstep_sampler_contract),
             ("trainer", self.pm.hook.lockstep_trainer_contract),
         ):
-            theirs = hook(model_dir=self.model, adapter_dir=None, backend="cpu")
+            theirs = hook(model_dir=self.model, adapter_dir=None, backend=self.backend)
             if theirs is None:
                 raise MissingHalf(f"no installed plugin states the {half} contract")
             admit(self.contract, theirs)
@@ -136,6 +183,7 @@ class Ladder:
         self, tag: str, *, adapter: Path | None, n_prompts: int, per_prompt: int, seed: int = 0
     ) -> tuple[Path, Trace]:
         self._traces += 1
+        self.free_device()
         out = self.out / "traces" / f"{self._traces:02d}-{tag}"
         self.say(f"capture {tag}: {n_prompts} prompts x {per_prompt} decisions")
         trace = self._capture(
@@ -147,6 +195,7 @@ class Ladder:
                 out_dir=out,
                 seed=seed,
                 contract=self.contract.fingerprint,
+                backend=self.backend,
                 tp=self.layouts["sampler"]["tp"],
             )
         )
@@ -156,12 +205,14 @@ class Ladder:
 
     def replay(self, trace_dir: Path, *, adapter: Path | None, control: bool = False):
         self.say(f"replay {trace_dir.name}" + (" (negative control)" if control else ""))
+        self.free_device()
         return self._replay(
             request=ReplayRequest(
                 model_dir=self.model,
                 trace_dir=trace_dir,
                 adapter_dir=adapter,
                 control=control,
+                backend=self.backend,
                 tp=self.layouts["trainer"]["tp"],
                 ep=self.layouts["trainer"]["ep"],
             )
@@ -292,6 +343,7 @@ class Ladder:
         outs = []
         for i in range(2):
             self.say(f"train step (run {i + 1} of 2)")
+            self.free_device()
             outs.append(
                 hook(
                     request=TrainRequest(
@@ -302,6 +354,7 @@ class Ladder:
                         steps=1,
                         rank=self.rank,
                         seed=0,
+                        backend=self.backend,
                     )
                 )
             )
@@ -373,6 +426,8 @@ class Ladder:
             contract=self.contract.fingerprint,
             lane=self.contract.lane,
             engines=engines,
+            backend=self.backend,
+            device=device_name(self.backend),
             layouts=self.layouts,
         )
         self.admit_halves()
@@ -414,6 +469,12 @@ class Ladder:
         elif gate.error and getattr(self, "_last", None):
             trace, adapter, index = self._last[0], self._last[1], 0
         else:
+            return
+        if self.backend != "cpu":  # the halves' op-site dumps are taken on cpu only
+            gate.bisect = {
+                "error": "the first-divergence search dumps op sites on cpu only; "
+                f"not run for this {self.backend} ladder (decision {index} of {trace.name})"
+            }
             return
         from .bisect import bisect
 

@@ -28,6 +28,18 @@ def layout_line(layouts: dict) -> str:
     )
 
 
+def engines_line(engines: list[dict]) -> str:
+    """Each engine with its version and torch's: "sampler vllm 0.26.0 (torch 2.11.0); ..."."""
+    parts = []
+    for e in engines:
+        torch_v = e.get("torch_version")
+        parts.append(
+            f"{e.get('role')} {e.get('engine')} {e.get('engine_version') or '(not importable)'}"
+            + (f" (torch {torch_v})" if torch_v else "")
+        )
+    return "; ".join(parts)
+
+
 def table(report: Report) -> str:
     rows = [("gate", "check", "decisions", "byte-equal", "K3 max", "result")]
     for g in report.gates:
@@ -54,8 +66,11 @@ def table(report: Report) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     verdict = "QUALIFIED" if report.passed else "NOT QUALIFIED"
     lines.append(f"{verdict}: {report.lane} {report.contract[:19]}... in {report.seconds:.0f} s")
+    lines.append(f"backend: {report.backend}" + (f" on {report.device}" if report.device else ""))
     if report.layouts:
         lines.append(f"layouts: {layout_line(report.layouts)}")
+    if report.engines:
+        lines.append(f"engines: {engines_line(report.engines)}")
     return "\n".join(lines)
 
 
@@ -111,6 +126,9 @@ def render_html(data: dict) -> str:
         f"<h1>Lockstep qualification: <span style='color:{color}'>{verdict}</span></h1>",
         f"<p>lane <b>{esc(data['lane'])}</b><br>contract <code>{esc(data['contract'])}"
         f"</code><br>model <code>{esc(data['model'])}</code><br>"
+        + f"backend <b>{esc(str(data.get('backend', 'cpu')))}</b>"
+        + (f" on {esc(str(data['device']))}" if data.get("device") else "")
+        + "<br>"
         + (f"layouts {esc(layout_line(data['layouts']))}<br>" if data.get("layouts") else "")
         + "lockstep-exact "
         f"{esc(data['lockstep_exact'])}, {data['seconds']:.1f} s</p><h2>Engines</h2><ul>",
@@ -119,7 +137,9 @@ def render_html(data: dict) -> str:
         out.append(
             f"<li>{esc(str(e.get('role')))}: {esc(str(e.get('engine')))} "
             f"{esc(str(e.get('engine_version')))} (plugin {esc(str(e.get('plugin')))} "
-            f"{esc(str(e.get('plugin_version')))})</li>"
+            f"{esc(str(e.get('plugin_version')))}"
+            + (f", torch {esc(str(e['torch_version']))}" if e.get("torch_version") else "")
+            + f", backends {esc(','.join(e.get('backends') or ()))})</li>"
         )
     out.append("</ul>")
     for g in data["gates"]:

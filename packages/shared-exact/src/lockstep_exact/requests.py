@@ -15,6 +15,7 @@ class EngineInfo:
     plugin_version: str
     backends: tuple[str, ...] = ("cpu",)
     problem: str | None = None
+    torch_version: str | None = None  # the torch this half runs on (reports name it)
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,10 @@ def lockstep_engine_info():
         engine="megatron-core",
         engine_version=version,
         plugin_version=__version__,
-        backends=("cpu",),
+        # cuda: replay and the training step on one GPU (tp x ep = 1)
+        backends=("cpu", "cuda") if torch.cuda.is_available() else ("cpu",),
         problem=problem,
+        torch_version=torch.__version__,
     )
 
 

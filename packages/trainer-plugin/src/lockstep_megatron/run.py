@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from lockstep_exact.model import ModelDir
 from lockstep_exact.requests import TrainRequest, TrainResult
 from lockstep_exact.trace import Trace
@@ -24,7 +26,18 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def check_train_backend(backend: str) -> None:
+    """cpu, or cuda on one GPU: the model and its adapters move to the device and the
+    programs dispatch on the tensors' device, as in replay (the step is made deterministic
+    there: ``train.deterministic``)."""
+    if backend not in ("cpu", "cuda"):
+        raise NotImplementedError(f"the Megatron exact lane trains on cpu or cuda, not {backend!r}")
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise NotImplementedError("training on cuda: no CUDA device here")
+
+
 def train(request: TrainRequest) -> TrainResult:
+    check_train_backend(request.backend)  # before the trace or the model is read
     model_dir = ModelDir(request.model_dir)  # parsed and hashed once for every check below
     adapter_in = Path(request.adapter_in) if request.adapter_in else None
     trace = Trace.load(request.trace_dir)
@@ -32,6 +45,8 @@ def train(request: TrainRequest) -> TrainResult:
     model = build(model_dir.path)
     if adapter_in is not None:
         export.load_into(model, adapter_in, model_dir)
+    if request.backend == "cuda":
+        model = model.cuda()  # fresh adapters (no adapter_in) follow in Trainer
     admit_invoked(trace, model, model_dir, request.backend)  # before any backward pass
     before = AD.backbone_hash(model)
     trainer = Trainer(

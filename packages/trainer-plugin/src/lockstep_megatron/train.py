@@ -10,6 +10,9 @@ whose settings differ, naming the field.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +43,28 @@ def grpo_token_loss(logprobs: list[torch.Tensor], advantages: torch.Tensor) -> t
     return total / sum(len(lp) for lp in logprobs)
 
 
+@contextmanager
+def deterministic(device: torch.device) -> Iterator[None]:
+    """On cuda, torch's deterministic algorithms for the step (the backward's accumulating
+    index ops then add in a fixed order instead of by atomics; an op that has no such version
+    raises, naming itself); the previous setting comes back after. On cpu nothing changes."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    # cuBLAS needs a fixed workspace to repeat its results; torch refuses cuBLAS calls in this
+    # mode without it. Set only when the caller has not chosen one.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    was, warn = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
+
+
 @dataclass
 class TrainConfig:
     rank: int = 8
@@ -53,8 +78,10 @@ class TrainConfig:
 class Trainer:
     def __init__(self, model: LockstepGPT, trace: Trace, config: TrainConfig):
         self.model, self.trace, self.config = model, trace, config
+        self.device = next(model.parameters()).device  # the backbone's: cpu or cuda
         if not AD.adapter_parameters(model):
             AD.attach(model, config.rank, config.alpha, seed=config.seed)
+            model.to(self.device)  # fresh adapters are drawn on cpu; the optimizer follows
         self.params = AD.adapter_parameters(model)
         backbone = [
             p
@@ -87,11 +114,12 @@ class Trainer:
     def step(self) -> float:
         self.model.train()
         idx = self.next_batch().tolist()
-        lps = sampled_logprobs(self.model, [self.seqs[i] for i in idx])
-        loss = grpo_token_loss(lps, self.advantages[idx])
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
+        with deterministic(self.device):
+            lps = sampled_logprobs(self.model, [self.seqs[i] for i in idx])
+            loss = grpo_token_loss(lps, self.advantages[idx])
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
         return float(loss.detach())
 
     def settings(self) -> dict:
@@ -137,7 +165,9 @@ class Trainer:
             self.optimizer.state[p] = {}
         for key, t in state["optimizer"].items():
             n, k = key.split("::")
-            self.optimizer.state[own[n]][k] = t.clone()
+            # the moments live beside their parameter; AdamW keeps its step count on cpu
+            where = own[n].device if t.dim() else t.device
+            self.optimizer.state[own[n]][k] = t.clone().to(where)
         self.data.set_state(state["rng"]["data"])
         torch.set_rng_state(state["rng"]["torch"])
         self.position = int(state["position"])
