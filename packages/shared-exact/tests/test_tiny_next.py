@@ -68,25 +68,29 @@ def test_tiny_next_refuses_a_head_dim_whose_rotary_part_is_odd():
         tiny_config("qwen3-next", hidden=48, heads=4, kv_heads=2)
 
 
-def test_cli_tiny_writes_a_qwen3_next_model_and_says_it_has_no_lane_yet(tmp_path, capsys):
+def test_cli_tiny_writes_a_qwen3_next_model_and_prints_its_contract(tmp_path, capsys):
+    from lockstep_exact.model import ModelDir
+
     assert main(["tiny", "--arch", "qwen3-next", "--out", str(tmp_path / "m")]) == 0
     out = capsys.readouterr().out
     assert "wrote qwen3-next model" in out
-    assert "the qwen3-next lane is not implemented" in out
+    assert f"contract {ModelDir(tmp_path / 'm', hybrid=True).contract().fingerprint}" in out
 
 
-def test_check_config_refuses_qwen3_next_until_its_lane_exists():
-    with pytest.raises(UnsupportedModel, match="'Qwen3NextForCausalLM' has no exact lane yet"):
+def test_check_config_sends_qwen3_next_to_its_own_lane():
+    with pytest.raises(
+        UnsupportedModel, match="'Qwen3NextForCausalLM' is not a Qwen3 .*qwen3-next"
+    ):
         check_config(tiny_config("qwen3-next"))
 
 
-def test_check_next_config_refuses_partial_rope_and_reads_the_geometry_otherwise():
+def test_check_next_config_reads_partial_rope_and_the_geometry():
     cfg = tiny_config("qwen3-next")
-    with pytest.raises(UnsupportedModel, match="'partial_rotary_factor' = 0.25 .*no rotary_dim"):
-        check_next_config(cfg)
+    assert check_next_config(cfg)["rotary_dim"] == 8  # head_dim 32 * 0.25
     full = {**cfg, "partial_rotary_factor": 1.0}
     full["rope_parameters"] = {**cfg["rope_parameters"], "partial_rotary_factor": 1.0}
     geom = check_next_config(full)
+    assert geom["rotary_dim"] == 32
     assert geom["layer_types"] == ("linear_attention", "full_attention")
     assert (geom["linear_key_heads"], geom["linear_value_heads"]) == (2, 4)
     assert (geom["linear_key_dim"], geom["conv_kernel"], geom["shared_intermediate"]) == (
@@ -122,3 +126,17 @@ def test_check_next_config_refuses_what_the_programs_do_not_implement(key, value
     cfg[key] = value
     with pytest.raises(UnsupportedModel, match=message):
         check_next_config(cfg)
+
+
+def test_the_engines_refuse_a_qwen3_next_model_by_name(tmp_path, capsys):
+    """The lane runs as the reference composition only: a plugin (through ModelDir without
+    hybrid) and the CLI's capture refuse the model, naming why, before any engine starts."""
+    from lockstep_exact.model import ModelDir
+
+    model = make_tiny(tmp_path / "m", arch="qwen3-next")
+    with pytest.raises(UnsupportedModel, match=r"plugins do not serve it yet \(issue 16\)"):
+        ModelDir(model)
+    argv = ["capture", "--model", str(model), "--out", str(tmp_path / "t")]
+    assert main(argv) == 2
+    assert "do not serve it yet (issue 16)" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()

@@ -107,18 +107,14 @@ def _cmd_tiny(args) -> int:
     from .model import ModelDir
 
     print(f"wrote {args.arch} model to {out}")
-    if args.arch == "qwen3-next":  # issue 16: its programs exist, its lane does not yet
-        print("contract: none yet (the qwen3-next lane is not implemented; the model is for stock")
-        print("engines and for building the lane)")
-        return 0
-    print(f"contract {ModelDir(out).contract().fingerprint}")
+    print(f"contract {ModelDir(out, hybrid=True).contract().fingerprint}")
     return 0
 
 
 def _cmd_contract_show(args) -> int:
     from .model import ModelDir
 
-    contract = ModelDir(args.model).contract(args.backend)
+    contract = ModelDir(args.model, hybrid=True).contract(args.backend)
     if args.json:
         print(json.dumps(contract.to_json(), indent=2, sort_keys=True))
         return 0

@@ -162,16 +162,26 @@ def lane_contract(model_dir, *, backend: str = "cpu", tp: int = 1, ep: int = 1) 
 
 
 def geometry_contract(geom, *, backend: str = "cpu", tp: int = 1, ep: int = 1) -> Contract:
-    """The contract of the Qwen3-family exact lane for a ``lanes.qwen3.Geometry``."""
+    """The contract of the Qwen3-family exact lane for a ``lanes.qwen3.Geometry`` (or the
+    qwen3-next lane for a ``lanes.qwen3_next.Geometry``)."""
     from .lanes import qwen3
 
+    lane = qwen3
+    if geom.family == "qwen3-next":
+        from .lanes import qwen3_next as lane
+
+        if tp != 1 or ep != 1:
+            raise LayoutRefused(
+                f"layout: the qwen3-next lane runs on one device so far (tp 1, ep 1); asked for "
+                f"tp {tp}, ep {ep}"
+            )
     contract = Contract(
         lane=f"{geom.family}/bf16/{backend}",
         dtype="bf16",
         backend=backend,
         layout={"k_parts": qwen3.K_PARTS},
         geometry=geom.as_dict(),
-        sites=qwen3.op_sites(geom),
+        sites=lane.op_sites(geom),
         pins=environment_pins(backend),
     )
     check_layout(contract, tp=tp, ep=ep)

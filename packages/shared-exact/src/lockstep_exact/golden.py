@@ -124,6 +124,17 @@ def _hybrid_cases() -> dict[str, list[tuple[str, Callable[[str], torch.Tensor]]]
                 ),
             ),
         ],
+        "rope.partial": [
+            (
+                "t7_h3_d32_r8",
+                lambda d: P.rope_partial(
+                    g((7, 3, 32), 73, device=d),
+                    torch.tensor([0, 1, 2, 31, 32, 1000, 4095], device=d),
+                    1e6,
+                    8,
+                ),
+            ),
+        ],
     }
 
 

@@ -12,13 +12,13 @@ from pathlib import Path
 LOCK_FORMAT = "lockstep.contracts-lock/1"
 
 # The lanes whose fingerprints the lock pins: the geometries ``lockstep tiny`` makes by default.
-LOCKED_ARCHES = ("qwen3", "qwen3-moe")
+LOCKED_ARCHES = ("qwen3", "qwen3-moe", "qwen3-next")
 
 
 def build(backend: str = "cpu") -> dict:
     from .contract import geometry_contract
     from .golden import case_hashes
-    from .lanes.qwen3 import Geometry
+    from .model import geometry_of
     from .programs import CATALOG
     from .tiny import tiny_config
 
@@ -30,12 +30,13 @@ def build(backend: str = "cpu") -> dict:
             "params": params,
             "golden": {backend: hashes.get(name, {})},
         }
-    lanes = {
-        f"tiny-{arch}": geometry_contract(
-            Geometry.from_hf_config(tiny_config(arch)), backend=backend
-        ).fingerprint
-        for arch in LOCKED_ARCHES
-    }
+    lanes = {}
+    for arch in LOCKED_ARCHES:
+        contract = geometry_contract(geometry_of(tiny_config(arch)), backend=backend)
+        # A lane is pinned on a backend only where every one of its programs runs there (the
+        # hybrid lane has no cuda programs yet: no cuda lane to pin).
+        if all(prog.name in hashes for prog in contract.sites.values()):
+            lanes[f"tiny-{arch}"] = contract.fingerprint
     return {"format": LOCK_FORMAT, "programs": programs, "lanes": {backend: lanes}}
 
 

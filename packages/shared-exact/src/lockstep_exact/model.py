@@ -97,6 +97,26 @@ def _check_weight_files(path: Path) -> None:
             )
 
 
+HYBRID_NOT_SERVED = (
+    "architecture 'Qwen3NextForCausalLM': its exact lane (qwen3-next) runs as the reference "
+    "composition only so far (lockstep_exact.lanes.qwen3_next); the vLLM, SGLang and Megatron "
+    "plugins do not serve it yet (issue 16)"
+)
+
+
+def geometry_of(config: dict[str, Any]):
+    """The lane geometry of an HF config: ``lanes.qwen3_next.Geometry`` for Qwen3-Next, the
+    Qwen3 / Qwen3-MoE ``Geometry`` otherwise (each refuses, naming the key, what it lacks)."""
+    from .lanes.config import HYBRID_FAMILIES
+
+    archs = config.get("architectures")
+    if isinstance(archs, list) and len(archs) == 1 and archs[0] in HYBRID_FAMILIES:
+        from .lanes.qwen3_next import Geometry as NextGeometry
+
+        return NextGeometry.from_hf_config(config)
+    return Geometry.from_hf_config(config)
+
+
 class ModelDir:
     """An HF model directory the exact lane runs; raises ``UnsupportedModel`` otherwise.
 
@@ -105,7 +125,9 @@ class ModelDir:
     ``ModelDir.of(x)`` takes a path or a ModelDir and parses only a path.
     """
 
-    def __init__(self, model_dir: str | os.PathLike[str]):
+    def __init__(self, model_dir: str | os.PathLike[str], *, hybrid: bool = False):
+        """``hybrid``: also admit a Qwen3-Next model (its lane runs as the reference composition
+        only so far; the engines' plugins leave it False and refuse such a model by name)."""
         self.path = Path(model_dir)
         cfg_path = self.path / "config.json"
         if not cfg_path.is_file():
@@ -114,7 +136,9 @@ class ModelDir:
             self.config: dict[str, Any] = json.loads(cfg_path.read_text())
         except json.JSONDecodeError as err:
             raise UnsupportedModel(f"{cfg_path} is not valid JSON ({err})") from err
-        self.geometry = Geometry.from_hf_config(self.config)
+        self.geometry = geometry_of(self.config)
+        if self.geometry.family == "qwen3-next" and not hybrid:
+            raise UnsupportedModel(HYBRID_NOT_SERVED)
         _check_tokenizer_ids(self.path, self.config)
         _check_weight_files(self.path)
 

@@ -182,8 +182,9 @@ def check_config(cfg: Mapping) -> dict[str, Any]:
     archs = cfg.get("architectures") or ["?"]
     if isinstance(archs, list) and archs and archs[0] in HYBRID_FAMILIES:
         raise UnsupportedModel(
-            f"architecture {archs[0]!r} has no exact lane yet: its byte programs exist (issue "
-            "16: gdn.chunked, conv1d.causal, ...), its lane composition does not"
+            f"architecture {archs[0]!r} is not a Qwen3 / Qwen3-MoE model: its lane is qwen3-next "
+            "(lanes.qwen3_next, config check check_next_config), which runs as the reference "
+            "composition only so far; the engines' plugins do not serve it yet (issue 16)"
         )
     if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in FAMILIES:
         raise UnsupportedModel(
@@ -279,9 +280,9 @@ def check_config(cfg: Mapping) -> dict[str, Any]:
 
 
 # --- the hybrid family (Qwen3-Next, issue 16) ----------------------------------------------------
-# Its byte programs exist (gdn.chunked, gdn.gating, gdn.l2norm, conv1d.causal,
-# rmsnorm.zero_centered, rmsnorm.gated, gate.sigmoid, moe.shared_gate); its lane does not yet, so
-# ``check_config`` refuses it. ``check_next_config`` is the lane's config check, ready for it.
+# Its lane is ``lanes.qwen3_next`` (gdn.chunked, gdn.gating, gdn.l2norm, conv1d.causal,
+# rmsnorm.zero_centered, rmsnorm.gated, gate.sigmoid, moe.shared_gate, rope.partial);
+# ``check_config`` (the Qwen3 lane's check) refuses it, ``check_next_config`` is its check.
 HYBRID_FAMILIES = {"Qwen3NextForCausalLM": ("qwen3-next", "qwen3_next")}
 HF_NEXT_FULL_ATTENTION_INTERVAL = 4  # Qwen3NextConfig's layer_types when the config has none
 _NEXT_LAYER_TYPES = ("linear_attention", "full_attention")
@@ -300,8 +301,8 @@ _FIXED_NEXT: dict[str, tuple[Any, str]] = {
         "rmsnorm.gated's silu gate before out_proj (silu)",
     ),
     "partial_rotary_factor": (
-        lambda v: v in (1, 1.0),
-        "RoPE on the whole head dim: rope.neox has no rotary_dim yet (1.0)",
+        lambda v: not isinstance(v, bool) and isinstance(v, int | float) and 0 < v <= 1,
+        "RoPE on a fraction of the head dim, rope.partial (a number in (0, 1])",
     ),
 }
 _SHAPE_NEXT = (_SHAPE | _SHAPE_MOE) - {"num_local_experts"} | {
@@ -321,8 +322,7 @@ def check_next_config(cfg: Mapping) -> dict[str, Any]:
 
     Absent keys take HF ``Qwen3NextConfig``'s defaults where the numbers allow one (layer types
     from ``full_attention_interval`` 4, rope theta 10000, eps 1e-6, untied embeddings,
-    ``norm_topk_prob`` true, RoPE on a quarter of the head dim, which is refused); sizes must be
-    stated.
+    ``norm_topk_prob`` true, RoPE on a quarter of the head dim); sizes must be stated.
     """
     archs = cfg.get("architectures") or ["?"]
     if archs != ["Qwen3NextForCausalLM"]:
@@ -368,6 +368,14 @@ def check_next_config(cfg: Mapping) -> dict[str, Any]:
     head_dim = _int(cfg, "head_dim", minimum=2)
     if head_dim % 2:
         raise _refuse("head_dim", head_dim, "RoPE rotates pairs: an even head_dim is expected")
+    rotary_dim = int(head_dim * partial)  # HF's int(head_dim * partial_rotary_factor)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise _refuse(
+            "partial_rotary_factor",
+            partial,
+            f"head_dim {head_dim} * it gives {rotary_dim} rotary dims: RoPE rotates pairs, an "
+            "even number >= 2 is expected",
+        )
     experts = _int(cfg, "num_experts")
     topk = _int(cfg, "num_experts_per_tok")
     if topk > experts:
@@ -385,6 +393,7 @@ def check_next_config(cfg: Mapping) -> dict[str, Any]:
         "heads": heads,
         "kv_heads": kv_heads,
         "head_dim": head_dim,
+        "rotary_dim": rotary_dim,
         "vocab": _int(cfg, "vocab_size"),
         "eps": _float(cfg, "rms_norm_eps", HF_RMS_NORM_EPS),
         "rope_theta": _rope_theta(

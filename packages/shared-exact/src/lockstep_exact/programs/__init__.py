@@ -75,6 +75,8 @@ CATALOG: dict[str, tuple[int, dict[str, object]]] = {
     "rmsnorm.gated": (1, {"eps": 1e-6}),
     "gate.sigmoid": (1, {}),
     "moe.shared_gate": (1, {}),
+    # Qwen3-Next's attention rotates only the first ``rotary`` dims of each head.
+    "rope.partial": (1, {"base": 1000000.0, "rotary": 64}),
 }
 
 BACKENDS = ("cpu", "cuda")
@@ -199,6 +201,11 @@ def swiglu(gate, up):
 
 def rope(x, positions, base: float):
     return _impl("rope", x)(x, positions, base)
+
+
+def rope_partial(x, positions, base: float, rotary: int):
+    """rope.partial: rope.neox on the first ``rotary`` dims of each head, the rest copied."""
+    return _impl("rope_partial", x)(x, positions, base, rotary)
 
 
 def attention(q, k, v, positions, *, scale=None, block: int = 32):
@@ -405,6 +412,7 @@ __all__ = [
     "residual_add",
     "rmsnorm",
     "rope",
+    "rope_partial",
     "round_bf16",
     "router_topk",
     "sample",

@@ -17,7 +17,7 @@ from .hybrid import rmsnorm_gated, rmsnorm_zero_centered, shared_expert_gate, si
 from .lora import lora_expand, lora_shrink
 from .moe import moe_fold, moe_fold_fp32, router_topk
 from .norm import residual_add, rmsnorm
-from .rope import rope, rope_tables
+from .rope import rope, rope_partial, rope_tables
 from .sampling import sample
 from .softmax import fold_tree_nodes, log_softmax, log_softmax_from_sum, shard_tree_nodes, softmax
 
@@ -48,6 +48,7 @@ __all__ = [
     "residual_add",
     "rmsnorm",
     "rope",
+    "rope_partial",
     "rope_tables",
     "round_bf16",
     "router_topk",

@@ -48,3 +48,18 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
     o1 = x1 * cos - x2 * sin
     o2 = x2 * cos + x1 * sin
     return round_bf16(torch.cat([o1, o2], dim=-1))
+
+
+def rope_partial(x: torch.Tensor, positions: torch.Tensor, base: float, rotary: int):
+    """rope.partial: rope.neox on the first ``rotary`` dims of each head (its tables built for
+    dim = ``rotary``), the other D - rotary dims copied unchanged (Qwen3-Next's
+    partial_rotary_factor). The rotated part has the bytes of rope.neox on a head of ``rotary``
+    dims."""
+    require(x.dtype == BF16, "rope.partial: bf16 input required")
+    require(x.dim() == 3, "rope.partial: x [T, H, D]")
+    require(
+        2 <= rotary <= x.shape[-1] and rotary % 2 == 0,
+        f"rope.partial: rotary dims {rotary} must be even and within the head dim {x.shape[-1]}",
+    )
+    rot = rope(x[..., :rotary].contiguous(), positions, base)
+    return torch.cat([rot, x[..., rotary:]], dim=-1)

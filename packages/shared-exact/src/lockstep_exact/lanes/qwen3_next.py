@@ -1,0 +1,484 @@
+"""The Qwen3-Next lane (issue 16): geometry, op-site programs, the per-sequence cache and the
+layer composition, on the cpu backend.
+
+The composition follows HF Qwen3Next. Layers alternate Gated DeltaNet (``linear_attn``: the
+in_proj_qkvz / in_proj_ba projections, a causal conv over q|k|v with its cached window, the
+decay and write strength from gdn.gating, l2-normalized q and k, gdn.chunked with its GdnState,
+the gated RMSNorm with z, out_proj) and gated full attention (``self_attn``: q_proj makes the
+query and the output gate, zero-centered q/k norms, RoPE on the first ``rotary_dim`` dims,
+attention.blocked, gate.sigmoid, o_proj). Every layer's MLP is a softmax-top-k MoE plus a
+shared expert whose output is scaled by sigmoid(shared_expert_gate). All RMSNorms outside the
+GDN layers are zero-centered (weights stored as w - 1).
+
+A forward starts at any position: each sequence's ``NextCache`` holds the GdnState and conv
+window of every GDN layer and the K/V of every attention layer. Because gdn.chunked aligns its
+chunks to absolute positions, one prefill, any split into calls and token-by-token decode give
+the same bytes. Row-wise ops (projections, norms, MLPs) run over all rows of a step; the
+sequence-mixing ops (conv, GDN, attention) run per sequence.
+
+Not wired yet: LoRA, tensor/expert parallelism beyond the contract's K partitions, autograd
+(``NextOps`` refuses ``grad=True``), the vLLM and Megatron halves.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import programs as P
+from ..contract import ContractMismatch
+from ..programs import Program
+from ..sites import record
+from .config import UnsupportedModel, check_next_config
+from .ops import Ops
+from .qwen3 import K_PARTS, k_parts, local_dispatch
+
+ARCHITECTURES = {"Qwen3NextForCausalLM": "qwen3-next"}
+GDN_CHUNK = 64  # the lane's gdn.chunked chunk (tests may build a geometry with another)
+L2NORM_EPS = 1e-6  # HF Qwen3Next's l2norm of q and k (not rms_norm_eps)
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    family: str
+    hidden: int
+    layers: int
+    layer_types: tuple[str, ...]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    vocab: int
+    eps: float
+    rope_theta: float
+    tie_embeddings: bool
+    linear_key_heads: int
+    linear_value_heads: int
+    linear_key_dim: int
+    linear_value_dim: int
+    conv_kernel: int
+    experts: int
+    topk: int
+    norm_topk: bool
+    moe_intermediate: int
+    shared_intermediate: int
+    chunk: int = GDN_CHUNK
+
+    is_moe = True
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_key_heads * self.linear_key_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_value_heads * self.linear_value_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["layer_types"] = list(self.layer_types)  # as its JSON form reads back
+        return d
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping, *, chunk: int = GDN_CHUNK) -> Geometry:
+        """The lane's geometry from an HF ``config.json`` dict; ``UnsupportedModel`` naming
+        any key or value the lane does not implement (``lanes.config.check_next_config``)."""
+        if chunk < 1 or chunk & (chunk - 1):
+            raise UnsupportedModel(f"qwen3-next lane: gdn chunk {chunk} is not a power of two")
+        return cls(**check_next_config(cfg), chunk=chunk)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> Geometry:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise UnsupportedModel(f"{model_dir} has no config.json: not an HF model directory")
+        return cls.from_hf_config(json.loads(path.read_text()))
+
+
+def op_sites(geom: Geometry) -> dict[str, Program]:
+    """Every op site of the lane (its contract key) and the program run there.
+
+    Keys are the composition's paths with every index replaced by ``*``; GDN layers' sites
+    are under ``layers.*.linear_attn``, attention layers' under ``layers.*.self_attn``.
+    """
+    gemm = Program.of("gemm.kblock", bk=32, out="bf16")
+    norm = Program.of("rmsnorm.zero_centered", eps=geom.eps)
+
+    def kpart(k_dim: int) -> Program:
+        return Program.of("gemm.kpart", bk=32, parts=k_parts(k_dim), out="bf16")
+
+    sites: dict[str, Program] = {"embed_tokens": Program.of("embedding.gather")}
+    layer = "layers.*"
+    sites[f"{layer}.input_layernorm"] = norm
+    if LINEAR in geom.layer_types:
+        g = f"{layer}.linear_attn"
+        sites[f"{g}.in_proj_qkvz"] = gemm
+        sites[f"{g}.in_proj_ba"] = gemm
+        sites[f"{g}.conv1d"] = Program.of("conv1d.causal", kernel=geom.conv_kernel)
+        sites[f"{g}.gating"] = Program.of("gdn.gating")
+        sites[f"{g}.q_l2norm"] = Program.of("gdn.l2norm", eps=L2NORM_EPS)
+        sites[f"{g}.k_l2norm"] = Program.of("gdn.l2norm", eps=L2NORM_EPS)
+        sites[f"{g}.core"] = Program.of("gdn.chunked", chunk=geom.chunk)
+        sites[f"{g}.norm"] = Program.of("rmsnorm.gated", eps=geom.eps)
+        sites[f"{g}.out_proj"] = kpart(geom.value_dim)
+    if FULL in geom.layer_types:
+        a = f"{layer}.self_attn"
+        rope = Program.of("rope.partial", base=geom.rope_theta, rotary=geom.rotary_dim)
+        for p in ("q_proj", "k_proj", "v_proj"):
+            sites[f"{a}.{p}"] = gemm
+        sites[f"{a}.q_norm"] = norm
+        sites[f"{a}.k_norm"] = norm
+        sites[f"{a}.q_rope"] = rope
+        sites[f"{a}.k_rope"] = rope
+        sites[f"{a}.core"] = Program.of("attention.blocked", block=32)
+        sites[f"{a}.gate"] = Program.of("gate.sigmoid")
+        sites[f"{a}.o_proj"] = kpart(geom.heads * geom.head_dim)
+    sites[f"{layer}.residual_attn"] = Program.of("residual.add")
+    sites[f"{layer}.post_attention_layernorm"] = norm
+    m = f"{layer}.mlp"
+    sites[f"{m}.gate"] = gemm
+    sites[f"{m}.router"] = Program.of("router.softmax_topk", k=geom.topk, normalize=geom.norm_topk)
+    for mlp, inner in (
+        (f"{m}.experts.*", geom.moe_intermediate),
+        (f"{m}.shared_expert", geom.shared_intermediate),
+    ):
+        sites[f"{mlp}.gate_proj"] = gemm
+        sites[f"{mlp}.up_proj"] = gemm
+        sites[f"{mlp}.act"] = Program.of("swiglu")
+        sites[f"{mlp}.down_proj"] = kpart(inner)
+    sites[f"{m}.fold"] = Program.of("moe.fold", acc="bf16")
+    sites[f"{m}.shared_expert_gate"] = gemm
+    sites[f"{m}.shared_gate"] = Program.of("moe.shared_gate")
+    sites[f"{layer}.residual_mlp"] = Program.of("residual.add")
+    sites["norm"] = norm
+    sites["lm_head"] = Program.of("gemm.kblock", bk=32, out="fp32")
+    sites["logprobs"] = Program.of("log_softmax.tree")
+    sites["sample"] = Program.of("sample.gumbel_topp")
+    return sites
+
+
+LAYOUT = {"k_parts": K_PARTS}
+
+
+# --- the hybrid programs, called by op site --------------------------------------------------
+class NextOps(Ops):
+    """``Ops`` plus the hybrid lane's programs. Forward only: the programs have no VJPs yet."""
+
+    def __init__(self, contract, *, grad: bool = False):
+        if grad:
+            raise ContractMismatch(
+                "the qwen3-next lane has no backward yet (its hybrid programs have no VJPs): "
+                "it cannot be trained"
+            )
+        super().__init__(contract)
+
+    def _run(self, path: str, expect: str, fn, *xs):
+        prog = self.program(path, expect)
+        self._ran(path, prog)
+        return prog, fn(prog, *xs)
+
+    def rmsnorm_zc(self, path, x, w):
+        _, y = self._run(
+            path,
+            "rmsnorm.zero_centered",
+            lambda p, a, b: P.rmsnorm_zero_centered(a, b, p.param("eps")),
+            x,
+            w,
+        )
+        return record(path, y)
+
+    def rmsnorm_gated(self, path, x, z, w):
+        _, y = self._run(
+            path,
+            "rmsnorm.gated",
+            lambda p, a, b, c: P.rmsnorm_gated(a, b, c, p.param("eps")),
+            x,
+            z,
+            w,
+        )
+        return record(path, y)
+
+    def sigmoid_gate(self, path, x, gate):
+        _, y = self._run(path, "gate.sigmoid", lambda p, a, b: P.sigmoid_gate(a, b), x, gate)
+        return record(path, y)
+
+    def shared_gate(self, path, routed, shared, logit):
+        _, y = self._run(
+            path,
+            "moe.shared_gate",
+            lambda p, a, b, c: P.shared_expert_gate(a, b, c),
+            routed,
+            shared,
+            logit,
+        )
+        return record(path, y)
+
+    def rope_partial(self, path, x, positions):
+        _, y = self._run(
+            path,
+            "rope.partial",
+            lambda p, a: P.rope_partial(a, positions, p.param("base"), p.param("rotary")),
+            x,
+        )
+        return record(path, y)
+
+    def conv1d(self, path, x, w, window):
+        """(out, window'): ``out`` recorded."""
+        _, (y, win) = self._run(
+            path,
+            "conv1d.causal",
+            lambda p, a, b, c: P.conv1d_causal(a, b, c, kernel=p.param("kernel")),
+            x,
+            w,
+            window,
+        )
+        return record(path, y), win
+
+    def gating(self, path, a, b, a_log, dt_bias):
+        """(g, beta), recorded as ``<path>.g`` and ``<path>.beta``."""
+        _, (g, beta) = self._run(
+            path, "gdn.gating", lambda p, *xs: P.gdn_gating(*xs), a, b, a_log, dt_bias
+        )
+        return record(f"{path}.g", g), record(f"{path}.beta", beta)
+
+    def l2norm(self, path, x):
+        _, y = self._run(path, "gdn.l2norm", lambda p, a: P.l2norm(a, p.param("eps")), x)
+        return record(path, y)
+
+    def gdn(self, path, q, k, v, g, beta, state, position: int):
+        """(out, state'): ``out`` recorded."""
+        _, (y, st) = self._run(
+            path,
+            "gdn.chunked",
+            lambda p, *xs: P.gdn_chunked(*xs, state, position=position, chunk=p.param("chunk")),
+            q,
+            k,
+            v,
+            g,
+            beta,
+        )
+        return record(path, y), st
+
+
+# --- the per-sequence cache ---------------------------------------------------------------------
+@dataclass
+class NextCache:
+    """One sequence's cache: ``position`` (tokens seen), per GDN layer its GdnState and conv
+    window, per attention layer its K (after norm and rope) and V, [S, Hkv, D] bf16."""
+
+    position: int = 0
+    gdn: dict[int, P.GdnState] = field(default_factory=dict)
+    conv: dict[int, torch.Tensor] = field(default_factory=dict)
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls, geom: Geometry) -> NextCache:
+        c = cls()
+        for i, kind in enumerate(geom.layer_types):
+            if kind == LINEAR:
+                c.gdn[i] = P.gdn_state(
+                    geom.linear_key_heads,
+                    geom.linear_value_heads,
+                    geom.linear_key_dim,
+                    geom.linear_value_dim,
+                    chunk=geom.chunk,
+                )
+                c.conv[i] = P.conv1d_window(geom.conv_dim, kernel=geom.conv_kernel)
+            else:
+                c.keys[i] = torch.zeros(0, geom.kv_heads, geom.head_dim, dtype=torch.bfloat16)
+                c.values[i] = torch.zeros(0, geom.kv_heads, geom.head_dim, dtype=torch.bfloat16)
+        return c
+
+
+# --- composition -----------------------------------------------------------------------------
+class Slots:
+    """Weights by HF name (suffix after ``model.layers.N.``, or the full name for the
+    embedding, final norm and LM head)."""
+
+    def weight(self, layer: int | None, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class DictSlots(Slots):
+    def __init__(self, weights: Mapping[str, torch.Tensor], geom: Geometry):
+        self.weights = weights
+        self.per_layer: list[dict[str, torch.Tensor]] = [{} for _ in range(geom.layers)]
+        for name, t in weights.items():
+            if name.startswith("model.layers."):
+                idx, rest = name[len("model.layers.") :].split(".", 1)
+                self.per_layer[int(idx)][rest] = t
+
+    def weight(self, layer, name):
+        return self.weights[name] if layer is None else self.per_layer[layer][name]
+
+
+Segments = Sequence[tuple[int, int, NextCache]]  # (first row, row count, the sequence's cache)
+
+
+class Layer:
+    """One decoder layer: the only place its op order is written."""
+
+    def __init__(self, geom: Geometry, index: int, ops: NextOps, slots: Slots):
+        self.geom, self.index, self.ops, self.slots = geom, index, ops, slots
+        self.site = f"layers.{index}"
+
+    def w(self, name: str) -> torch.Tensor:
+        return self.slots.weight(self.index, name)
+
+    def gemm(self, x, name: str):
+        return self.ops.gemm(f"{self.site}.{name}", x, self.w(f"{name}.weight"))
+
+    def gdn(self, h, segs: Segments):
+        g, ops, s, i = self.geom, self.ops, f"{self.site}.linear_attn", self.index
+        t = h.shape[0]
+        hk, hv, dk, dv = (
+            g.linear_key_heads,
+            g.linear_value_heads,
+            g.linear_key_dim,
+            g.linear_value_dim,
+        )
+        r = hv // hk
+        qkvz = self.gemm(h, "linear_attn.in_proj_qkvz").view(t, hk, 2 * dk + 2 * r * dv)
+        ba = self.gemm(h, "linear_attn.in_proj_ba").view(t, hk, 2 * r)
+        # Per key head: q, k, then its r value heads' v and z; b then a for its r value heads.
+        q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
+        b, a = ba[..., :r].reshape(t, hv), ba[..., r:].reshape(t, hv)
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        conv_w = self.w("linear_attn.conv1d.weight").squeeze(1)
+        gate, beta = ops.gating(
+            f"{s}.gating",
+            a.contiguous(),
+            b.contiguous(),
+            self.w("linear_attn.A_log"),
+            self.w("linear_attn.dt_bias"),
+        )
+        outs = []
+        for lo, n, cache in segs:
+            rows = slice(lo, lo + n)
+            x, cache.conv[i] = ops.conv1d(f"{s}.conv1d", mixed[rows], conv_w, cache.conv[i])
+            qq, kk, vv = torch.split(x, [g.key_dim, g.key_dim, g.value_dim], dim=-1)
+            qn = ops.l2norm(f"{s}.q_l2norm", qq.reshape(n, hk, dk))
+            kn = ops.l2norm(f"{s}.k_l2norm", kk.reshape(n, hk, dk))
+            o, cache.gdn[i] = ops.gdn(
+                f"{s}.core",
+                qn,
+                kn,
+                vv.reshape(n, hv, dv).contiguous(),
+                gate[rows],
+                beta[rows],
+                cache.gdn[i],
+                cache.position,
+            )
+            outs.append(o)
+        o = torch.cat(outs, dim=0)
+        o = ops.rmsnorm_gated(
+            f"{s}.norm", o, z.reshape(t, hv, dv).contiguous(), self.w("linear_attn.norm.weight")
+        )
+        return self.gemm(o.reshape(t, -1), "linear_attn.out_proj")
+
+    def attention(self, h, segs: Segments, positions):
+        g, ops, s, i = self.geom, self.ops, f"{self.site}.self_attn", self.index
+        t = h.shape[0]
+        qg = self.gemm(h, "self_attn.q_proj").view(t, g.heads, 2 * g.head_dim)
+        q, gate = qg[..., : g.head_dim], qg[..., g.head_dim :].reshape(t, -1)
+        k = self.gemm(h, "self_attn.k_proj").view(t, g.kv_heads, g.head_dim)
+        v = self.gemm(h, "self_attn.v_proj").view(t, g.kv_heads, g.head_dim)
+        q = ops.rmsnorm_zc(f"{s}.q_norm", q.contiguous(), self.w("self_attn.q_norm.weight"))
+        k = ops.rmsnorm_zc(f"{s}.k_norm", k, self.w("self_attn.k_norm.weight"))
+        q = ops.rope_partial(f"{s}.q_rope", q, positions)
+        k = ops.rope_partial(f"{s}.k_rope", k, positions)
+        outs = []
+        for lo, n, cache in segs:
+            rows = slice(lo, lo + n)
+            cache.keys[i] = torch.cat([cache.keys[i], k[rows]], dim=0)
+            cache.values[i] = torch.cat([cache.values[i], v[rows]], dim=0)
+            outs.append(
+                ops.attention(f"{s}.core", q[rows], cache.keys[i], cache.values[i], positions[rows])
+            )
+        o = record(f"{s}.core", torch.cat(outs, dim=0)).reshape(t, -1)
+        o = ops.sigmoid_gate(f"{s}.gate", o, gate.contiguous())
+        return self.gemm(o, "self_attn.o_proj")
+
+    def mlp(self, x, pre: str):
+        gate = self.gemm(x, f"{pre}.gate_proj")
+        up = self.gemm(x, f"{pre}.up_proj")
+        act = self.ops.swiglu(f"{self.site}.{pre}.act", gate, up)
+        return self.gemm(act, f"{pre}.down_proj")
+
+    def moe(self, h):
+        ops, s = self.ops, f"{self.site}.mlp"
+        ids, weights = ops.router(f"{s}.router", self.gemm(h, "mlp.gate"))
+        out = local_dispatch(h, ids, lambda e, x: self.mlp(x, f"mlp.experts.{e}"))
+        routed = ops.moe_fold(f"{s}.fold", out, weights)
+        shared = self.mlp(h, "mlp.shared_expert")
+        logit = self.gemm(h, "mlp.shared_expert_gate")
+        return ops.shared_gate(f"{s}.shared_gate", routed, shared, logit)
+
+    def __call__(self, h, segs: Segments, positions):
+        ops, s = self.ops, self.site
+        x = ops.rmsnorm_zc(f"{s}.input_layernorm", h, self.w("input_layernorm.weight"))
+        if self.geom.layer_types[self.index] == LINEAR:
+            mixed = self.gdn(x, segs)
+        else:
+            mixed = self.attention(x, segs, positions)
+        h = ops.residual_add(f"{s}.residual_attn", h, mixed)
+        x = ops.rmsnorm_zc(
+            f"{s}.post_attention_layernorm", h, self.w("post_attention_layernorm.weight")
+        )
+        return ops.residual_add(f"{s}.residual_mlp", h, self.moe(x))
+
+
+def forward(
+    ops: NextOps, geom: Geometry, slots: Slots, batch: Sequence[tuple[torch.Tensor, NextCache]]
+):
+    """The lane over a step of several sequences: each (token ids [n], its cache) continues
+    that sequence at ``cache.position``; the caches are advanced. Returns [sum n, V] fp32
+    log-probabilities, the sequences' rows in order."""
+    segs, pos, lo = [], [], 0
+    for tokens, cache in batch:
+        n = int(tokens.shape[0])
+        segs.append((lo, n, cache))
+        pos.append(torch.arange(cache.position, cache.position + n))
+        lo += n
+    tokens = torch.cat([t for t, _ in batch])
+    positions = torch.cat(pos)
+    h = ops.embed("embed_tokens", slots.weight(None, "model.embed_tokens.weight"), tokens)
+    for i in range(geom.layers):
+        h = Layer(geom, i, ops, slots)(h, segs, positions)
+    for _, n, cache in segs:
+        cache.position += n
+    hn = ops.rmsnorm_zc("norm", h, slots.weight(None, "model.norm.weight"))
+    name = "model.embed_tokens.weight" if geom.tie_embeddings else "lm_head.weight"
+    logits = ops.gemm("lm_head", hn, slots.weight(None, name))
+    return ops.log_softmax("logprobs", logits)
+
+
+def default_ops(geom: Geometry, backend: str = "cpu") -> NextOps:
+    from ..contract import geometry_contract
+
+    return NextOps(geometry_contract(geom, backend=backend))
+
+
+def forward_logprobs(
+    weights: Mapping[str, torch.Tensor],
+    geom: Geometry,
+    tokens: torch.Tensor,
+    cache: NextCache | None = None,
+    *,
+    ops: NextOps | None = None,
+) -> torch.Tensor:
+    """Reference forward of one sequence: [T, V] log-probabilities of ``tokens`` continuing
+    ``cache`` (a fresh sequence at position 0 when None; the cache is advanced)."""
+    ops = ops or default_ops(geom, tokens.device.type)
+    cache = cache if cache is not None else NextCache.empty(geom)
+    return forward(ops, geom, DictSlots(weights, geom), [(tokens, cache)])
