@@ -91,8 +91,9 @@ def request_problem(sp) -> tuple[str, object, str] | None:
     return None
 
 
-def refusal(sp) -> str | None:
-    found = request_problem(sp)
+def refusal_text(found: tuple | None) -> str | None:
+    """The refusal of a request whose sampling setting (name, value, why) the lane does not
+    run, or None; shared by the vLLM and SGLang halves."""
     if found is None:
         return None
     name, value, why = found
@@ -101,6 +102,10 @@ def refusal(sp) -> str | None:
         f"distribution ({why}), and the lane draws every token with {RULE.ident} "
         "(temperature and top_p only)"
     )
+
+
+def refusal(sp) -> str | None:
+    return refusal_text(request_problem(sp))
 
 
 def is_lane_config(model_config) -> bool:

@@ -36,6 +36,7 @@ from lockstep_exact import programs as P
 from lockstep_exact.sites import paused
 
 from .patches import LaneRefused
+from .sampler import refusal_text
 
 RULE = P.Program.of("sample.gumbel_topp")
 TOP_K_ALL = 1 << 30  # sglang.srt.sampling.sampling_params.TOP_K_ALL: no top-k truncation
@@ -82,15 +83,7 @@ def request_problem(sp) -> tuple[str, object, str] | None:
 
 
 def refusal(sp) -> str | None:
-    found = request_problem(sp)
-    if found is None:
-        return None
-    name, value, why = found
-    return (
-        f"Lockstep exact lane: {name}={value!r} is not supported: it would change the token "
-        f"distribution ({why}), and the lane draws every token with {RULE.ident} "
-        "(temperature and top_p only)"
-    )
+    return refusal_text(request_problem(sp))
 
 
 def from_schedule_batch(cls, batch, vocab_size):
