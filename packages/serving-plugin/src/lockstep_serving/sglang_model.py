@@ -34,24 +34,26 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lockstep_exact.contract import ContractMismatch, admit, lane_contract
+from lockstep_exact.contract import lane_contract
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.lanes.ops import Ops
 from lockstep_exact.sites import is_recording, paused
 
 from .patches import LaneRefused
+from .vllm_model import (  # plain definitions: vllm_model imports no vLLM at module level
+    CONTRACT_OVERRIDE,
+    _expected_names,
+    _refuse,
+    admit_requested,
+    lane_geometry,
+)
 
-CONTRACT_ENV = "LOCKSTEP_CONTRACT"
-CONTRACT_OVERRIDE = "lockstep_contract"  # json_model_override_args key: the fingerprint asked for
+# CONTRACT_OVERRIDE is also the json_model_override_args key carrying the fingerprint asked for.
 REPORT_ENV = "LOCKSTEP_SGLANG_REPORT"  # a file the model keeps its invoked contract in
 
 # Lane models alive in this process; while one lives, the lane's sampler applies its rule.
 LIVE: weakref.WeakSet = weakref.WeakSet()
 
-FAMILY_OF = {
-    "LockstepQwen3ForCausalLM": "qwen3",
-    "LockstepQwen3MoeForCausalLM": "qwen3-moe",
-}
 LANE_OF_HF = {
     "Qwen3ForCausalLM": "LockstepQwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "LockstepQwen3MoeForCausalLM",
@@ -74,10 +76,6 @@ MUST_BE_OFF = (
 )
 ONE = ("tp_size", "pp_size", "dp_size", "ep_size")
 ACCEPTED_MODES = ("EXTEND", "MIXED", "DECODE", "IDLE")
-
-
-def _refuse(msg: str):
-    raise LaneRefused(f"Lockstep exact lane refused to start: {msg}")
 
 
 def _validate(config, quant_config, arch: str) -> tuple[qwen3.Geometry, Path]:
@@ -120,26 +118,9 @@ def _validate(config, quant_config, arch: str) -> tuple[qwen3.Geometry, Path]:
             "it under 'pytorch': is the plugin loaded (entry point sglang.srt.plugins, "
             "SGLANG_PLUGINS)?"
         )
-    try:
-        geom = qwen3.Geometry.from_model_dir(model_dir)
-    except qwen3.UnsupportedModel as err:
-        _refuse(str(err))
-    want = FAMILY_OF[arch]
-    if geom.family != want:
-        _refuse(f"{arch} serves the {want} family but {model_dir} is {geom.family}")
-    requested = getattr(config, CONTRACT_OVERRIDE, None) or os.environ.get(CONTRACT_ENV)
-    if requested:
-        try:
-            admit(lane_contract(model_dir), requested)
-        except ContractMismatch as err:
-            _refuse(str(err))
+    geom = lane_geometry(arch, model_dir)
+    admit_requested(model_dir, "cpu", getattr(config, CONTRACT_OVERRIDE, None))
     return geom, model_dir
-
-
-def _expected_names(geom: qwen3.Geometry) -> set[str]:
-    from .vllm_model import _expected_names as names  # plain function: imports no vLLM
-
-    return names(geom)
 
 
 class LockstepQwen3ForCausalLM(nn.Module):

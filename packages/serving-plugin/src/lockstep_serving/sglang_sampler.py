@@ -36,11 +36,10 @@ from lockstep_exact import programs as P
 from lockstep_exact.sites import paused
 
 from .patches import LaneRefused
-from .sampler import refusal_text
+from .sampler import _INT64, refusal_text
 
 RULE = P.Program.of("sample.gumbel_topp")
 TOP_K_ALL = 1 << 30  # sglang.srt.sampling.sampling_params.TOP_K_ALL: no top-k truncation
-_INT64 = (-(2**63), 2**63 - 1)
 
 # Lane samplers built in this process (the lane model checks one exists).
 SAMPLERS: weakref.WeakSet = weakref.WeakSet()
@@ -110,7 +109,7 @@ def from_schedule_batch(cls, batch, vocab_size):
 
 
 def is_lane_config(model_config) -> bool:
-    from .sglang_model import FAMILY_OF
+    from .vllm_model import FAMILY_OF
 
     archs = getattr(getattr(model_config, "hf_config", None), "architectures", None)
     return bool(archs) and archs[0] in FAMILY_OF

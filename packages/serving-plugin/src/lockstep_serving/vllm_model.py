@@ -31,7 +31,8 @@ CONTRACT_OVERRIDE = "lockstep_contract"  # hf_overrides key carrying the request
 # Lane models alive in this process; while any lives, the Sampler's logprobs are exact.
 LIVE: weakref.WeakSet = weakref.WeakSet()
 
-_FAMILY_OF = {
+# The lane's model classes (one name in vLLM and in SGLang) and the family each serves.
+FAMILY_OF = {
     "LockstepQwen3ForCausalLM": "qwen3",
     "LockstepQwen3MoeForCausalLM": "qwen3-moe",
 }
@@ -39,6 +40,31 @@ _FAMILY_OF = {
 
 def _refuse(msg: str):
     raise LaneRefused(f"Lockstep exact lane refused to start: {msg}")
+
+
+def lane_geometry(arch: str, model_dir: Path) -> qwen3.Geometry:
+    """The lane geometry of ``model_dir`` served as the lane class ``arch``; refuses, by name,
+    a model the lane cannot run and one of another family than ``arch`` serves."""
+    try:
+        geom = qwen3.Geometry.from_model_dir(model_dir)
+    except qwen3.UnsupportedModel as err:
+        _refuse(str(err))
+    want = FAMILY_OF[arch]
+    if geom.family != want:
+        _refuse(f"{arch} serves the {want} family but {model_dir} is {geom.family}")
+    return geom
+
+
+def admit_requested(model_dir: Path, backend: str, requested: str | None) -> None:
+    """The contract fingerprint the engine was asked for (its config override, else
+    LOCKSTEP_CONTRACT), admitted against this model's lane contract; nothing asked, nothing
+    checked."""
+    requested = requested or os.environ.get(CONTRACT_ENV)
+    if requested:
+        try:
+            admit(lane_contract(model_dir, backend=backend), requested)
+        except ContractMismatch as err:
+            _refuse(str(err))
 
 
 def lane_backend(vllm_config) -> str:
@@ -86,23 +112,12 @@ def _validate_config(vllm_config, arch: str) -> tuple[qwen3.Geometry, Path]:
         _refuse(f"data parallelism ({par.data_parallel_size}) is not part of the lane")
     if mc.logprobs_mode != "raw_logprobs":
         _refuse(f"logprobs_mode {mc.logprobs_mode!r}; start the engine with 'raw_logprobs'")
-    try:
-        geom = qwen3.Geometry.from_model_dir(model_dir)
-    except qwen3.UnsupportedModel as err:
-        _refuse(str(err))
-    want = _FAMILY_OF[arch]
-    if geom.family != want:
-        _refuse(f"{arch} serves the {want} family but {model_dir} is {geom.family}")
+    geom = lane_geometry(arch, model_dir)
     try:
         check_layout(lane_contract(model_dir, backend=backend), tp=par.tensor_parallel_size)
     except ContractMismatch as err:
         _refuse(str(err))
-    requested = getattr(mc.hf_config, CONTRACT_OVERRIDE, None) or os.environ.get(CONTRACT_ENV)
-    if requested:
-        try:
-            admit(lane_contract(model_dir, backend=backend), requested)
-        except ContractMismatch as err:
-            _refuse(str(err))
+    admit_requested(model_dir, backend, getattr(mc.hf_config, CONTRACT_OVERRIDE, None))
     return geom, model_dir
 
 
