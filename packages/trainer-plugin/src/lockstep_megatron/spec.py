@@ -339,19 +339,18 @@ class _HeadSlots(MegatronSlots):
 
 
 class _GatherVocab(torch.autograd.Function):
-    """The ranks' log-probability shards (``real[r]`` columns each, padded to ``rows``)
-    concatenated in rank order: no arithmetic. Backward: this rank's columns of the gradient
-    every rank holds (Megatron's gather-from-tensor-parallel-region rule)."""
+    """The ranks' log-probability shards (``real[r]`` columns each) concatenated in rank
+    order: no arithmetic. Backward: this rank's columns of the gradient every rank holds
+    (Megatron's gather-from-tensor-parallel-region rule)."""
 
     @staticmethod
-    def forward(ctx, gather, lo, real, rows, lp):
+    def forward(ctx, gather, lo, real, lp):
         ctx.lo, ctx.width = lo, lp.shape[-1]
-        parts = gather.all(torch.nn.functional.pad(lp, (0, rows - lp.shape[-1])))
-        return torch.cat([p[..., :n] for p, n in zip(parts, real, strict=True)], dim=-1)
+        return gather.cat(lp, real)
 
     @staticmethod
     def backward(ctx, grad):
-        return None, None, None, None, grad[..., ctx.lo : ctx.lo + ctx.width]
+        return None, None, None, grad[..., ctx.lo : ctx.lo + ctx.width]
 
 
 class ExactOutputLayer(nn.Module):
@@ -552,5 +551,5 @@ class LockstepGPT(nn.Module):
             ops, logits.reshape(b * s, v), start=start, vocab=vocab, gather=self.gather
         )
         real = [max(0, min(rows, vocab - vocab_shard(vocab, tp, r)[0])) for r in range(tp)]
-        full = _GatherVocab.apply(self.gather, min(start, vocab), real, rows, lp)
+        full = _GatherVocab.apply(self.gather, min(start, vocab), real, lp)
         return full.view(b, s, vocab)

@@ -224,10 +224,8 @@ class _RowGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gather, lo, z):
         widths = [int(w) for w in gather.all(torch.tensor([z.shape[-1]], device=z.device))]
-        pad = torch.nn.functional.pad(z, (0, max(widths) - z.shape[-1]))
-        parts = gather.all(pad)
         ctx.gather, ctx.lo, ctx.width = gather, lo, z.shape[-1]
-        return torch.cat([p[..., :w] for p, w in zip(parts, widths, strict=True)], dim=-1)
+        return gather.cat(z, widths)
 
     @staticmethod
     def backward(ctx, grad):

@@ -162,6 +162,13 @@ class Gather:
     def all(self, t):
         return [t]
 
+    def cat(self, t, widths):
+        """Every rank's ``t``, ``widths[r]`` wide in its last dim, concatenated along it in
+        rank order: each is padded to the widest, all-gathered, and cut back (no arithmetic)."""
+        padded = torch.nn.functional.pad(t, (0, max(widths) - t.shape[-1]))
+        parts = self.all(padded)
+        return torch.cat([p[..., :w] for p, w in zip(parts, widths, strict=True)], dim=-1)
+
 
 LOCAL = Gather()
 
@@ -271,10 +278,7 @@ def log_softmax_sharded(x, start: int, vocab: int, gather=LOCAL):
     x2 = x.reshape(rows, real)
     module = backend_module(backend_of(x))
     if not hasattr(module, "shard_tree_nodes"):
-        width = max(hi - lo for lo, hi in ranges)
-        padded = torch.nn.functional.pad(x2, (0, width - real))
-        parts = gather.all(padded)
-        full = torch.cat([p[:, : hi - lo] for p, (lo, hi) in zip(parts, ranges, strict=True)], -1)
+        full = gather.cat(x2, [hi - lo for lo, hi in ranges])
         lo = min(start, vocab)
         return log_softmax(full)[:, lo : lo + real].reshape(*lead, real)
     m_local = x2.amax(-1) if real else x2.new_full((rows,), float("-inf"))
