@@ -55,30 +55,19 @@ def _hybrid_cases() -> dict[str, list[tuple[str, Callable[[str], torch.Tensor]]]
     """The programs of the hybrid lane (Qwen3-Next); cpu only so far."""
     g = golden
     f32 = torch.float32
+
+    def gating(d):  # (g, beta) of one call: the two outputs are two golden cases
+        a, b = g((9, 4), 55, 3.0, device=d), g((9, 4), 56, 3.0, device=d)
+        return P.gdn_gating(a, b, g((4,), 57, 1.0, f32, d), g((4,), 58, device=d))
+
     return {
         "gdn.chunked": [
             ("t150_hk1_hv2_d16_out", lambda d: _gdn_golden(d, 0)),
             ("t150_hk1_hv2_d16_state128", lambda d: _gdn_golden(d, 1)),
         ],
         "gdn.gating": [
-            (
-                "t9_hv4_g",
-                lambda d: P.gdn_gating(
-                    g((9, 4), 55, 3.0, device=d),
-                    g((9, 4), 56, 3.0, device=d),
-                    g((4,), 57, 1.0, f32, d),
-                    g((4,), 58, device=d),
-                )[0],
-            ),
-            (
-                "t9_hv4_beta",
-                lambda d: P.gdn_gating(
-                    g((9, 4), 55, 3.0, device=d),
-                    g((9, 4), 56, 3.0, device=d),
-                    g((4,), 57, 1.0, f32, d),
-                    g((4,), 58, device=d),
-                )[1],
-            ),
+            ("t9_hv4_g", lambda d: gating(d)[0]),
+            ("t9_hv4_beta", lambda d: gating(d)[1]),
         ],
         "gdn.l2norm": [("t9_h3_d128", lambda d: P.l2norm(g((9, 3, 128), 59, 2.0, device=d)))],
         "conv1d.causal": [
