@@ -16,6 +16,18 @@ refusal and that the engine then still served a request.
 
 The test (``test_sglang.py``, in the workspace environment where Megatron is) compares them
 with each other, with vLLM's trace of the same requests, and with Megatron's replay.
+
+``python tests/sglang_support.py lora MODEL OUT ADAPTERS [DECISIONS] [SEED]`` starts one SGLang
+CPU engine with per-request LoRA (``sglang_capture.LORA_ARGS``), loads the adapters ``A`` and
+``B`` from the directory ADAPTERS, and writes under OUT:
+
+- ``base``, ``A``, ``B``: traces of the 8 requests, one at a time, on the base model, on A,
+  on B;
+- ``A-batched``: the 8 requests on A in one generate call;
+- ``mixed.json``: the 8 requests in one generate call, request i on (base, A, B)[i % 3]: each
+  request's tokens and logprobs;
+- ``lora.json``: what SGLang answered when asked to load each other adapter directory under
+  ADAPTERS (the lane's refusal, named), and to serve a request on a refused one.
 """
 
 from __future__ import annotations
@@ -77,5 +89,64 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def lora_main(argv: list[str]) -> int:
+    from lockstep_exact.model import ModelDir
+    from lockstep_exact.tiny import default_prompts
+    from lockstep_serving.patches import LaneRefused
+    from lockstep_serving.sglang_capture import LORA_ARGS, SglangLane, sampled, tokenize
+
+    model, out, adapters = ModelDir(argv[0]), Path(argv[1]), Path(argv[2])
+    decisions = int(argv[3]) if len(argv) > 3 else 8
+    seed = int(argv[4]) if len(argv) > 4 else 3
+    prompts = tuple(default_prompts(8))
+    out.mkdir(parents=True, exist_ok=True)
+    seconds, refused = {}, {}
+    t0 = time.monotonic()
+    with SglangLane(model, **LORA_ARGS) as lane:
+        seconds["start"] = time.monotonic() - t0
+        names = {a: lane.load_adapter(adapters / a, a) for a in ("A", "B")}
+        for bad in sorted(p.name for p in adapters.iterdir() if p.name not in names):
+            try:
+                lane.load_adapter(adapters / bad, bad)
+                refused[bad] = None
+            except LaneRefused as err:
+                refused[bad] = str(err)
+        served = None
+        try:  # a request naming a refused adapter is refused too, never run on the base model
+            lane.engine.generate(
+                input_ids=[1, 2, 3],
+                sampling_params={"max_new_tokens": 2},
+                return_logprob=True,
+                lora_path=sorted(refused)[0],
+            )
+        except ValueError as err:
+            served = str(err)
+        for name, adapter in (("base", None), ("A", "A"), ("B", "B")):
+            t = time.monotonic()
+            trace, _ = lane.capture(prompts, decisions, seed=seed, batch=False, adapter=adapter)
+            seconds[name] = time.monotonic() - t
+            trace.save(out / name)
+        trace, _ = lane.capture(prompts, decisions, seed=seed, batch=True, adapter="A")
+        trace.save(out / "A-batched")
+        lane.flush_cache()
+        order = [(None, "A", "B")[i % 3] for i in range(len(prompts))]
+        ids = tokenize(model, prompts)
+        from lockstep_serving.sglang_capture import sampling_params
+
+        params = sampling_params(len(prompts), decisions, seed, 1.0, 1.0)
+        t = time.monotonic()
+        outs = lane.generate(ids, params, batch=True, adapters=order)
+        seconds["mixed"] = time.monotonic() - t
+        mixed = [dict(zip(("tokens", "logprobs"), sampled(o), strict=True)) for o in outs]
+        steps = json.loads(lane.report.read_text())["steps"]
+    (out / "mixed.json").write_text(json.dumps({"adapters": order, "runs": mixed}))
+    info = {"refused": refused, "served_refused": served, "seconds": seconds, "steps": steps}
+    (out / "lora.json").write_text(json.dumps(info))
+    print(f"sglang lora traces in {out}: {json.dumps(seconds)}", flush=True)
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["lora"]:
+        sys.exit(lora_main(sys.argv[2:]))
     sys.exit(main(sys.argv[1:]))

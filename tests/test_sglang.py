@@ -168,3 +168,162 @@ def test_a_request_outside_the_rule_is_refused_and_the_engine_serves_on(lane):
     assert info["refused"] is not None, "SGLang accepted a top_k=5 request on the lane"
     assert "Lockstep exact lane: top_k=5 is not supported" in info["refused"]
     assert info["decisions_after"] == 2
+
+
+# --- LoRA: SGLang's per-request adapters, the lane's programs ---------------------------------
+BAD_ADAPTERS = ("corrupted", "wrong-contract", "wrong-dtype")
+
+
+def bad_copy(adapter: Path, out: Path, how: str) -> Path:
+    """A copy of ``adapter`` with one factor bit flipped (its recorded hash kept), or with
+    every factor in fp32."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from lockstep_exact.adapters import WEIGHTS
+
+    shutil.copytree(adapter, out)
+    with safe_open(str(adapter / WEIGHTS), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (no iter)
+        meta = dict(f.metadata() or {})
+    if how == "flip":
+        key = sorted(tensors)[0]
+        flipped = tensors[key].clone()
+        flipped.view(torch.int16).view(-1)[0] ^= 1
+        tensors[key] = flipped
+    else:
+        tensors = {k: v.float() for k, v in tensors.items()}
+    save_file(tensors, str(out / WEIGHTS), metadata=meta)
+    return out
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3-moe"])
+def lora_lane(request, tmp_path_factory):
+    from lockstep_exact.adapters import make_adapter
+
+    root = tmp_path_factory.mktemp(f"sglang-lora-{request.param}")
+    model = make_tiny(root / "model", arch=request.param, seed=11)
+    adapters = root / "adapters"
+    a = make_adapter(model, adapters / "A", rank=8, seed=2)
+    make_adapter(model, adapters / "B", rank=8, seed=5)
+    make_adapter(model, adapters / "wrong-contract", rank=8, contract="sha256:" + "3" * 64)
+    bad_copy(a, adapters / "corrupted", "flip")
+    bad_copy(a, adapters / "wrong-dtype", "fp32")
+    out = root / "sglang"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [PYTHON, str(SUPPORT), "lora", str(model), str(out), str(adapters), "8", "3"],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        env=env,
+    )
+    assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-4000:])
+    info = json.loads((out / "lora.json").read_text())
+    return root, model, adapters, out, info
+
+
+def test_megatron_replays_sglang_lora_captures_byte_for_byte(pm, lora_lane):
+    from lockstep_exact.adapters import perturb_adapter
+
+    root, model, adapters, out, _ = lora_lane
+    for name in ("A", "B", "A-batched"):
+        trace = Trace.load(out / name)
+        adapter = adapters / name.removesuffix("-batched")
+        assert trace.adapter_hash is not None and trace.num_decisions == 64
+        replayed = replay(pm, model, out / name, adapter=adapter)
+        cmp = compare(trace.logprobs, replayed)
+        assert cmp.exact and cmp.k3_max == 0.0, f"{name}: {cmp}"
+        assert not compare(one_ulp_off(trace).logprobs, replayed).exact  # the check can fail
+    # The trainer on A with one factor moved by 2^-9 does not give the sampler's A bytes.
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    nudged = perturb_adapter(adapters / "A", root / "A-nudged", key)
+    trace = Trace.load(out / "A")
+    assert not compare(trace.logprobs, replay(pm, model, out / "A", nudged, control=True)).exact
+
+
+def _run(trace: Trace, i: int) -> tuple[list[int], torch.Tensor]:
+    return [int(t) for t in trace.sampled(i)], trace.sequence_logprobs(i)
+
+
+def test_base_adapter_a_and_adapter_b_in_one_batch_each_equal_their_solo_runs(lora_lane):
+    _, _, _, out, _ = lora_lane
+    mixed = json.loads((out / "mixed.json").read_text())
+    solo = {name: Trace.load(out / name) for name in ("base", "A", "B")}
+    assert solo["base"].adapter_hash is None
+    assert solo["A"].adapter_hash != solo["B"].adapter_hash
+    assert mixed["adapters"][:3] == [None, "A", "B"]
+    for i, (adapter, run) in enumerate(zip(mixed["adapters"], mixed["runs"], strict=True)):
+        tokens, logprobs = _run(solo[adapter or "base"], i)
+        got = torch.tensor(run["logprobs"], dtype=torch.float32)
+        assert run["tokens"] == tokens, (i, adapter)
+        assert torch.equal(got.view(torch.int32), logprobs.view(torch.int32)), (i, adapter)
+        control = nudge_ulp(got, 0)
+        assert not torch.equal(control.view(torch.int32), logprobs.view(torch.int32))
+    # A and B really are two adapters, and neither is the base model.
+    for x, y in (("A", "B"), ("A", "base"), ("B", "base")):
+        assert not same_bytes(solo[x], solo[y]), (x, y)
+
+
+def test_one_adapter_batched_gives_the_bytes_of_one_request_at_a_time(lora_lane):
+    _, _, _, out, _ = lora_lane
+    alone, batched = Trace.load(out / "A"), Trace.load(out / "A-batched")
+    assert alone.engine["batch"] is False and batched.engine["batch"] is True
+    assert same_bytes(alone, batched)
+    assert not same_bytes(alone, one_ulp_off(batched))
+
+
+def test_vllm_and_sglang_lora_traces_of_the_same_requests_are_byte_equal(pm, lora_lane):
+    root, model, adapters, out, _ = lora_lane
+    sgl = Trace.load(out / "A")
+    vllm = capture(pm, model, root / "vllm-A", adapter=adapters / "A", seed=3)
+    assert vllm.adapter_hash == sgl.adapter_hash
+    assert same_bytes(vllm, sgl)
+    assert not same_bytes(vllm, one_ulp_off(sgl))
+
+
+def test_adapters_the_lane_refuses_are_named_and_never_served(lora_lane):
+    from lockstep_exact.adapters import AdapterError
+    from lockstep_serving.lora import adapter_hash
+
+    _, model, adapters, _, info = lora_lane
+    assert sorted(info["refused"]) == list(BAD_ADAPTERS)
+    for name in BAD_ADAPTERS:
+        with pytest.raises(AdapterError) as err:
+            adapter_hash(adapters / name, model)
+        assert info["refused"][name] == f"Lockstep exact lane refused adapter {name}: {err.value}"
+    # A request naming a refused adapter fails at SGLang's front end (never runs on the base).
+    assert "has never been loaded: corrupted" in info["served_refused"]
+
+
+# --- lockstep qualify --sampler sglang ------------------------------------------------------
+def test_the_ladder_qualifies_with_sglang_as_the_sampler(tmp_path, capsys):
+    from lockstep_exact.cli import main
+
+    out = tmp_path / "q"
+    argv = ["qualify", "--tiny", "qwen3", "--out", str(out), "--sampler", "sglang"]
+    assert main([*argv, "--sampler-python", PYTHON]) == 0, capsys.readouterr()
+    report = json.loads((out / "report.json").read_text())
+    assert report["passed"] and report["sampler"] == "sglang"
+    assert [g["name"] for g in report["gates"]] == [
+        "base ruler",
+        "adapter A join",
+        "training gate",
+        "adapter B join",
+        "promotion",
+    ]
+    promotion = report["gates"][-1]["checks"][0]
+    assert promotion["decisions"] == promotion["byte_equal"] == 64
+    controls = [c for g in report["gates"] for c in g["checks"] if not c["expect_exact"]]
+    assert len(controls) == 2 and all(c["byte_equal"] < c["decisions"] for c in controls)
+    engines = {e["role"]: e for e in report["engines"]}
+    assert engines["sampler"]["engine"] == "sglang" and engines["sampler"]["engine_version"]
+    assert engines["trainer"]["engine"] == "megatron-core"
+    # every sampler-side trace came from SGLang
+    for trace in sorted((out / "traces").iterdir()):
+        assert Trace.load(trace).engine["name"] == "sglang", trace.name
+    printed = capsys.readouterr().out
+    assert f"sampler sglang {engines['sampler']['engine_version']}" in printed
+    assert "first-divergence search (bisect) is not available there" in printed

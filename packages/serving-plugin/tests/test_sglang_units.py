@@ -274,10 +274,10 @@ def test_the_lane_model_starts_on_a_fitting_engine(fake_sglang):
             "exact) is not part of the lane",
         ),
         (
-            "enable_lora",
+            "enable_lora_overlap_loading",
             True,
-            "enable_lora=True: SGLang's LoRA backends (the lane's LoRA is not wired into SGLang "
-            "yet) is not part of the lane",
+            "enable_lora_overlap_loading=True: SGLang's LoRA overlap loading (it fills SGLang's "
+            "LoRA memory pool, which the lane's LoRA manager replaces) is not part of the lane",
         ),
         (
             "enable_torch_compile",
@@ -386,16 +386,20 @@ def _request(model, **over):
             "backend 'cuda': the SGLang lane runs on SGLang's CPU engine only",
         ),
         ({"tp": 2}, "--tp 2: the SGLang lane runs on one process (no parallelism yet)"),
-        (
-            {"adapter_dir": Path("/nonexistent")},
-            "adapters (LoRA) are not wired into the SGLang lane yet; capture with vLLM",
-        ),
     ],
 )
 def test_capture_refuses_before_any_engine(tiny, over, message):
     with pytest.raises(LaneRefused) as err:
         sglang_capture.preflight(_request(tiny, **over))
     assert str(err.value) == f"Lockstep exact lane refused to start: {message}"
+
+
+def test_capture_refuses_an_adapter_the_lane_cannot_run_before_any_engine(tiny, tmp_path):
+    from lockstep_exact.adapters import AdapterError, make_adapter
+
+    bad = make_adapter(tiny, tmp_path / "other", rank=8, contract="sha256:" + "3" * 64)
+    with pytest.raises(AdapterError, match="adapter was made for contract sha256:3+, this lane"):
+        sglang_capture.preflight(_request(tiny, adapter_dir=bad))
 
 
 def test_capture_refuses_a_model_without_tokenizer(tiny, tmp_path):
@@ -505,6 +509,7 @@ def _step(mode="EXTEND", **over):
 def _bare_model(unsampled=0):
     model = object.__new__(sglang_model.LockstepQwen3ForCausalLM)
     model._unsampled = unsampled
+    model.lora_manager = None
     return model
 
 
@@ -537,7 +542,8 @@ def test_a_step_the_lane_runs_and_an_idle_one():
         (
             _step(lora_ids=[None, "a"]),
             0,
-            "Lockstep exact lane: LoRA requests are not wired into SGLang yet",
+            "Lockstep exact lane: a LoRA request reached the lane model but the engine's LoRA "
+            "manager is not the lane's (start the engine with enable_lora)",
         ),
         (
             _step(spec_info=object()),
@@ -762,15 +768,14 @@ def test_the_front_end_refuses_a_lane_request_and_passes_others(monkeypatch):
     assert str(err.value) == sglang_sampler.refusal(_sp(top_k=5))
     made.sampling_params = _sp()
     assert sglang_sampler.create_tokenized_object(lane, obj, "", [1]) is made
+    # A LoRA request passes: SGLang resolves its adapter, the lane's LoRA manager runs it.
+    lora = SimpleNamespace(return_logprob=True, logprob_start_len=-1, lora_path="A")
+    assert sglang_sampler.create_tokenized_object(lane, lora, "", [1]) is made
     cases = [
         (
             SimpleNamespace(return_logprob=True, logprob_start_len=0, lora_path=None),
             "Lockstep exact lane: logprob_start_len=0 asks for prompt logprobs; the SGLang lane "
             "reports sampled-token logprobs only",
-        ),
-        (
-            SimpleNamespace(return_logprob=False, logprob_start_len=-1, lora_path="a"),
-            "Lockstep exact lane: lora_path: LoRA is not wired into the SGLang lane yet",
         ),
     ]
     for request, message in cases:
@@ -790,3 +795,246 @@ def test_sglang_outputs_are_read_exactly_or_refused():
         RuntimeError, match="SGLang's output_token_logprobs do not match its output_ids"
     ):
         sglang_capture.sampled(out)
+
+
+# --- LoRA: the lane's manager in SGLang's place -----------------------------------------------
+@pytest.fixture()
+def fake_lora_sglang(monkeypatch):
+    """The SGLang names the lane's LoRA manager uses: its update answer and its LoRA settings."""
+    io_struct = types.ModuleType("sglang.srt.managers.io_struct")
+    io_struct.LoRAUpdateOutput = lambda **kw: SimpleNamespace(**kw)
+    runtime = types.ModuleType("sglang.srt.runtime_context")
+    settings = SimpleNamespace(max_loras_per_batch=3, lora_paths=[])
+    runtime.get_lora = lambda: settings
+    for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, io_struct.__name__, io_struct)
+    monkeypatch.setitem(sys.modules, runtime.__name__, runtime)
+    return settings
+
+
+def _lane_model(model_dir):
+    from lockstep_exact.contract import lane_contract
+    from lockstep_exact.lanes.qwen3 import Geometry
+
+    model = object.__new__(sglang_model.LockstepQwen3ForCausalLM)
+    torch.nn.Module.__init__(model)
+    model.geom = Geometry.from_model_dir(model_dir)
+    model.model_dir = Path(model_dir)
+    model.contract = lane_contract(model_dir)
+    model.lora_manager = None
+    return model
+
+
+def _ref(name, path, lora_id=None, pinned=False):
+    return SimpleNamespace(
+        lora_id=lora_id or f"id-{name}", lora_name=name, lora_path=str(path), pinned=pinned
+    )
+
+
+def test_the_lane_lora_manager_loads_adapters_through_the_lanes_checks(
+    fake_lora_sglang, tiny, tmp_path
+):
+    from lockstep_exact.adapters import load_adapter, make_adapter
+    from lockstep_serving.sglang_lora import SglangLaneLoRAManager
+
+    model = _lane_model(tiny)
+    manager = SglangLaneLoRAManager(model, 3)
+    assert model.lora_manager is manager
+    a = make_adapter(tiny, tmp_path / "A", rank=8, seed=2)
+    out = manager.load_lora_adapter(_ref("A", a))
+    assert out.success and out.error_message == "" and out.loaded_adapters == {"A": str(a)}
+    want = load_adapter(a, model.geom).modules
+    got = manager.adapter("id-A")
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k][i], want[k][i]) for k in want for i in (0, 1))
+    assert manager.adapter(None) is None
+    assert manager.validate_lora_batch({None, "id-A", "x"})
+    assert not manager.validate_lora_batch({None, "id-A", "x", "y"})  # max_loras_per_batch 3
+    again = manager.load_lora_adapter(_ref("A", a, lora_id="id-A2"))
+    assert not again.success
+    assert again.error_message == "Lockstep exact lane: an adapter named A is already loaded"
+    assert manager.unload_lora_adapter(_ref("A", a)).loaded_adapters == {}
+    with pytest.raises(LaneRefused) as err:
+        manager.adapter("id-A")
+    assert str(err.value) == (
+        "Lockstep exact lane: the batch names adapter id(s) id-A the lane never loaded (nothing "
+        "runs them on the base model)"
+    )
+
+
+def test_the_lane_lora_manager_refuses_adapters_by_name(fake_lora_sglang, tiny, tmp_path):
+    from lockstep_exact.adapters import make_adapter
+    from lockstep_exact.tiny import make_tiny
+    from lockstep_serving.sglang_lora import SglangLaneLoRAManager
+
+    manager = SglangLaneLoRAManager(_lane_model(tiny), 2)
+    other = make_tiny(tmp_path / "other", arch="qwen3", seed=9)  # same shapes, other bytes
+    cases = {
+        "contract": make_adapter(tiny, tmp_path / "c", rank=8, contract="sha256:" + "3" * 64),
+        "base": make_adapter(other, tmp_path / "b", rank=8),
+        "missing": tmp_path / "nowhere",
+    }
+    for name, path in cases.items():
+        out = manager.load_lora_adapter(_ref(name, path))
+        assert not out.success, name
+        assert out.error_message.startswith(f"Lockstep exact lane refused adapter {name}: ")
+    assert (
+        "made for contract sha256:3"
+        in manager.load_lora_adapter(_ref("c", cases["contract"])).error_message
+    )
+    assert (
+        "made for base model" in manager.load_lora_adapter(_ref("b", cases["base"])).error_message
+    )
+    assert manager.adapters == {} and manager.lora_refs == {}
+    tensors = manager.load_lora_adapter_from_tensors(_ref("t", "-"), {}, {})
+    assert not tensors.success and tensors.error_message == (
+        "Lockstep exact lane refused adapter t: adapters from tensors carry no adapter file to "
+        "check (hash, contract, base model); load it from a directory"
+    )
+    # An adapter given at start that the lane refuses: the engine does not start.
+    with pytest.raises(
+        LaneRefused, match="Lockstep exact lane refused adapter c: adapter was made"
+    ):
+        SglangLaneLoRAManager(_lane_model(tiny), 2, [_ref("c", cases["contract"])])
+    with pytest.raises(LaneRefused, match=r"adapter id\(s\) id-x the lane never loaded"):
+        manager.prepare_lora_batch(SimpleNamespace(lora_ids=[None, "id-x"]))
+    manager.prepare_lora_batch(SimpleNamespace(lora_ids=[None, None]))
+
+
+def test_the_runner_gets_the_lane_manager_for_a_lane_model_only(
+    fake_lora_sglang, tiny, tmp_path, monkeypatch
+):
+    from lockstep_exact.adapters import make_adapter
+    from lockstep_serving import sglang_lora
+    from lockstep_serving.sglang_patches import TABLE
+
+    stock = []
+    originals = {"ModelRunner.init_lora_manager": stock.append}
+    monkeypatch.setattr(TABLE, "original", originals.__getitem__)
+    runner = SimpleNamespace(model=torch.nn.Linear(1, 1), lora_manager=None)
+    sglang_lora.init_lora_manager(runner)
+    assert stock == [runner] and runner.lora_manager is None
+    a = make_adapter(tiny, tmp_path / "A", rank=8)
+    fake_lora_sglang.lora_paths = [_ref("A", a)]
+    runner = SimpleNamespace(model=_lane_model(tiny), lora_manager=None)
+    sglang_lora.init_lora_manager(runner)
+    manager = runner.lora_manager
+    assert isinstance(manager, sglang_lora.SglangLaneLoRAManager)
+    assert manager.max_loras_per_batch == 3 and set(manager.adapters) == {"id-A"}
+
+
+def test_a_batch_runs_in_adapter_groups_in_batch_order():
+    reqs = [(0, 0, 3, 3), (1, 3, 4, 9), (2, 4, 6, 2), (3, 6, 7, 7)]
+    fb = SimpleNamespace(lora_ids=["a", None, "b", "a"])
+    groups = sglang_model.LockstepQwen3ForCausalLM._adapter_groups(fb, reqs)
+    assert groups == {"a": [reqs[0], reqs[3]], None: [reqs[1]], "b": [reqs[2]]}
+    assert sglang_model.LockstepQwen3ForCausalLM._adapter_groups(
+        SimpleNamespace(lora_ids=None), reqs
+    ) == {None: reqs}
+
+
+def test_a_lane_capture_names_an_adapter_it_never_loaded(tiny):
+    lane = object.__new__(sglang_capture.SglangLane)
+    lane.model, lane.adapters = sglang_capture.ModelDir(tiny), {}
+    with pytest.raises(LaneRefused) as err:
+        lane.capture(["hi"], 1, adapter="A")
+    assert str(err.value) == "adapter 'A' was not loaded by this lane (load_adapter)"
+    refused = SimpleNamespace(success=False, error_message="Lockstep exact lane refused adapter A")
+    lane.engine = SimpleNamespace(load_lora_adapter=lambda name, path: refused)
+    with pytest.raises(LaneRefused, match="^Lockstep exact lane refused adapter A$"):
+        lane.load_adapter(tiny, "A")
+    assert lane.adapters == {}
+
+
+# --- lockstep qualify --sampler sglang: the sampler process and its refusals --------------------
+def test_qualify_with_sglang_refuses_what_its_sampler_cannot_run_before_anything(
+    tmp_path, capsys, monkeypatch
+):
+    from lockstep_exact.cli import main
+
+    monkeypatch.delenv("LOCKSTEP_SGLANG_PYTHON", raising=False)
+    monkeypatch.chdir(tmp_path)  # no .venv-sglang here
+    base = ["qualify", "--out", str(tmp_path / "q")]
+    cases = [
+        (
+            ["--sampler", "sglang"],
+            "--sampler sglang: no python of an sglang environment at "
+            ".venv-sglang/bin/python (pass --sampler-python, set LOCKSTEP_SGLANG_PYTHON, or "
+            "build .venv-sglang: docs/sglang.md)",
+        ),
+        (
+            ["--sampler", "sglang", "--sampler-python", sys.executable, "--sampler-tp", "2"],
+            "--sampler sglang runs on one process: --sampler-tp 1",
+        ),
+        (
+            ["--sampler-python", sys.executable],
+            "--sampler-python is for a sampler in another environment (sglang)",
+        ),
+    ]
+    for extra, message in cases:
+        assert main(base + extra) == 2
+        assert capsys.readouterr().err.strip() == f"lockstep qualify: error: {message}"
+    assert not (tmp_path / "q").exists()  # nothing was made
+
+
+def test_the_sampler_process_answers_over_its_pipe_and_names_refusals(tiny):
+    """The SGLang worker run by the workspace's python (no SGLang here): the contract comes
+    back whole, the rest is refused by name, the process serves on, and a dead one is named."""
+    from lockstep_exact.model import ModelDir
+    from lockstep_exact.sampler_process import SamplerProcess, SamplerRefused
+
+    with SamplerProcess("sglang", Path(sys.executable)) as sampler:
+        assert sampler.contract(tiny, "cpu").fingerprint == ModelDir(tiny).contract().fingerprint
+        with pytest.raises(SamplerRefused) as err:
+            sampler.info()
+        assert str(err.value) == (
+            f"sglang sampler: RuntimeError: SGLang is not installed for {sys.executable}"
+        )
+        with pytest.raises(SamplerRefused, match="^sglang sampler: ValueError: unknown request"):
+            sampler.call("nothing")
+        sampler.proc.stdin.close()
+        sampler.proc.wait(timeout=60)
+        with pytest.raises(SamplerRefused) as err:
+            sampler.call("info")
+        assert str(err.value) == (
+            f"the sglang sampler process ({sys.executable}) exited with status 0; its output is "
+            "in the engine log"
+        )
+
+
+def test_a_failed_gate_with_a_sampler_process_says_its_bisect_was_not_run(tiny, tmp_path):
+    from lockstep_exact.plugins import manager
+    from lockstep_exact.qualify import Check, Gate, Ladder
+
+    sampler = SimpleNamespace(engine="sglang", python=Path("/x/python"), capture=None)
+    ladder = Ladder(manager(), tiny, tmp_path, sampler=sampler)
+    gate = Gate("base ruler", checks=[Check("c", False, first_difference=3, trace="/t/02-base")])
+    ladder._bisect(gate)
+    assert gate.bisect == {
+        "error": "the first-divergence search needs the sampler's op-site dump, which the "
+        "sglang sampler process does not give; not run (decision 3 of 02-base)"
+    }
+
+
+def test_pool_attention_of_one_adapter_group_writes_its_own_slots(fake_pool_module):
+    """A group's rows are a subset of the batch: ``loc`` gives their cache slots and the
+    requests index the subset (request 1 of the batch, its rows 0..1 here)."""
+    pool = _Pool()
+    req_to_token = torch.tensor([[3, 0, 0], [5, 11, 0]])
+    k = torch.randn(2, 2, 4).to(torch.bfloat16)
+    fb = SimpleNamespace(
+        out_cache_loc=torch.tensor([3, 5, 11]), req_pool_indices=torch.tensor([0, 1])
+    )
+    seen = []
+
+    def core(q, keys, values, pos):
+        seen.append(keys.clone())
+        return q
+
+    q = torch.randn(2, 4, 4).to(torch.bfloat16)
+    args = (0, q, k, k, torch.tensor([0, 1]), fb, [(1, 0, 2, 2)], pool, req_to_token)
+    out = sglang_model.pool_attention(*args, core=core, loc=torch.tensor([5, 11]))
+    assert torch.equal(out, q) and torch.equal(pool.k[5], k[0]) and torch.equal(pool.k[11], k[1])
+    assert torch.equal(pool.k[3], torch.zeros(2, 4, dtype=torch.bfloat16))  # not this group's
+    assert len(seen) == 1 and torch.equal(seen[0], k)

@@ -24,6 +24,7 @@ from lockstep_exact.trace import SamplingSettings, Trace
 
 from . import __version__
 from .capture import TOKENIZERS
+from .lora import adapter_hash
 from .patches import LaneRefused
 from .sglang_model import CONTRACT_OVERRIDE, REPORT_ENV, architecture_for
 
@@ -43,8 +44,21 @@ def isolate(root: Path) -> None:
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
 
 
+# SGLang's LoRA settings for a lane engine that loads adapters as it goes
+# (``SglangLane.load_adapter``). SGLang asks for a rank bound and target modules when no
+# adapter is given at start; the lane's LoRA manager replaces the pool they size, so they bound
+# nothing: every adapter is checked against the model itself (``adapters.load_adapter``).
+LORA_ARGS = {
+    "enable_lora": True,
+    "max_lora_rank": 64,
+    "lora_target_modules": ["all"],
+    "max_loras_per_batch": 4,
+}
+
+
 def engine_args(model_dir, *, contract: str | None = None, **overrides) -> dict:
-    """Keyword arguments for ``sglang.Engine`` that serve ``model_dir`` on the exact lane."""
+    """Keyword arguments for ``sglang.Engine`` that serve ``model_dir`` on the exact lane
+    (``**LORA_ARGS`` among the overrides turns SGLang's per-request LoRA on)."""
     override = {"architectures": [architecture_for(model_dir)]}
     if contract is not None:
         override[CONTRACT_OVERRIDE] = contract
@@ -130,7 +144,8 @@ def preflight(request) -> ModelDir:
     if getattr(request, "tp", 1) != 1:
         _refuse(f"--tp {request.tp}: the SGLang lane runs on one process (no parallelism yet)")
     if request.adapter_dir is not None:
-        _refuse("adapters (LoRA) are not wired into the SGLang lane yet; capture with vLLM")
+        # Checked here too, so that a bad adapter is named before an engine starts.
+        adapter_hash(request.adapter_dir, model.path, request.backend)
     architecture_for(model.path)
     from .sglang_patches import check
 
@@ -151,6 +166,7 @@ class SglangLane:
         self.work = Path(tempfile.mkdtemp(prefix="lockstep-sglang-"))
         isolate(self.work)
         self.report = self.work / "report.json"
+        self.adapters: dict[str, Path] = {}  # loaded adapter name -> directory
         os.environ[REPORT_ENV] = str(self.report)
         try:
             self.engine = sglang.Engine(**engine_args(model.path, contract=contract, **options))
@@ -166,17 +182,33 @@ class SglangLane:
     def __exit__(self, *exc):
         self.close()
 
+    def load_adapter(self, adapter_dir, name: str | None = None) -> str:
+        """Load a PEFT adapter directory into the engine (started with ``**LORA_ARGS``) through
+        the lane's checks; its name for ``capture(adapter=...)``. A refusal names its reason."""
+        path = Path(adapter_dir).resolve()
+        name = name or f"lockstep-{path.name}"
+        out = self.engine.load_lora_adapter(name, str(path))
+        if not out.success:
+            raise LaneRefused(out.error_message or f"SGLang did not load adapter {name}")
+        self.adapters[name] = path
+        return name
+
     def flush_cache(self) -> None:
         """Empty SGLang's radix cache (the next requests miss)."""
         if not self.engine.flush_cache().success:
             raise RuntimeError("SGLang refused to flush its radix cache (requests in flight?)")
 
-    def generate(self, ids, params, *, batch: bool = True) -> list[dict]:
+    def generate(self, ids, params, *, batch: bool = True, adapters=None) -> list[dict]:
+        """``adapters``: one loaded adapter name (or None, the base model) per request."""
+        loras = list(adapters) if adapters is not None else [None] * len(ids)
         if batch:
-            return self.engine.generate(input_ids=ids, sampling_params=params, return_logprob=True)
+            lora = loras if any(a is not None for a in loras) else None
+            return self.engine.generate(
+                input_ids=ids, sampling_params=params, return_logprob=True, lora_path=lora
+            )
         return [
-            self.engine.generate(input_ids=i, sampling_params=sp, return_logprob=True)
-            for i, sp in zip(ids, params, strict=True)
+            self.engine.generate(input_ids=i, sampling_params=sp, return_logprob=True, lora_path=a)
+            for i, sp, a in zip(ids, params, loras, strict=True)
         ]
 
     def capture(
@@ -188,12 +220,19 @@ class SglangLane:
         temperature: float = 1.0,
         top_p: float = 1.0,
         batch: bool = True,
+        adapter: str | None = None,
     ) -> tuple[Trace, list[int]]:
-        """The trace of one generate call, and SGLang's cached prompt tokens per sequence."""
+        """The trace of one generate call, and SGLang's cached prompt tokens per sequence.
+        ``adapter``: a loaded adapter's name (``load_adapter``), run by every request."""
         prompts = list(prompts)
         ids = tokenize(self.model, prompts)
         params = sampling_params(len(prompts), decisions, seed, temperature, top_p)
-        outs = self.generate(ids, params, batch=batch)
+        hash_ = None
+        if adapter is not None:
+            if adapter not in self.adapters:
+                raise LaneRefused(f"adapter {adapter!r} was not loaded by this lane (load_adapter)")
+            hash_ = adapter_hash(self.adapters[adapter], self.model.path)
+        outs = self.generate(ids, params, batch=batch, adapters=[adapter] * len(ids))
         invoked = invoked_contract(self.report)
         tokens, logprobs = zip(*(sampled(o) for o in outs), strict=True)
         trace = Trace.from_sequences(
@@ -205,7 +244,7 @@ class SglangLane:
             contract_fingerprint=invoked.fingerprint,
             contract=invoked.to_json(),
             model_hash=self.model.model_hash,
-            adapter_hash=None,
+            adapter_hash=hash_,
             sampling=SamplingSettings(
                 # SGLang treats a temperature below 1e-6 as greedy (top_k=1): the rule gets 0.
                 temperature=float(temperature),
@@ -230,7 +269,11 @@ class SglangLane:
 
 def capture(request) -> Trace:
     model = preflight(request)
-    with SglangLane(model, contract=request.contract, **dict(request.options)) as lane:
+    options = dict(request.options)
+    if request.adapter_dir is not None:
+        options = {**LORA_ARGS, **options}
+    with SglangLane(model, contract=request.contract, **options) as lane:
+        adapter = lane.load_adapter(request.adapter_dir) if request.adapter_dir else None
         trace, _ = lane.capture(
             request.prompts,
             request.decisions,
@@ -238,6 +281,7 @@ def capture(request) -> Trace:
             temperature=request.temperature,
             top_p=request.top_p,
             batch=request.batch,
+            adapter=adapter,
         )
     if request.out_dir is not None:
         trace.save(request.out_dir)

@@ -8,6 +8,9 @@ values read back through ``req_to_token`` (the radix cache: a prefix hit is simp
 whose first positions were written by an earlier one), then the composition's attention site
 over them. The forward returns SGLang's ``LogitsProcessorOutput`` holding the lane's fp32
 logits of each request's last row; the lane's sampler (``sglang_sampler``) takes it from there.
+LoRA: requests are grouped by the adapter SGLang assigned them (``ForwardBatch.lora_ids``), and
+each group runs the composition with its adapter's factors, from the lane's LoRA manager
+(``sglang_lora``).
 
 The lane is selected per engine, as in vLLM, by naming its architecture::
 
@@ -68,7 +71,11 @@ REQUIRED = {
 # Settings that must be off: (server args name, what the lane would not cover).
 MUST_BE_OFF = (
     ("speculative_algorithm", "speculative decoding (its draft/verify path is not exact)"),
-    ("enable_lora", "SGLang's LoRA backends (the lane's LoRA is not wired into SGLang yet)"),
+    (
+        "enable_lora_overlap_loading",
+        "SGLang's LoRA overlap loading (it fills SGLang's LoRA memory pool, which the lane's "
+        "LoRA manager replaces)",
+    ),
     ("enable_torch_compile", "torch.compile of the model"),
     ("enable_dp_attention", "data-parallel attention"),
     ("enable_deterministic_inference", "SGLang's own deterministic kernels (GPU only)"),
@@ -141,7 +148,16 @@ class LockstepQwen3ForCausalLM(nn.Module):
         self._reported: tuple[int, int] | None = None
         self.steps = 0
         self.samples = 0
+        self.lora_manager = None  # sglang_lora.SglangLaneLoRAManager, under --enable-lora
         LIVE.add(self)
+
+    def model_hash(self) -> str:
+        """The served model's hash (adapters bound to another base model are refused)."""
+        if not hasattr(self, "_model_hash"):
+            from lockstep_exact.model import model_hash
+
+            self._model_hash = model_hash(self.model_dir)
+        return self._model_hash
 
     # --- weights ---------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
@@ -178,9 +194,19 @@ class LockstepQwen3ForCausalLM(nn.Module):
                 next_token_logits=torch.empty(0, self.geom.vocab, dtype=torch.float32)
             )
         reqs = self._requests(fb)
-        slots = PoolSlots(self, fb, reqs)
-        h = qwen3.embed(self.ops, slots, input_ids)
-        h = qwen3.layers(self.ops, self.geom, slots, h, positions)
+        h = torch.empty(input_ids.shape[0], self.geom.hidden, dtype=torch.bfloat16)
+        # Requests sharing an adapter run together (the base model is one more group); rows
+        # never mix, so each request's bytes are its solo run's.
+        for lora_id, group in self._adapter_groups(fb, reqs).items():
+            adapters = self.lora_manager.adapter(lora_id) if lora_id is not None else None
+            rows = torch.cat([torch.arange(start, end) for _, start, end, _ in group])
+            local, at = [], 0
+            for b, start, end, seq_len in group:
+                local.append((b, at, at + end - start, seq_len))
+                at += end - start
+            slots = PoolSlots(self, fb, local, adapters=adapters, loc=fb.out_cache_loc[rows])
+            hg = qwen3.embed(self.ops, slots, input_ids[rows])
+            h[rows] = qwen3.layers(self.ops, self.geom, slots, hg, positions[rows])
         last = torch.tensor([end - 1 for _, _, end, _ in reqs], dtype=torch.int64)
         with paused():  # bisect's final sites come from every row, below
             logits = qwen3.final_logits(self.ops, self.geom, self.slots(), h[last])
@@ -209,11 +235,28 @@ class LockstepQwen3ForCausalLM(nn.Module):
             )
         if fb.input_embeds is not None:
             raise LaneRefused("Lockstep exact lane: input embeddings are not part of the lane")
-        if fb.lora_ids is not None and any(x is not None for x in fb.lora_ids):
-            raise LaneRefused("Lockstep exact lane: LoRA requests are not wired into SGLang yet")
+        if (
+            fb.lora_ids is not None
+            and any(x is not None for x in fb.lora_ids)
+            and self.lora_manager is None
+        ):
+            raise LaneRefused(
+                "Lockstep exact lane: a LoRA request reached the lane model but the engine's "
+                "LoRA manager is not the lane's (start the engine with enable_lora)"
+            )
         if fb.spec_info is not None:
             raise LaneRefused("Lockstep exact lane: speculative decoding is not part of the lane")
         return True
+
+    @staticmethod
+    def _adapter_groups(fb, reqs) -> dict:
+        """The batch's requests by adapter id (None: the base model), in batch order."""
+        ids = fb.lora_ids
+        groups: dict = {}
+        for req in reqs:
+            lora_id = ids[req[0]] if ids is not None else None
+            groups.setdefault(lora_id, []).append(req)
+        return groups
 
     def _requests(self, fb) -> list[tuple[int, int, int, int]]:
         """(b, start, end, seq_len) per request: its rows in the batch and its cache length."""
@@ -265,12 +308,13 @@ class LockstepQwen3ForCausalLM(nn.Module):
 
 
 class PoolSlots(qwen3.DictSlots):
-    """The composition's slots in SGLang: the engine's weights and attention over SGLang's
-    token-to-KV pool (``pool_attention``)."""
+    """The composition's slots in SGLang: the engine's weights, one adapter group's LoRA
+    (None: the base model) and attention over SGLang's token-to-KV pool (``pool_attention``).
+    ``reqs`` index the group's rows (``loc``: their cache slots)."""
 
-    def __init__(self, model: LockstepQwen3ForCausalLM, fb, reqs):
-        super().__init__(model.weights, model.geom, per_layer=model._layer_weights)
-        self.fb, self.reqs = fb, reqs
+    def __init__(self, model: LockstepQwen3ForCausalLM, fb, reqs, *, adapters=None, loc=None):
+        super().__init__(model.weights, model.geom, adapters, per_layer=model._layer_weights)
+        self.fb, self.reqs, self.loc = fb, reqs, loc
 
     def attend(self, layer, q, k, v, positions, core):
         from sglang.srt.model_executor.forward_context import (
@@ -289,6 +333,7 @@ class PoolSlots(qwen3.DictSlots):
             get_token_to_kv_pool(),
             get_req_to_token_pool().req_to_token,
             core=core,
+            loc=self.loc,
         )
 
 
@@ -320,7 +365,7 @@ def pool_buffers(pool, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch
     return kb, vb
 
 
-def pool_attention(layer, q, k, v, positions, fb, reqs, pool, req_to_token, *, core):
+def pool_attention(layer, q, k, v, positions, fb, reqs, pool, req_to_token, *, core, loc=None):
     """Write this step's K/V rows into the pool, then attend each request over its slots.
 
     ``reqs`` = [(b, start, end, seq_len)]: request ``b`` of the batch owns rows start..end-1
@@ -328,9 +373,11 @@ def pool_attention(layer, q, k, v, positions, fb, reqs, pool, req_to_token, *, c
     whose slots are ``req_to_token[req_pool_indices[b], :seq_len]`` (a radix-cache hit filled
     the first ones in an earlier step, possibly for another request). Every cache access is an
     exact copy; ``core(q_rows, keys, values, positions)`` is the composition's attention site.
+    ``loc``: the rows' cache slots when they are a subset of the batch (one adapter group's;
+    their ``reqs`` then index the subset), else the batch's ``out_cache_loc``.
     """
     kb, vb = pool_buffers(pool, layer, k)
-    loc = fb.out_cache_loc.to(torch.int64)
+    loc = (fb.out_cache_loc if loc is None else loc).to(torch.int64)
     if loc.shape[0] != k.shape[0]:
         raise LaneRefused(
             f"Lockstep exact lane: {k.shape[0]} K/V rows but {loc.shape[0]} cache slots"

@@ -24,6 +24,12 @@ def _from_schedule_batch():
     return classmethod(from_schedule_batch)
 
 
+def _init_lora_manager():
+    from .sglang_lora import init_lora_manager
+
+    return init_lora_manager
+
+
 def _create_tokenized_object():
     from .sglang_sampler import create_tokenized_object
 
@@ -36,9 +42,31 @@ TARGETS: tuple[Target, ...] = (
         "TokenizerManager._create_tokenized_object",
         "patch",
         "a lane engine's front end refuses sampling parameters its rule lacks (and prompt "
-        "logprobs, LoRA), naming them: the request fails, the engine serves on",
+        "logprobs), naming them: the request fails, the engine serves on",
         params=("self", "obj", "input_text", "input_ids"),
         replacement=_create_tokenized_object,
+    ),
+    Target(
+        "sglang.srt.model_executor.model_runner",
+        "ModelRunner.init_lora_manager",
+        "patch",
+        "a lane model's runner gets the lane's LoRA manager (adapters through the lane's checks, "
+        "applied by lora.shrink/lora.expand), never SGLang's LoRA pool and kernels",
+        params=("self",),
+        replacement=_init_lora_manager,
+    ),
+    Target(
+        "sglang.srt.runtime_context",
+        "get_lora",
+        "read",
+        "the engine's LoRA settings: max_loras_per_batch and the adapters given at start",
+    ),
+    Target(
+        "sglang.srt.managers.io_struct",
+        "LoRAUpdateOutput",
+        "construct",
+        "the lane's LoRA manager answers adapter loads with it (a refusal names its reason)",
+        attrs=("success", "error_message", "loaded_adapters"),
     ),
     Target(
         "sglang.srt.models.registry",

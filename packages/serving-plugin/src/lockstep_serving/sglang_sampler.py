@@ -126,8 +126,6 @@ def admission_problem(obj, sp) -> str | None:
             f"Lockstep exact lane: logprob_start_len={start} asks for prompt logprobs; the "
             "SGLang lane reports sampled-token logprobs only"
         )
-    if getattr(obj, "lora_path", None) is not None:
-        return "Lockstep exact lane: lora_path: LoRA is not wired into the SGLang lane yet"
     return None
 
 

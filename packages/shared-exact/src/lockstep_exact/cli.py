@@ -269,9 +269,10 @@ def _cmd_qualify(args) -> int:
 
     # cuda where torch sees no device is refused here, before a model is made or read
     check_backend(args.backend, args.trainer_tp, args.trainer_ep)
+    python = _sampler_python(args)
     out = Path(args.out)
     t0 = time.perf_counter()
-    with _engines(args) as console:
+    with _engines(args) as console, _sampler_process(args, python) as sampler:
 
         def say(msg: str) -> None:
             console.say(f"[{time.perf_counter() - t0:7.1f}s] {msg}")
@@ -286,6 +287,9 @@ def _cmd_qualify(args) -> int:
             make_tiny(model, arch=args.tiny, seed=args.seed)
         pm = manager()
         engines = [vars(i) for i in pm.hook.lockstep_engine_info() if i is not None]
+        if sampler is not None:  # the sampler half is the process's engine, not this one's
+            say(f"sampler: {args.sampler} in {python}")
+            engines = [sampler.info()] + [e for e in engines if e.get("role") != "sampler"]
         ladder = Ladder(
             pm,
             model,
@@ -298,14 +302,45 @@ def _cmd_qualify(args) -> int:
             trainer_tp=args.trainer_tp,
             trainer_ep=args.trainer_ep,
             backend=args.backend,
+            sampler=sampler,
         )
         rep = ladder.run(engines)
     jpath, hpath = report_mod.write(rep, out)
     print()
     print(report_mod.table(rep))
+    for note in rep.notes:
+        print(f"note: {note}")
     print(f"report: {hpath} (and {jpath.name})")
     print(f"engine log: {args.engine_log}")
     return 0 if rep.passed else 1
+
+
+def _sampler_python(args) -> Path | None:
+    """``--sampler sglang``: its environment's python (refused, naming where it looked, when
+    there is none) and the settings its lane cannot run, before anything starts."""
+    if args.sampler == "vllm":
+        if args.sampler_python:
+            raise ValueError("--sampler-python is for a sampler in another environment (sglang)")
+        return None
+    from .sampler_process import sampler_python
+
+    if args.backend != "cpu":
+        raise ValueError(f"--sampler {args.sampler} runs on SGLang's CPU engine: --backend cpu")
+    if args.sampler_tp != 1:
+        raise ValueError(f"--sampler {args.sampler} runs on one process: --sampler-tp 1")
+    return sampler_python(args.sampler, args.sampler_python)
+
+
+def _sampler_process(args, python):
+    """The sampler process of ``--sampler sglang`` (its output goes to the engine log), or a
+    context that gives None (the installed sampler plugin, in this process)."""
+    import contextlib
+
+    if python is None:
+        return contextlib.nullcontext()
+    from .sampler_process import SamplerProcess
+
+    return SamplerProcess(args.sampler, python)
 
 
 class _Bar:
@@ -528,6 +563,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="cpu",
         choices=("cpu", "cuda"),
         help="cuda: both halves on the GPU (vLLM 0.26.0, Megatron on one GPU)",
+    )
+    qual.add_argument(
+        "--sampler",
+        default="vllm",
+        choices=("vllm", "sglang"),
+        help="the serving engine of the sampler stages (sglang: run in the SGLang environment's "
+        "python, --sampler-python)",
+    )
+    qual.add_argument(
+        "--sampler-python",
+        help="--sampler sglang: that environment's python (default $LOCKSTEP_SGLANG_PYTHON, "
+        "else .venv-sglang/bin/python)",
     )
     qual.set_defaults(func=_cmd_qualify)
 

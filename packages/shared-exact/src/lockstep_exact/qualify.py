@@ -66,6 +66,8 @@ class Report:
     # Each half's parallel layout, e.g. {"sampler": {"tp": 2}, "trainer": {"tp": 1, "ep": 2}}.
     layouts: dict = field(default_factory=dict)
     lockstep_exact: str = __version__
+    sampler: str = "in-process"  # or the sampler process's engine ("sglang": qualify --sampler)
+    notes: list[str] = field(default_factory=list)  # what the ladder could not do, and why
     gates: list[Gate] = field(default_factory=list)
     passed: bool = False
     seconds: float = 0.0
@@ -129,10 +131,14 @@ class Ladder:
         trainer_tp: int = 1,
         trainer_ep: int = 1,
         backend: str = "cpu",
+        sampler=None,
     ):
         # The backend first: on a machine without CUDA, cuda is refused before anything is read.
         check_backend(backend, trainer_tp, trainer_ep)
         self.backend = backend
+        # A sampler in another environment (sampler_process.SamplerProcess): its capture and
+        # contract replace the installed sampler plugin's hooks; the trainer's stay here.
+        self.sampler = sampler
         self.pm = pm
         self.model = Path(model_dir)
         # A sampler-side copy of the model (debugging a fleet whose copy may differ).
@@ -157,7 +163,11 @@ class Ladder:
             "sampler": {"tp": sampler_tp},
             "trainer": {"tp": trainer_tp, "ep": trainer_ep},
         }
-        self._capture = require_hook(pm, "lockstep_capture", "sampler", "lockstep-serving")
+        self._capture = (
+            sampler.capture
+            if sampler is not None
+            else require_hook(pm, "lockstep_capture", "sampler", "lockstep-serving")
+        )
         self._replay = require_hook(pm, "lockstep_replay", "trainer", "lockstep-megatron")
         self._traces = 0
 
@@ -169,9 +179,16 @@ class Ladder:
             gc.collect()
             torch.cuda.empty_cache()
 
+    def _sampler_contract(self, *, model_dir, adapter_dir, backend):
+        if self.sampler is not None:
+            return self.sampler.contract(model_dir, backend)
+        return self.pm.hook.lockstep_sampler_contract(
+            model_dir=model_dir, adapter_dir=adapter_dir, backend=backend
+        )
+
     def admit_halves(self) -> None:
         for half, hook in (
-            ("sampler", self.pm.hook.lockstep_sampler_contract),
+            ("sampler", self._sampler_contract),
             ("trainer", self.pm.hook.lockstep_trainer_contract),
         ):
             theirs = hook(model_dir=self.model, adapter_dir=None, backend=self.backend)
@@ -430,6 +447,12 @@ class Ladder:
             device=device_name(self.backend),
             layouts=self.layouts,
         )
+        if self.sampler is not None:
+            report.sampler = self.sampler.engine
+            report.notes.append(
+                f"sampler stages ran in a {self.sampler.engine} process ({self.sampler.python}); "
+                "a failed gate's first-divergence search (bisect) is not available there"
+            )
         self.admit_halves()
         plan = [("base ruler", self.base_ruler)]
         if self.user_adapter is None:
@@ -469,6 +492,13 @@ class Ladder:
         elif gate.error and getattr(self, "_last", None):
             trace, adapter, index = self._last[0], self._last[1], 0
         else:
+            return
+        if self.sampler is not None:
+            gate.bisect = {
+                "error": f"the first-divergence search needs the sampler's op-site dump, which "
+                f"the {self.sampler.engine} sampler process does not give; not run "
+                f"(decision {index} of {trace.name})"
+            }
             return
         if self.backend != "cpu":  # the halves' op-site dumps are taken on cpu only
             gate.bisect = {
