@@ -31,8 +31,7 @@ class LockstepEndpoint:
         app.include_router(router)
 
     async def init_state(self, engine_client, state, args) -> None:
-        from lockstep_exact.contract import lane_contract
-
+        from .vllm_model import model_contract
         from .vllm_plugin import ARCHITECTURES
 
         if engine_client is None:
@@ -43,7 +42,7 @@ class LockstepEndpoint:
         if not any(a in ARCHITECTURES for a in archs):
             state.lockstep_contract = {"lane_active": False, "architectures": archs}
             return
-        c = lane_contract(mc.model)
+        c = model_contract(mc.model, "cpu")  # the model's family's lane (Qwen3-Next too)
         state.lockstep_contract = {
             "lane_active": True,
             "fingerprint": c.fingerprint,

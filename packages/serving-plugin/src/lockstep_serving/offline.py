@@ -72,6 +72,10 @@ def engine_args(model_dir, *, contract: str | None = None, **overrides) -> dict:
         "enforce_eager": True,
         "seed": 0,
     }
+    if arch == "Qwen3NextForCausalLM":
+        # The hybrid lane refuses vLLM's prefix caching (vllm_next.py), which vLLM turns on
+        # for it by default.
+        args["enable_prefix_caching"] = False
     args.update(overrides)
     return args
 

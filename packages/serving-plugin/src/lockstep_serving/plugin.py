@@ -62,7 +62,7 @@ def _torch_version() -> str:
 def lockstep_sampler_contract(model_dir, adapter_dir, backend):
     from lockstep_exact.model import ModelDir
 
-    return ModelDir(model_dir).contract(backend)
+    return ModelDir(model_dir, hybrid=True).contract(backend)  # vllm_next serves Qwen3-Next
 
 
 @hookimpl

@@ -17,7 +17,13 @@ import torch
 from torch import nn
 
 from lockstep_exact import programs as P
-from lockstep_exact.contract import ContractMismatch, admit, check_layout, lane_contract
+from lockstep_exact.contract import (
+    ContractMismatch,
+    admit,
+    check_layout,
+    geometry_contract,
+    lane_contract,
+)
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.lanes.ops import Ops
 from lockstep_exact.layout import shard_lora, shard_weight
@@ -35,6 +41,7 @@ LIVE: weakref.WeakSet = weakref.WeakSet()
 FAMILY_OF = {
     "LockstepQwen3ForCausalLM": "qwen3",
     "LockstepQwen3MoeForCausalLM": "qwen3-moe",
+    "LockstepQwen3NextForCausalLM": "qwen3-next",  # vllm_next.py (vLLM only)
 }
 
 
@@ -45,11 +52,16 @@ def _refuse(msg: str):
 def lane_geometry(arch: str, model_dir: Path) -> qwen3.Geometry:
     """The lane geometry of ``model_dir`` served as the lane class ``arch``; refuses, by name,
     a model the lane cannot run and one of another family than ``arch`` serves."""
+    want = FAMILY_OF[arch]
     try:
-        geom = qwen3.Geometry.from_model_dir(model_dir)
+        if want == "qwen3-next":
+            from lockstep_exact.lanes import qwen3_next
+
+            geom = qwen3_next.Geometry.from_model_dir(model_dir)
+        else:
+            geom = qwen3.Geometry.from_model_dir(model_dir)
     except qwen3.UnsupportedModel as err:
         _refuse(str(err))
-    want = FAMILY_OF[arch]
     if geom.family != want:
         _refuse(f"{arch} serves the {want} family but {model_dir} is {geom.family}")
     return geom
@@ -62,9 +74,20 @@ def admit_requested(model_dir: Path, backend: str, requested: str | None) -> Non
     requested = requested or os.environ.get(CONTRACT_ENV)
     if requested:
         try:
-            admit(lane_contract(model_dir, backend=backend), requested)
+            admit(model_contract(model_dir, backend), requested)
         except ContractMismatch as err:
             _refuse(str(err))
+
+
+def model_contract(model_dir: Path, backend: str):
+    """The lane contract of ``model_dir``, of its family's lane (``lane_contract`` for Qwen3
+    and Qwen3-MoE, the qwen3-next lane's for Qwen3-Next)."""
+    import json
+
+    from lockstep_exact.model import geometry_of
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return geometry_contract(geometry_of(config), backend=backend)
 
 
 def lane_backend(vllm_config) -> str:
@@ -114,7 +137,7 @@ def _validate_config(vllm_config, arch: str) -> tuple[qwen3.Geometry, Path]:
         _refuse(f"logprobs_mode {mc.logprobs_mode!r}; start the engine with 'raw_logprobs'")
     geom = lane_geometry(arch, model_dir)
     try:
-        check_layout(lane_contract(model_dir, backend=backend), tp=par.tensor_parallel_size)
+        check_layout(model_contract(model_dir, backend), tp=par.tensor_parallel_size)
     except ContractMismatch as err:
         _refuse(str(err))
     admit_requested(model_dir, backend, getattr(mc.hf_config, CONTRACT_OVERRIDE, None))

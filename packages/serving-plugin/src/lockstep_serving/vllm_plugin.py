@@ -6,9 +6,10 @@ stock model does: the lane is activated explicitly, per engine, by naming its ar
     LLM(model_dir, hf_overrides={"architectures": ["LockstepQwen3ForCausalLM"]},
         dtype="bfloat16", logprobs_mode="raw_logprobs")
 
-(``LockstepQwen3MoeForCausalLM`` for Qwen3-MoE; ``lockstep_serving.offline.engine_args``
-builds these arguments). The Sampler's logprob computation is log_softmax.tree while a lane
-model lives in the process (a stock engine sharing that process would get it too); otherwise
+(``LockstepQwen3MoeForCausalLM`` for Qwen3-MoE, ``LockstepQwen3NextForCausalLM`` for
+Qwen3-Next, in ``vllm_next``; ``lockstep_serving.offline.engine_args`` builds these
+arguments). The Sampler's logprob computation is log_softmax.tree while a lane model lives in
+the process (a stock engine sharing that process would get it too); otherwise
 the original runs. The LoRA patch acts on lane models only, and so does the sampler patch
 (``sampler.py``): a lane model's tokens are drawn by ``sample.gumbel_topp``, and a lane engine
 admits only the sampling parameters that rule implements.
@@ -19,10 +20,12 @@ from __future__ import annotations
 ARCHITECTURES = {
     "LockstepQwen3ForCausalLM": "lockstep_serving.vllm_model:LockstepQwen3ForCausalLM",
     "LockstepQwen3MoeForCausalLM": "lockstep_serving.vllm_model:LockstepQwen3MoeForCausalLM",
+    "LockstepQwen3NextForCausalLM": "lockstep_serving.vllm_next:LockstepQwen3NextForCausalLM",
 }
 LANE_OF_HF = {
     "Qwen3ForCausalLM": "LockstepQwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "LockstepQwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM": "LockstepQwen3NextForCausalLM",
 }
 
 _state = {"registered": False}
@@ -50,15 +53,17 @@ def exact_compute_logprobs(logits):
 def register() -> None:
     if _state["registered"]:
         return
+    import importlib
+
     from vllm import ModelRegistry
 
-    from . import vllm_model
     from .patches import TABLE
 
     # Classes, not lazy "<mod>:<cls>" strings: a lazy entry makes vLLM inspect it in a
-    # subprocess (15-35 s per architecture on a cold cache); this module imports no vLLM.
+    # subprocess (15-35 s per architecture on a cold cache); the modules import no vLLM.
     for arch, target in ARCHITECTURES.items():
-        ModelRegistry.register_model(arch, getattr(vllm_model, target.split(":")[1]))
+        module, name = target.split(":")
+        ModelRegistry.register_model(arch, getattr(importlib.import_module(module), name))
     # A missing target leaves stock vLLM untouched; the lane then refuses at start (patches.check).
     # Every patch is a row of patches.TABLE (with its replacement); applying records originals.
     if not TABLE.problems():

@@ -98,9 +98,10 @@ def _check_weight_files(path: Path) -> None:
 
 
 HYBRID_NOT_SERVED = (
-    "architecture 'Qwen3NextForCausalLM': its exact lane (qwen3-next) runs as the reference "
-    "composition only so far (lockstep_exact.lanes.qwen3_next); the vLLM, SGLang and Megatron "
-    "plugins do not serve it yet (issue 16)"
+    "architecture 'Qwen3NextForCausalLM': its exact lane (qwen3-next) is served by the vLLM "
+    "plugin only so far (lockstep_serving.vllm_next, over the reference composition "
+    "lockstep_exact.lanes.qwen3_next); the SGLang and Megatron plugins do not serve it yet "
+    "(issue 16)"
 )
 
 
@@ -126,8 +127,8 @@ class ModelDir:
     """
 
     def __init__(self, model_dir: str | os.PathLike[str], *, hybrid: bool = False):
-        """``hybrid``: also admit a Qwen3-Next model (its lane runs as the reference composition
-        only so far; the engines' plugins leave it False and refuse such a model by name)."""
+        """``hybrid``: also admit a Qwen3-Next model (the vLLM plugin serves its lane; the
+        other engines' plugins leave it False and refuse such a model by name)."""
         self.path = Path(model_dir)
         cfg_path = self.path / "config.json"
         if not cfg_path.is_file():

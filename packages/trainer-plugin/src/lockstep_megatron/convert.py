@@ -58,6 +58,10 @@ def _fuse(linear, hf: dict[str, torch.Tensor], prefix: str, used: set[str], rank
 
 def megatron_state(model: LockstepGPT, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The GPTModel state dict (names as ``model.gpt.state_dict()``) built from HF weights."""
+    if model.geom.family == "qwen3-next":  # the hybrid lane's modules (gdn.py)
+        from .gdn import megatron_state as hybrid_state
+
+        return hybrid_state(model, hf)
     g: Geometry = model.geom
     gpt = model.gpt
     used: set[str] = set()
@@ -146,6 +150,12 @@ def load_into(model: LockstepGPT, model_dir: str | Path) -> LockstepGPT:
 def build(model_dir: str | Path, tp: int = 1, ep: int = 1) -> LockstepGPT:
     """The exact-lane Megatron model of an HF Qwen3 / Qwen3-MoE directory, weights loaded
     (``tp`` / ``ep`` > 1: this rank's shards and experts; Megatron's parallel state must be
-    set up with those sizes)."""
+    set up with those sizes). A Qwen3-Next directory builds the hybrid lane's model
+    (``gdn.build``: tp 1, ep 1)."""
+    from .gdn import build as build_hybrid
+    from .gdn import is_hybrid
+
+    if is_hybrid(model_dir):
+        return build_hybrid(model_dir, tp, ep)
     geom = Geometry.from_model_dir(model_dir)
     return load_into(LockstepGPT(geom, tp, ep), model_dir)

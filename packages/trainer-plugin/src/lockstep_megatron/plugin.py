@@ -40,7 +40,10 @@ def lockstep_engine_info():
 
 @hookimpl
 def lockstep_trainer_contract(model_dir, adapter_dir, backend):
-    model = ModelDir(model_dir)
+    from .gdn import check_replay
+
+    check_replay(model_dir, adapter_dir, backend, 1, 1)  # what the hybrid lane lacks (gdn.py)
+    model = ModelDir(model_dir, hybrid=True)  # the trainer scores Qwen3-Next (forward only)
     contract = model.contract(backend)
     if adapter_dir is not None:
         from .export import read_adapter

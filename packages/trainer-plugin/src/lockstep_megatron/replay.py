@@ -26,6 +26,7 @@ from lockstep_exact.trace import Trace
 
 from . import export
 from .convert import build
+from .gdn import check_replay as check_hybrid_replay
 from .spec import LockstepGPT
 
 
@@ -277,13 +278,16 @@ def replay(
     expert-parallel rank scores its share of the micro-batches (``share_of``), its
     tensor-parallel peers must agree, and the shares are put back in trace order."""
     check_replay_backend(backend, tp * ep)
+    check_hybrid_replay(model_dir, adapter_dir, backend, tp, ep)  # what the hybrid lane lacks
     if tp * ep > 1 and not _inside_ranks(tp * ep):
         from .parallel import replay_tp
 
         return replay_tp(model_dir, trace_dir, adapter_dir, backend, micro_batch, control, tp, ep)
     trace = Trace.load(trace_dir)
     adapter = Path(adapter_dir) if adapter_dir else None
-    base = ModelDir(model_dir)  # parsed and hashed once for every check below
+    # Parsed and hashed once for every check below; the Megatron half scores the hybrid lane
+    # (Qwen3-Next, gdn.py) too.
+    base = ModelDir(model_dir, hybrid=True)
     admit_trace(trace, base, adapter, backend, control)
     t0 = time.perf_counter()
     model = build(base.path, tp, ep).eval()

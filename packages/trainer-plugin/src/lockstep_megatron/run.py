@@ -14,6 +14,7 @@ from . import adapters as AD
 from . import export
 from .checkpoint import check_resume, load_checkpoint, save_checkpoint
 from .convert import build
+from .gdn import refuse_training
 from .replay import admit_invoked, admit_trace
 from .train import TrainConfig, Trainer
 
@@ -38,6 +39,7 @@ def check_train_backend(backend: str) -> None:
 
 def train(request: TrainRequest) -> TrainResult:
     check_train_backend(request.backend)  # before the trace or the model is read
+    refuse_training(request.model_dir)  # the hybrid lane (Qwen3-Next) is not trained yet
     model_dir = ModelDir(request.model_dir)  # parsed and hashed once for every check below
     adapter_in = Path(request.adapter_in) if request.adapter_in else None
     trace = Trace.load(request.trace_dir)

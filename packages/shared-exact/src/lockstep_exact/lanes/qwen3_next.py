@@ -17,7 +17,8 @@ the same bytes. Row-wise ops (projections, norms, MLPs) run over all rows of a s
 sequence-mixing ops (conv, GDN, attention) run per sequence.
 
 Not wired yet: LoRA, tensor/expert parallelism beyond the contract's K partitions, autograd
-(``NextOps`` refuses ``grad=True``), the vLLM and Megatron halves.
+(``NextOps`` refuses ``grad=True``). The vLLM half is ``lockstep_serving.vllm_next`` (``hidden``
+and ``final_logits``, attention through ``Slots.attend`` over vLLM's paged cache).
 """
 
 from __future__ import annotations
@@ -302,11 +303,25 @@ class NextCache:
 
 # --- composition -----------------------------------------------------------------------------
 class Slots:
-    """Weights by HF name (suffix after ``model.layers.N.``, or the full name for the
-    embedding, final norm and LM head)."""
+    """What an engine supplies: ``weight``, a tensor by HF name (suffix after
+    ``model.layers.N.``, or the full name for the embedding, final norm and LM head), and
+    ``attend``, attention over the engine's own K/V cache."""
 
     def weight(self, layer: int | None, name: str) -> torch.Tensor:
         raise NotImplementedError
+
+    def attend(self, layer: int, q, k, v, segs: Segments, positions, core) -> torch.Tensor:
+        """This step's rows of attention layer ``layer``: q/k/v are every row's (after norm
+        and rope); each sequence's k/v join its cache, then ``core(q_rows, keys, values,
+        positions_of_those_rows)`` runs per sequence, in ``segs`` order. This default keeps
+        K/V in the sequences' ``NextCache``; an engine keeps them in its own cache."""
+        outs = []
+        for lo, n, cache in segs:
+            rows = slice(lo, lo + n)
+            cache.keys[layer] = torch.cat([cache.keys[layer], k[rows]], dim=0)
+            cache.values[layer] = torch.cat([cache.values[layer], v[rows]], dim=0)
+            outs.append(core(q[rows], cache.keys[layer], cache.values[layer], positions[rows]))
+        return torch.cat(outs, dim=0)
 
 
 class DictSlots(Slots):
@@ -397,15 +412,9 @@ class Layer:
         k = ops.rmsnorm_zc(f"{s}.k_norm", k, self.w("self_attn.k_norm.weight"))
         q = ops.rope_partial(f"{s}.q_rope", q, positions)
         k = ops.rope_partial(f"{s}.k_rope", k, positions)
-        outs = []
-        for lo, n, cache in segs:
-            rows = slice(lo, lo + n)
-            cache.keys[i] = torch.cat([cache.keys[i], k[rows]], dim=0)
-            cache.values[i] = torch.cat([cache.values[i], v[rows]], dim=0)
-            outs.append(
-                ops.attention(f"{s}.core", q[rows], cache.keys[i], cache.values[i], positions[rows])
-            )
-        o = record(f"{s}.core", torch.cat(outs, dim=0)).reshape(t, -1)
+        core = lambda qr, keys, values, pos: ops.attention(f"{s}.core", qr, keys, values, pos)
+        o = record(f"{s}.core", self.slots.attend(i, q, k, v, segs, positions, core))
+        o = o.reshape(t, -1)
         o = ops.sigmoid_gate(f"{s}.gate", o, gate.contiguous())
         return self.gemm(o, "self_attn.o_proj")
 
@@ -444,6 +453,15 @@ def forward(
     """The lane over a step of several sequences: each (token ids [n], its cache) continues
     that sequence at ``cache.position``; the caches are advanced. Returns [sum n, V] fp32
     log-probabilities, the sequences' rows in order."""
+    h = hidden(ops, geom, slots, batch)
+    return ops.log_softmax("logprobs", final_logits(ops, geom, slots, h))
+
+
+def hidden(
+    ops: NextOps, geom: Geometry, slots: Slots, batch: Sequence[tuple[torch.Tensor, NextCache]]
+) -> torch.Tensor:
+    """The embedding and every layer over a step (``forward``'s batch); the caches are
+    advanced. Returns the [sum n, hidden] bf16 rows before the final norm."""
     segs, pos, lo = [], [], 0
     for tokens, cache in batch:
         n = int(tokens.shape[0])
@@ -457,10 +475,14 @@ def forward(
         h = Layer(geom, i, ops, slots)(h, segs, positions)
     for _, n, cache in segs:
         cache.position += n
+    return h
+
+
+def final_logits(ops: NextOps, geom: Geometry, slots: Slots, h: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of ``hidden``'s rows: the final norm and the LM head."""
     hn = ops.rmsnorm_zc("norm", h, slots.weight(None, "model.norm.weight"))
     name = "model.embed_tokens.weight" if geom.tie_embeddings else "lm_head.weight"
-    logits = ops.gemm("lm_head", hn, slots.weight(None, name))
-    return ops.log_softmax("logprobs", logits)
+    return ops.gemm("lm_head", hn, slots.weight(None, name))
 
 
 def default_ops(geom: Geometry, backend: str = "cpu") -> NextOps:

@@ -1,0 +1,153 @@
+"""The qwen3-next lane's Gated DeltaNet state in vLLM's hybrid cache (imports vLLM: engine only).
+
+vLLM keeps a hybrid model's recurrent state in pages of its KV cache pool, one page per request
+and per state layer (``MambaSpec``, ``mamba_cache_mode`` "none"), next to the attention
+layers' pages. Each GDN layer of the lane is a ``LaneStateLayer`` here: it declares the page
+(``vllm_next.state_layout``: the layer's GdnState, its current chunk's cached rows and the conv
+window), vLLM allocates and binds it, and ``LaneStateBackend``'s metadata hands the model each
+request's page index. No kernel runs here: the model reads and writes the pages itself
+(``vllm_next.load_cache`` / ``store_cache``), exact copies of the programs' tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from .patches import LaneRefused
+
+BACKEND_NAME = "LOCKSTEP_GDN_STATE"
+BACKEND_PATH = f"{__name__}.LaneStateBackend"
+
+
+def _refuse(msg: str):
+    raise LaneRefused(f"Lockstep exact lane refused to start: {msg}")
+
+
+@dataclass
+class LaneStateMetadata:
+    """What the lane reads of one batch for its state layers: each request's rows, its cache
+    length once this step is computed, and the index of its state page."""
+
+    num_reqs: int
+    num_actual_tokens: int
+    query_start_loc_cpu: torch.Tensor  # [num_reqs + 1]
+    seq_lens_cpu: torch.Tensor  # [num_reqs]
+    state_slots: torch.Tensor  # [num_reqs] int64, on the host
+
+
+class LaneStateMetadataBuilder(AttentionMetadataBuilder[LaneStateMetadata]):
+    """Copies the batch's rows and each request's state page; plans nothing."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        mode = vllm_config.cache_config.mamba_cache_mode
+        if mode != "none":
+            _refuse(
+                f"mamba_cache_mode {mode!r}: the qwen3-next lane keeps one state page per "
+                "request (mode 'none'); vLLM's per-block state checkpoints are not part of it"
+            )
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> LaneStateMetadata:
+        cm = common_attn_metadata
+        n = cm.num_reqs
+        return LaneStateMetadata(
+            num_reqs=n,
+            num_actual_tokens=cm.num_actual_tokens,
+            query_start_loc_cpu=cm.query_start_loc_cpu[: n + 1].clone(),
+            seq_lens_cpu=cm.seq_lens[:n].to("cpu"),
+            # Mode "none": one page per request, the first (only) entry of its block table.
+            state_slots=cm.block_table_tensor[:n, 0].to("cpu", torch.int64),
+        )
+
+
+class LaneStateBackend(AttentionBackend):
+    """The state layers' backend: metadata only, no kernel (``is_ssm``: vLLM sizes its pages
+    from the layers' ``MambaSpec`` and pads them to the attention page size)."""
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_builder_cls() -> type[LaneStateMetadataBuilder]:
+        return LaneStateMetadataBuilder
+
+    @staticmethod
+    def get_impl_cls():
+        raise LaneRefused(
+            "Lockstep exact lane: the qwen3-next state backend has no kernel (the lane runs "
+            "Gated DeltaNet inside its model)"
+        )
+
+    @classmethod
+    def is_ssm(cls) -> bool:
+        return True
+
+
+def register() -> MambaAttentionBackendEnum:
+    """The backend's member of vLLM's mamba backend enum (added once per process)."""
+    if BACKEND_NAME not in MambaAttentionBackendEnum.__members__:
+        MambaAttentionBackendEnum.register(BACKEND_NAME, BACKEND_PATH)
+    return MambaAttentionBackendEnum[BACKEND_NAME]
+
+
+class LaneStateLayer(nn.Module, MambaBase):
+    """One GDN layer's state page in vLLM's cache: ``layout`` is ``vllm_next.state_layout``
+    ((name, shape, dtype) per tensor); after binding, ``kv_cache`` holds one
+    ``[num_pages, *shape]`` view per tensor, in that order."""
+
+    def __init__(self, prefix: str, layout, vllm_config):
+        super().__init__()
+        self.prefix = prefix
+        self.layout = tuple(layout)
+        self.kv_cache = tuple(torch.empty(0) for _ in self.layout)
+        self._type = register()
+        ctx = vllm_config.compilation_config.static_forward_context
+        if prefix in ctx:
+            raise ValueError(f"duplicate layer name {prefix!r}")
+        ctx[prefix] = self
+
+    def get_state_shape(self):
+        return tuple(shape for _, shape, _ in self.layout)
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return tuple(dtype for _, _, dtype in self.layout)
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return self._type
+
+    def get_attn_backend(self) -> type[AttentionBackend]:
+        return LaneStateBackend
+
+    def pages(self) -> dict[str, torch.Tensor]:
+        """The bound views by tensor name, refused if vLLM bound another layout."""
+        if len(self.kv_cache) != len(self.layout):
+            raise LaneRefused(
+                f"Lockstep exact lane: {self.prefix} was bound {len(self.kv_cache)} state "
+                f"tensors, not the lane's {len(self.layout)}"
+            )
+        out = {}
+        for (name, shape, dtype), t in zip(self.layout, self.kv_cache, strict=True):
+            if t.dtype != dtype or tuple(t.shape[1:]) != tuple(shape):
+                raise LaneRefused(
+                    f"Lockstep exact lane: {self.prefix} state {name!r} is bound as {t.dtype} "
+                    f"{tuple(t.shape[1:])}, not the lane's {dtype} {tuple(shape)}"
+                )
+            out[name] = t
+        return out

@@ -1,0 +1,372 @@
+"""The qwen3-next lane for vLLM: the shared Qwen3-Next composition over vLLM's hybrid cache.
+
+Every floating-point op is a shared-exact byte program called through
+``lockstep_exact.lanes.qwen3_next`` (``hidden`` for the layers, ``final_logits`` for the
+head); this module only wires the composition into vLLM:
+
+- the full-attention layers' K/V live in vLLM's paged KV cache, through the lane's attention
+  backend (``attn_backend``), written and read per request by ``vllm_model.paged_attention``;
+- each Gated DeltaNet layer's per-request state lives in vLLM's hybrid state cache: one page
+  per request (``mamba_cache_mode`` "none") holding ``state_layout``'s tensors, declared by a
+  ``next_state.LaneStateLayer``. At a step, ``load_cache`` turns each request's pages into the
+  composition's ``NextCache`` at the request's position, the composition advances it, and
+  ``store_cache`` writes it back: exact copies, fp32 where the programs keep fp32.
+
+What a page holds (``state_layout``), for a request whose next token is at position p, with
+c = p - p mod chunk the start of p's gdn chunk and w = p - c: the GdnState at c (``s``,
+fp32 [Hv, K, V]), the chunk's w cached rows so far (``k`` fp32, ``g`` and ``beta`` fp32,
+``v`` bf16; the page has room for ``chunk`` rows), the conv window (the last W-1 conv
+inputs, bf16) and ``meta`` = (p, chunk) int32, which is checked before every read: a page
+that does not belong to the request at that position is refused, never read. A request at
+position 0 starts from the programs' zero state (vLLM does not clear a reused page).
+
+Refused at start, by name (``_validate``): prefix caching (vLLM resumes a hybrid request
+from states it checkpoints at its own block boundaries, a state the lane does not keep; the
+lane's engine arguments turn it off), tensor/pipeline/data/expert parallelism, LoRA, a
+mamba cache dtype, speculative decoding, and everything ``vllm_model._validate_config``
+refuses for the other lanes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lockstep_exact import programs as P
+from lockstep_exact.contract import ContractMismatch, geometry_contract
+from lockstep_exact.lanes import qwen3_next as N
+from lockstep_exact.lanes.config import UnsupportedModel
+from lockstep_exact.sites import is_recording, paused
+
+from .patches import LaneRefused
+from .vllm_model import LIVE, _refuse, _validate_config, lane_backend, paged_attention
+
+ARCH = "LockstepQwen3NextForCausalLM"
+STATE_PREFIX = "model.layers.{}.linear_attn"  # the state layer of GDN layer i
+ATTN_PREFIX = "model.layers.{}.self_attn.attn"  # the paged KV cache of attention layer i
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def state_layout(geom: N.Geometry) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+    """(name, shape, dtype) of the tensors of one GDN layer's state page, in page order (the
+    4-byte tensors first, so every view is aligned)."""
+    c, hk, hv = geom.chunk, geom.linear_key_heads, geom.linear_value_heads
+    dk, dv = geom.linear_key_dim, geom.linear_value_dim
+    return (
+        ("meta", (2,), torch.int32),  # (position of the next token, chunk)
+        ("s", (hv, dk, dv), F32),  # GdnState.s at the chunk start
+        ("k", (c, hk, dk), F32),  # the chunk's cached rows (first w of c)
+        ("g", (c, hv), F32),
+        ("beta", (c, hv), F32),
+        ("v", (c, hv, dv), BF16),
+        ("conv", (geom.conv_kernel - 1, geom.conv_dim), BF16),  # the conv window
+    )
+
+
+def _geometry(vllm_config) -> N.Geometry:
+    model_dir = Path(vllm_config.model_config.model)
+    try:
+        return N.Geometry.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    except (OSError, UnsupportedModel) as err:
+        _refuse(str(err))
+
+
+def load_cache(geom: N.Geometry, pages: dict[int, dict[str, torch.Tensor]], slot: int, position):
+    """The composition's ``NextCache`` of one request at ``position``, read from its state
+    page ``slot`` of every GDN layer (``pages[layer]``: ``next_state.LaneStateLayer.pages``)."""
+    cache = N.NextCache(position=position)
+    c = geom.chunk
+    start = position - position % c
+    w = position - start
+    for i, p in pages.items():
+        if position == 0:
+            cache.gdn[i] = P.gdn_state(
+                geom.linear_key_heads,
+                geom.linear_value_heads,
+                geom.linear_key_dim,
+                geom.linear_value_dim,
+                chunk=c,
+            )
+            cache.conv[i] = P.conv1d_window(geom.conv_dim, kernel=geom.conv_kernel)
+            continue
+        held, chunk = (int(x) for x in p["meta"][slot])
+        if (held, chunk) != (position, c):
+            raise LaneRefused(
+                f"Lockstep exact lane: the state page {slot} of layer {i} holds position {held} "
+                f"(chunk {chunk}) but the request continues at position {position} (chunk {c}): "
+                "the page does not belong to this request's state"
+            )
+        cache.gdn[i] = P.GdnState(
+            chunk=c,
+            start=start,
+            s=p["s"][slot].clone(),
+            k=p["k"][slot, :w].clone(),
+            v=p["v"][slot, :w].clone(),
+            g=p["g"][slot, :w].clone(),
+            beta=p["beta"][slot, :w].clone(),
+        )
+        cache.conv[i] = p["conv"][slot].clone()
+    return cache
+
+
+def store_cache(geom: N.Geometry, pages: dict[int, dict[str, torch.Tensor]], slot: int, cache):
+    """Write a request's advanced ``NextCache`` back into its state page ``slot``."""
+    for i, p in pages.items():
+        st = cache.gdn[i]
+        w = st.k.shape[0]
+        if st.position != cache.position or st.chunk != geom.chunk:
+            raise LaneRefused(
+                f"Lockstep exact lane: layer {i}'s state is at position {st.position} (chunk "
+                f"{st.chunk}), its sequence at {cache.position} (chunk {geom.chunk})"
+            )
+        p["s"][slot] = st.s
+        p["k"][slot, :w] = st.k
+        p["v"][slot, :w] = st.v
+        p["g"][slot, :w] = st.g
+        p["beta"][slot, :w] = st.beta
+        p["conv"][slot] = cache.conv[i]
+        p["meta"][slot] = torch.tensor([cache.position, geom.chunk], dtype=torch.int32)
+
+
+def _validate(vllm_config) -> tuple[N.Geometry, Path]:
+    """``vllm_model._validate_config`` plus what the hybrid lane does not cover, by name."""
+    geom, model_dir = _validate_config(vllm_config, ARCH)
+    check_hybrid(vllm_config, geom)
+    return geom, model_dir
+
+
+def check_hybrid(vllm_config, geom: N.Geometry) -> None:
+    """What the qwen3-next lane refuses beyond the other lanes' checks, by name."""
+    cc = vllm_config.cache_config
+    par = vllm_config.parallel_config
+    backend = lane_backend(vllm_config)
+    if backend != "cpu":
+        _refuse(
+            f"backend {backend!r}: the qwen3-next lane's programs run on cpu only so far (issue 16)"
+        )
+    try:
+        geometry_contract(geom, backend=backend, tp=par.tensor_parallel_size)
+    except ContractMismatch as err:
+        _refuse(str(err))
+    if cc.enable_prefix_caching:
+        _refuse(
+            "prefix caching on the qwen3-next lane: vLLM would resume a request from the Gated "
+            "DeltaNet state it checkpoints at its own block boundaries, and the lane keeps only "
+            "each request's state at its gdn chunk start plus that chunk's rows; start the "
+            "engine with enable_prefix_caching=False (lockstep_serving.offline.engine_args "
+            "does)"
+        )
+    if vllm_config.lora_config is not None:
+        _refuse("LoRA on the qwen3-next lane is not implemented yet (issue 16)")
+    if getattr(cc, "mamba_cache_dtype", "auto") != "auto":
+        _refuse(
+            f"mamba_cache_dtype {cc.mamba_cache_dtype!r}: the qwen3-next lane keeps its Gated "
+            "DeltaNet state in the programs' dtypes (fp32 state, bf16 inputs)"
+        )
+    if getattr(cc, "mamba_ssm_cache_dtype", "auto") not in ("auto", "float32"):
+        _refuse(
+            f"mamba_ssm_cache_dtype {cc.mamba_ssm_cache_dtype!r}: the qwen3-next lane keeps "
+            "its Gated DeltaNet state in fp32"
+        )
+
+
+def _expected_names(geom: N.Geometry) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not geom.tie_embeddings:
+        names.add("lm_head.weight")
+    gdn = ["in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "A_log", "dt_bias"]
+    gdn += ["norm.weight", "out_proj.weight"]
+    attn = [f"{p}_proj.weight" for p in "qkvo"] + ["q_norm.weight", "k_norm.weight"]
+    mlp = ["gate.weight", "shared_expert_gate.weight"]
+    mlp += [f"shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")]
+    for e in range(geom.experts):
+        mlp += [f"experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
+    for i, kind in enumerate(geom.layer_types):
+        pre = f"model.layers.{i}."
+        names.update(pre + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight"))
+        if kind == N.LINEAR:
+            names.update(f"{pre}linear_attn.{n}" for n in gdn)
+        else:
+            names.update(f"{pre}self_attn.{n}" for n in attn)
+        names.update(f"{pre}mlp.{n}" for n in mlp)
+    return names
+
+
+class LockstepQwen3NextForCausalLM(nn.Module):
+    """Qwen3-Next on the exact lane (``offline.engine_args`` names it for a
+    ``Qwen3NextForCausalLM`` model directory)."""
+
+    lane_arch = ARCH
+    # vLLM's hybrid model interface (IsHybrid, HasInnerState): attention pages + state pages.
+    is_hybrid = True
+    has_inner_state = True
+    supports_lora = False
+    embedding_modules: dict[str, str] = {}
+    packed_modules_mapping: dict[str, list[str]] = {}
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config):
+        return tuple(shape for _, shape, _ in state_layout(_geometry(vllm_config)))
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config):
+        return tuple(dtype for _, _, dtype in state_layout(_geometry(vllm_config)))
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        # Only vLLM's 'align' state mode (prefix caching) copies states; the lane refuses it.
+        raise LaneRefused(
+            "Lockstep exact lane: the qwen3-next lane's state pages are never copied by vLLM "
+            "(mamba_cache_mode 'none'; prefix caching is refused)"
+        )
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__()
+        from vllm.model_executor.layers.attention import Attention
+
+        from . import attn_backend, next_state  # import vLLM: only ever inside an engine
+        from ._release import check
+
+        check()  # never start beside a lockstep-exact this release was not built against
+
+        self.geom, self.model_dir = _validate(vllm_config)
+        g = self.geom
+        self.contract = geometry_contract(g, backend=lane_backend(vllm_config))
+        self.ops = N.NextOps(self.contract)  # every program call reads this contract
+        self.device = torch.device(vllm_config.device_config.device)
+        self.weights: dict[str, torch.Tensor] = {}
+        self.gdn_layers = [i for i, k in enumerate(g.layer_types) if k == N.LINEAR]
+        self.attn_layers = [i for i, k in enumerate(g.layer_types) if k == N.FULL]
+        self.layer_names = {i: ATTN_PREFIX.format(i) for i in self.attn_layers}
+        attn_backend.register()
+        # vLLM's Attention modules own the attention layers' paged KV cache (forward unused).
+        self.attn = nn.ModuleList(
+            Attention(
+                num_heads=g.heads,
+                head_size=g.head_dim,
+                scale=g.head_dim**-0.5,
+                num_kv_heads=g.kv_heads,
+                cache_config=vllm_config.cache_config,
+                prefix=name,
+                attn_backend=attn_backend.LaneAttentionBackend,
+            )
+            for name in self.layer_names.values()
+        )
+        # One state layer per GDN layer: vLLM allocates and binds its pages.
+        layout = state_layout(g)
+        self.state = nn.ModuleList(
+            next_state.LaneStateLayer(STATE_PREFIX.format(i), layout, vllm_config)
+            for i in self.gdn_layers
+        )
+        LIVE.add(self)
+
+    # --- weights ---------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        expected = _expected_names(self.geom)
+        for name, t in weights:
+            if name.startswith("mtp."):
+                continue  # the multi-token-prediction head drafts; the lane does not run it
+            if name not in expected:
+                _refuse(f"unexpected tensor {name!r} in the checkpoint (not part of the lane)")
+            if t.dtype != torch.bfloat16:
+                _refuse(f"tensor {name!r} is {t.dtype}; the exact lane loads bf16 weights only")
+            self.weights[name] = t.detach().to(self.device, copy=True)
+        missing = sorted(expected - set(self.weights))
+        if missing:
+            _refuse(f"checkpoint lacks {len(missing)} tensor(s), first {missing[0]!r}")
+        self._slots = N.DictSlots(self.weights, self.geom)
+        return set()  # no nn.Parameters: the weights live outside vLLM's parameter tracking
+
+    # --- forward ---------------------------------------------------------------------------
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.weights["model.embed_tokens.weight"][input_ids]  # embedding.gather
+
+    def _pages(self) -> dict[int, dict[str, torch.Tensor]]:
+        return {i: layer.pages() for i, layer in zip(self.gdn_layers, self.state, strict=True)}
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **_):
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        n = positions.shape[0]
+        out = torch.zeros(n, self.geom.hidden, dtype=torch.bfloat16, device=positions.device)
+        if not is_forward_context_available():
+            return out
+        by_layer = get_forward_context().attn_metadata
+        if by_layer is None:
+            # A dummy/profile step: no sequence to run and its output is discarded.
+            return out
+        if inputs_embeds is not None:
+            _refuse("inputs_embeds are not part of the lane (token ids only)")
+        if not isinstance(by_layer, dict):
+            _refuse(f"attention metadata of type {type(by_layer).__name__}, not one per layer")
+        smd = by_layer.get(STATE_PREFIX.format(self.gdn_layers[0])) if self.gdn_layers else None
+        amd = by_layer.get(self.layer_names[self.attn_layers[0]]) if self.attn_layers else None
+        md = smd if smd is not None else amd
+        if md is None:
+            return out
+        qsl = md.query_start_loc_cpu.tolist()
+        seq_lens = md.seq_lens_cpu.tolist()
+        if amd is not None and smd is not None and amd.query_start_loc_cpu.tolist() != qsl:
+            raise LaneRefused(
+                "Lockstep exact lane: the attention and state metadata of one step place the "
+                "requests' rows differently"
+            )
+        reqs, batch, slots = [], [], []
+        pages = self._pages()
+        pos_cpu = positions.to("cpu")
+        for r, seq_len in enumerate(seq_lens):
+            start, end = qsl[r], qsl[r + 1]
+            if end <= start:
+                continue
+            first = seq_len - (end - start)
+            got = pos_cpu[start:end]
+            if int(got[0]) != first or int(got[-1]) != seq_len - 1:
+                raise LaneRefused(
+                    f"request {r}: vLLM's positions {int(got[0])}..{int(got[-1])} are not the "
+                    f"cache's {first}..{seq_len - 1}; the lane cannot continue its state there"
+                )
+            slot = int(smd.state_slots[r]) if smd is not None else -1
+            reqs.append((r, start, end, seq_len))
+            slots.append(slot)
+            batch.append((input_ids[start:end], load_cache(self.geom, pages, slot, first)))
+        if not reqs:
+            return out
+        rows = torch.cat([torch.arange(s, e) for _, s, e, _ in reqs]).to(positions.device)
+        h = N.hidden(self.ops, self.geom, PagedNextSlots(self, reqs, rows), batch)
+        for slot, (_, cache) in zip(slots, batch, strict=True):
+            store_cache(self.geom, pages, slot, cache)
+        out[rows] = h
+        if is_recording():
+            # lockstep bisect: the final sites of every row, through the lane's own programs.
+            logits = N.final_logits(self.ops, self.geom, self._slots, out[: qsl[-1]])
+            self.ops.log_softmax("logprobs", logits)
+        return out
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the lane: the composition's final norm + LM head."""
+        with paused():  # bisect's final sites come from forward(), for every row
+            return N.final_logits(self.ops, self.geom, self._slots, hidden_states)
+
+
+class PagedNextSlots(N.DictSlots):
+    """The composition's slots in vLLM: the engine's weights and attention over vLLM's paged
+    KV cache (``vllm_model.paged_attention``); the GDN state travels in the ``NextCache``."""
+
+    def __init__(self, model: LockstepQwen3NextForCausalLM, reqs, rows):
+        # The loaded weights, split by layer once (load_weights), not at every step.
+        self.weights, self.per_layer = model._slots.weights, model._slots.per_layer
+        self.model, self.reqs, self.rows = model, reqs, rows
+
+    def attend(self, layer, q, k, v, segs, positions, core):
+        from vllm.model_executor.layers.attention.attention import get_attention_context
+
+        md, _layer, kv_cache, slot_mapping = get_attention_context(self.model.layer_names[layer])
+        slots = slot_mapping if slot_mapping is not None else md.slot_mapping
+        return paged_attention(
+            q, k, v, positions, md, kv_cache, slots[self.rows], self.reqs, core=core
+        )

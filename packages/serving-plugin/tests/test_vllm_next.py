@@ -1,0 +1,443 @@
+"""The qwen3-next lane inside the real vLLM engine (``vllm_next``), byte for byte.
+
+One engine (one prefill per prompt) samples a batch, a prompt alone, a greedy batch and the
+prompt logprobs of prompt + decisions; a second one with a 24-token budget chunks every
+prefill. Prompt lengths put prefills, chunks and decode steps on both sides of the gdn chunk
+boundaries (64, 128, 192): a lone 200-token request is chunked [48, 72) (across 64),
+[120, 144) (across 128), [168, 192) (ending on 192) and [192, 200) (starting on it); the
+61-token prompt's decode steps cross 64. Every comparison has a one-ulp negative control.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from serving_support import _ROOT, start_engine, stop_engine
+
+from lockstep_exact import programs as P
+from lockstep_exact.contract import geometry_contract
+from lockstep_exact.lanes import qwen3_next as N
+from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes
+from lockstep_exact.tiny import default_prompts, make_tiny
+from lockstep_serving.patches import LaneRefused
+
+DECISIONS = 8
+LENGTHS = (5, 61, 64, 100, 200)
+LONG = LENGTHS.index(200)
+ACROSS = LENGTHS.index(61)  # decodes positions 61..68, across the gdn chunk boundary 64
+BUDGET = 24  # the chunked engine's token budget
+
+
+def _same_and_control(a, b, what: str) -> None:
+    """a and b are byte-identical, and the check fails on b moved by one ulp."""
+    assert_same_bytes(a, b, what)
+    assert not same_bytes(a, nudge_ulp(b)), f"{what}: the check misses a one-ulp change"
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(16)
+    return [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+def _params(greedy: bool = False, seed: int = 7):
+    from vllm import SamplingParams
+
+    if greedy:
+        # vLLM 0.32 on CPU and a seeded request whose prefill is chunked do not mix
+        # (ENVIRONMENT.md), so the chunked engine is compared on greedy decisions.
+        return SamplingParams(temperature=0.0, max_tokens=DECISIONS, logprobs=0, ignore_eos=True)
+    return SamplingParams(
+        temperature=1.0, top_p=1.0, max_tokens=DECISIONS, logprobs=0, seed=seed, ignore_eos=True
+    )
+
+
+def _decisions(out):
+    from lockstep_serving.offline import sampled_logprobs
+
+    c = out.outputs[0]
+    return list(c.token_ids), sampled_logprobs(c)
+
+
+@contextlib.contextmanager
+def _spans(log: list):
+    """Record (first position, row count) of every request in every step the lane runs."""
+    original = N.hidden
+
+    def hidden(ops, geom, slots, batch):
+        log.append([(c.position, int(t.shape[0])) for t, c in batch])
+        return original(ops, geom, slots, batch)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(N, "hidden", hidden)
+        yield log
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return make_tiny(_ROOT / "models" / "qwen3-next", arch="qwen3-next")
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from lockstep_serving.offline import lane_fingerprint, prompt_logprobs
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts()]
+    r = {"prompts": _prompts()}
+    llm = start_engine(model_dir)
+    try:
+        r["fingerprint"] = lane_fingerprint(llm)
+        with _spans([]) as spans:
+            r["batch"] = llm.generate(prompts, _params(), use_tqdm=False)
+        r["spans"] = spans
+        (r["alone"],) = llm.generate([prompts[LONG]], _params(), use_tqdm=False)
+        r["greedy"] = llm.generate(prompts, _params(greedy=True), use_tqdm=False)
+        tokens, _ = _decisions(r["batch"][ACROSS])
+        full = TokensPrompt(prompt_token_ids=r["prompts"][ACROSS] + tokens)
+        (pl,) = llm.generate(
+            [full], SamplingParams(max_tokens=1, prompt_logprobs=0, seed=7), use_tqdm=False
+        )
+        r["prompt_logprobs"] = prompt_logprobs(pl)
+    finally:
+        stop_engine(llm)
+    llm = start_engine(model_dir, max_num_batched_tokens=BUDGET, max_num_seqs=8)
+    try:
+        with _spans([]) as spans:
+            r["chunked_alone"] = [
+                llm.generate([p], _params(greedy=True), use_tqdm=False)[0] for p in prompts
+            ]
+        r["chunked_spans"] = spans
+        r["chunked_batch"] = llm.generate(prompts, _params(greedy=True), use_tqdm=False)
+    finally:
+        stop_engine(llm)
+    return r
+
+
+@pytest.mark.engine
+def test_sampled_logprobs_equal_the_composition_run_directly(runs, model_dir):
+    """vLLM prefills each prompt and decodes token by token; the reference runs prompt +
+    decisions as one prefill through lanes.qwen3_next.forward (its log_softmax included)."""
+    weights = load_file(str(model_dir / "model.safetensors"))
+    geom = N.Geometry.from_model_dir(model_dir)
+    assert [(0, n) for n in LENGTHS] in runs["spans"]  # one prefill per prompt, one step
+    for i, out in enumerate(runs["batch"]):
+        tokens, got = _decisions(out)
+        prompt = runs["prompts"][i]
+        assert list(out.prompt_token_ids) == prompt
+        ref = N.forward_logprobs(weights, geom, torch.tensor(prompt + tokens))
+        want = torch.stack([ref[len(prompt) - 1 + j, t] for j, t in enumerate(tokens)])
+        _same_and_control(want, got, f"prompt of {len(prompt)} tokens: vLLM vs composition")
+
+
+@pytest.mark.engine
+def test_decode_logprobs_equal_prompt_logprobs_across_the_gdn_chunk_boundary(runs):
+    n = LENGTHS[ACROSS]
+    assert n < 64 < n + DECISIONS
+    _, decode = _decisions(runs["batch"][ACROSS])
+    # prompt_logprobs(...)[j] is the logprob of token j+1; decision i sits at position n+i.
+    prefill = runs["prompt_logprobs"][n - 1 : n - 1 + DECISIONS]
+    _same_and_control(decode, prefill, "decode vs one prefill")
+
+
+@pytest.mark.engine
+def test_a_request_alone_equals_it_inside_a_batch(runs):
+    alone_tokens, alone = _decisions(runs["alone"])
+    batch_tokens, batch = _decisions(runs["batch"][LONG])
+    assert alone_tokens == batch_tokens
+    _same_and_control(alone, batch, "alone vs batch of 5")
+
+
+@pytest.mark.engine
+def test_chunked_prefill_equals_one_prefill(runs):
+    # The lone 200-token request's prefill chunks, as the lane ran them.
+    chunks = {s for step in runs["chunked_spans"] for s in step if s[1] > 1}
+    assert {(48, 24), (120, 24), (168, 24), (192, 8)} <= chunks  # across, across, to, from
+    assert all(n <= BUDGET for step in runs["chunked_spans"] for _, n in step)
+    for i, (whole, alone, batch) in enumerate(
+        zip(runs["greedy"], runs["chunked_alone"], runs["chunked_batch"], strict=True)
+    ):
+        want_tokens, want = _decisions(whole)
+        for name, out in (("alone", alone), ("in a batch", batch)):
+            tokens, got = _decisions(out)
+            assert tokens == want_tokens, f"prompt {i} chunked {name}"
+            _same_and_control(want, got, f"prompt {i}: one prefill vs chunks of {BUDGET} {name}")
+
+
+@pytest.mark.engine
+def test_the_engine_reports_the_contract_of_the_qwen3_next_lane(runs, model_dir):
+    contract = geometry_contract(N.Geometry.from_model_dir(model_dir))
+    assert contract.lane == "qwen3-next/bf16/cpu"
+    assert runs["fingerprint"] == contract.fingerprint
+
+
+# --- capture ------------------------------------------------------------------------------------
+@pytest.mark.engine
+def test_lockstep_capture_records_the_lanes_logprobs(model_dir, tmp_path):
+    import lockstep_serving.plugin
+    from lockstep_exact.plugins import manager
+    from lockstep_exact.requests import CaptureRequest
+    from lockstep_exact.trace import Trace
+
+    pm = manager(load_entry_points=False)
+    pm.register(lockstep_serving.plugin)
+    request = CaptureRequest(
+        model_dir=model_dir,
+        prompts=tuple(default_prompts(2)),
+        decisions=3,
+        out_dir=tmp_path / "t",
+        seed=3,
+    )
+    trace = pm.hook.lockstep_capture(request=request)
+    assert Trace.load(tmp_path / "t").num_decisions == 2 * 3
+    assert trace.contract["lane"] == "qwen3-next/bf16/cpu"
+    weights = load_file(str(model_dir / "model.safetensors"))
+    geom = N.Geometry.from_model_dir(model_dir)
+    want = []
+    for i in range(trace.num_sequences):
+        prompt, sampled = trace.prompt(i), trace.sampled(i)
+        ref = N.forward_logprobs(weights, geom, torch.cat([prompt, sampled]))
+        want += [ref[len(prompt) - 1 + j, int(t)] for j, t in enumerate(sampled)]
+    _same_and_control(torch.stack(want), trace.logprobs, "captured vs composition")
+
+
+# --- refusals at start --------------------------------------------------------------------------
+def _refused(model_dir, match, **overrides):
+    with pytest.raises(Exception, match=match):
+        llm = start_engine(model_dir, **overrides)
+        stop_engine(llm)
+
+
+@pytest.mark.engine
+def test_prefix_caching_is_refused_by_name(model_dir):
+    _refused(
+        model_dir,
+        r"prefix caching on the qwen3-next lane: vLLM would resume a request from the Gated "
+        r"DeltaNet state it checkpoints at its own block boundaries",
+        enable_prefix_caching=True,
+    )
+
+
+def _config(**changes):
+    """A stand-in of the vllm_config fields ``check_hybrid`` reads: a plain engine's."""
+    cache = dict(enable_prefix_caching=False, mamba_cache_dtype="auto")
+    cache["mamba_ssm_cache_dtype"] = "auto"
+    cache.update({k: v for k, v in changes.items() if k in cache})
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(**cache),
+        parallel_config=SimpleNamespace(tensor_parallel_size=changes.get("tp", 1)),
+        device_config=SimpleNamespace(device_type=changes.get("device", "cpu")),
+        lora_config=changes.get("lora"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"device": "cuda"}, r"backend 'cuda': the qwen3-next lane's programs run on cpu only"),
+        (
+            {"tp": 2},
+            r"the qwen3-next lane runs on one device so far \(tp 1, ep 1\); asked for tp 2",
+        ),
+        ({"enable_prefix_caching": True}, r"prefix caching on the qwen3-next lane"),
+        ({"lora": object()}, r"LoRA on the qwen3-next lane is not implemented yet \(issue 16\)"),
+        (
+            {"mamba_cache_dtype": "float16"},
+            r"mamba_cache_dtype 'float16': the qwen3-next lane keeps its Gated DeltaNet state in "
+            r"the programs' dtypes",
+        ),
+        (
+            {"mamba_ssm_cache_dtype": "bfloat16"},
+            r"mamba_ssm_cache_dtype 'bfloat16': the qwen3-next lane keeps its Gated DeltaNet "
+            r"state in fp32",
+        ),
+    ],
+)
+def test_what_the_hybrid_lane_does_not_cover_is_refused_by_name(model_dir, changes, message):
+    from lockstep_serving.vllm_next import check_hybrid
+
+    geom = N.Geometry.from_model_dir(model_dir)
+    check_hybrid(_config(), geom)  # a plain engine passes
+    with pytest.raises(LaneRefused, match=r"Lockstep exact lane refused to start: .*" + message):
+        check_hybrid(_config(**changes), geom)
+
+
+def test_engine_args_turn_prefix_caching_off_for_qwen3_next_only(model_dir):
+    from lockstep_serving.offline import engine_args
+
+    args = engine_args(model_dir)
+    assert args["enable_prefix_caching"] is False
+    assert args["hf_overrides"]["architectures"] == ["LockstepQwen3NextForCausalLM"]
+    dense = make_tiny(_ROOT / "models" / "qwen3-for-next", arch="qwen3")
+    assert "enable_prefix_caching" not in engine_args(dense)
+
+
+# --- the state pages, without an engine ---------------------------------------------------------
+def _fake_pages(geom, n_pages: int = 3):
+    from lockstep_serving.vllm_next import state_layout
+
+    layers = [i for i, k in enumerate(geom.layer_types) if k == N.LINEAR]
+    return {
+        i: {
+            name: torch.full((n_pages, *shape), 7, dtype=dt)
+            for name, shape, dt in state_layout(geom)
+        }
+        for i in layers
+    }
+
+
+def test_a_state_page_round_trip_keeps_every_byte_and_the_next_step(model_dir):
+    """store_cache then load_cache gives back the composition's cache byte for byte, and
+    continuing from it gives the bytes of continuing from the original."""
+    from lockstep_serving.vllm_next import load_cache, store_cache
+
+    weights = load_file(str(model_dir / "model.safetensors"))
+    geom = N.Geometry.from_model_dir(model_dir)
+    tokens = torch.tensor(_prompts()[LONG][:70])
+    cache = N.NextCache.empty(geom)
+    N.forward_logprobs(weights, geom, tokens, cache)  # position 70: chunk start 64, 6 rows
+    pages = _fake_pages(geom)
+    store_cache(geom, pages, 1, cache)
+    back = load_cache(geom, pages, 1, 70)
+    for i, st in cache.gdn.items():
+        got = back.gdn[i]
+        assert (got.start, got.chunk, got.position) == (64, geom.chunk, 70)
+        for name in ("s", "k", "v", "g", "beta"):
+            _same_and_control(getattr(st, name), getattr(got, name), f"layer {i} {name}")
+        assert torch.equal(cache.conv[i], back.conv[i])
+    # Attention K/V live in vLLM's pages, not in the state: carry them over for this check.
+    back.keys, back.values = cache.keys, cache.values
+    nxt = tokens[-1:]
+    a = N.forward_logprobs(weights, geom, nxt, cache)
+    b = N.forward_logprobs(weights, geom, nxt, back)
+    _same_and_control(a, b, "next step from the original vs from the pages")
+
+
+def test_a_page_of_another_position_is_refused(model_dir):
+    from lockstep_serving.vllm_next import load_cache, store_cache
+
+    geom = N.Geometry.from_model_dir(model_dir)
+    pages = _fake_pages(geom)
+    cache = N.NextCache.empty(geom)
+    store_cache(geom, pages, 0, cache)
+    with pytest.raises(
+        LaneRefused,
+        match=r"the state page 0 of layer 0 holds position 0 \(chunk 64\) but the request "
+        r"continues at position 5 \(chunk 64\): the page does not belong",
+    ):
+        load_cache(geom, pages, 0, 5)
+    fresh = load_cache(geom, pages, 2, 0)  # position 0: the zero state, whatever the page holds
+    assert torch.equal(fresh.gdn[0].s, P.gdn_state(2, 4, 128, 128).s)
+
+
+def test_a_state_at_another_position_is_not_stored(model_dir):
+    from lockstep_serving.vllm_next import store_cache
+
+    geom = N.Geometry.from_model_dir(model_dir)
+    cache = N.NextCache.empty(geom)
+    cache.position = 3
+    with pytest.raises(LaneRefused, match=r"layer 0's state is at position 0 \(chunk 64\), its "):
+        store_cache(geom, _fake_pages(geom), 0, cache)
+
+
+def test_the_state_layer_refuses_a_binding_of_another_layout(model_dir):
+    from lockstep_serving.next_state import LaneStateLayer, LaneStateMetadataBuilder
+    from lockstep_serving.vllm_next import LockstepQwen3NextForCausalLM, state_layout
+
+    geom = N.Geometry.from_model_dir(model_dir)
+    config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={}))
+    layer = LaneStateLayer("model.layers.0.linear_attn", state_layout(geom), config)
+    assert layer.get_state_shape()[1] == (4, 128, 128)
+    assert layer.get_state_dtype()[1] == torch.float32
+    with pytest.raises(ValueError, match="duplicate layer name"):
+        LaneStateLayer("model.layers.0.linear_attn", state_layout(geom), config)
+    layer.kv_cache = tuple(torch.zeros(2, *s, dtype=d) for _, s, d in state_layout(geom))
+    assert set(layer.pages()) == {n for n, _, _ in state_layout(geom)}
+    layer.kv_cache = (torch.zeros(2, 4, 128, 128, dtype=torch.bfloat16),) * 7
+    with pytest.raises(LaneRefused, match=r"state 'meta' is bound as torch.bfloat16"):
+        layer.pages()
+    layer.kv_cache = layer.kv_cache[:2]
+    with pytest.raises(LaneRefused, match=r"was bound 2 state tensors, not the lane's 7"):
+        layer.pages()
+    align = SimpleNamespace(cache_config=SimpleNamespace(mamba_cache_mode="align"))
+    with pytest.raises(LaneRefused, match=r"mamba_cache_mode 'align': the qwen3-next lane keeps"):
+        LaneStateMetadataBuilder(None, [], align, torch.device("cpu"))
+    with pytest.raises(LaneRefused, match=r"state pages are never copied by vLLM"):
+        LockstepQwen3NextForCausalLM.get_mamba_state_copy_func()
+
+
+def _bare_model(model_dir, by_layer, monkeypatch):
+    """The lane model without an engine: a step's metadata handed in by ``by_layer``."""
+    import vllm.forward_context as fc
+    from torch import nn
+
+    from lockstep_serving import vllm_next as V
+
+    geom = N.Geometry.from_model_dir(model_dir)
+    model = V.LockstepQwen3NextForCausalLM.__new__(V.LockstepQwen3NextForCausalLM)
+    nn.Module.__init__(model)
+    model.geom, model.gdn_layers, model.attn_layers = geom, [0], [1]
+    model.layer_names = {1: V.ATTN_PREFIX.format(1)}
+    pages = _fake_pages(geom)
+    model.state = [SimpleNamespace(pages=lambda: pages[0])]
+    monkeypatch.setattr(fc, "is_forward_context_available", lambda: True)
+    monkeypatch.setattr(fc, "get_forward_context", lambda: SimpleNamespace(attn_metadata=by_layer))
+    return model
+
+
+def _state_md(qsl, seq_lens):
+    from lockstep_serving.next_state import LaneStateMetadata
+
+    return LaneStateMetadata(
+        num_reqs=len(seq_lens),
+        num_actual_tokens=qsl[-1],
+        query_start_loc_cpu=torch.tensor(qsl),
+        seq_lens_cpu=torch.tensor(seq_lens),
+        state_slots=torch.arange(len(seq_lens)),
+    )
+
+
+def test_a_step_the_state_cannot_continue_is_refused(model_dir, monkeypatch):
+    from lockstep_serving.vllm_next import ATTN_PREFIX, STATE_PREFIX
+
+    ids = torch.tensor([5, 6, 7])
+    smd = _state_md([0, 3], [3])
+    model = _bare_model(model_dir, {STATE_PREFIX.format(0): smd}, monkeypatch)
+    with pytest.raises(LaneRefused, match=r"request 0: vLLM's positions 1..3 are not the cache's"):
+        model.forward(ids, torch.tensor([1, 2, 3]))
+    with pytest.raises(LaneRefused, match=r"inputs_embeds are not part of the lane"):
+        model.forward(ids, torch.tensor([0, 1, 2]), inputs_embeds=torch.zeros(3, 128))
+    other = SimpleNamespace(query_start_loc_cpu=torch.tensor([0, 2]))
+    by_layer = {STATE_PREFIX.format(0): smd, ATTN_PREFIX.format(1): other}
+    model = _bare_model(model_dir, by_layer, monkeypatch)
+    with pytest.raises(LaneRefused, match=r"the attention and state metadata of one step place"):
+        model.forward(ids, torch.tensor([0, 1, 2]))
+
+
+@pytest.mark.engine
+def test_weights_the_lane_does_not_load_are_refused(model_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    for name, change, message in (
+        ("fp16", "half", r"'model.layers.0.linear_attn.A_log' is torch.float16; the exact lane"),
+        ("extra", "extra", r"unexpected tensor 'model.layers.0.linear_attn.extra' in the"),
+    ):
+        out = tmp_path / name
+        shutil.copytree(model_dir, out)
+        weights = load_file(str(out / "model.safetensors"))
+        key = "model.layers.0.linear_attn.A_log"
+        if change == "half":
+            weights[key] = weights[key].half()
+        else:
+            weights["model.layers.0.linear_attn.extra"] = weights[key].clone()
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(Exception, match=message):
+            llm = start_engine(out)
+            stop_engine(llm)

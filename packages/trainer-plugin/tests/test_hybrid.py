@@ -1,0 +1,342 @@
+"""The hybrid lane (Qwen3-Next, issue 16) in Megatron: megatron-core's own GatedDeltaNet,
+gated SelfAttention and MoELayer with its shared expert, the lane's programs in their slots.
+
+The claim: Megatron's log-probabilities are the composition's (``lanes.qwen3_next.forward``)
+bytes, for sequences longer than the GDN chunk (64: the lane's contract) and shorter, alone or
+right-padded in a batch; a one-ulp weight change is caught; ``lockstep replay`` of a trace made
+by the composition is exact; what is not built yet is refused by name.
+
+Models: the default tiny qwen3-next (hidden 128, one GDN then one attention layer, 2 key heads
+for 4 value heads) and an odd one (hidden 96, three GDN layers then attention, one key head for
+four value heads, one kv head, 4 experts top-3, tied embeddings).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from trainer_support import nudge_one_ulp
+
+from lockstep_exact.contract import LayoutRefused
+from lockstep_exact.k3 import compare
+from lockstep_exact.lanes import qwen3_next as N
+from lockstep_exact.model import model_hash as dir_hash
+from lockstep_exact.requests import TrainerSessionRequest, TrainRequest
+from lockstep_exact.tiny import make_tiny
+from lockstep_exact.trace import Trace
+from lockstep_megatron import gdn
+from lockstep_megatron.convert import build, load_hf_weights
+from lockstep_megatron.replay import replay
+
+ODD = {
+    "hidden": 96,
+    "layers": 4,
+    "heads": 4,
+    "kv_heads": 1,
+    "head_dim": 16,
+    "experts": 4,
+    "topk": 3,
+    "moe_intermediate": 40,
+    "vocab": 1024,
+    "tie_embeddings": True,
+}
+# (prompt length, sampled tokens): sequences that cross the 64-token GDN chunk and that do not
+PLAN = ((70, 8), (5, 66), (40, 30), (3, 5), (100, 12), (64, 3))
+
+
+@pytest.fixture(scope="module", params=["default", "odd"])
+def next_dir(request, tmp_path_factory):
+    kw = ODD if request.param == "odd" else {}
+    return make_tiny(
+        tmp_path_factory.mktemp(f"next-{request.param}") / "m", arch="qwen3-next", **kw
+    )
+
+
+@pytest.fixture(scope="module")
+def loaded(next_dir):
+    return build(next_dir).eval(), load_hf_weights(next_dir)
+
+
+def _batch(seqs, pad: int) -> torch.Tensor:
+    toks = torch.full((len(seqs), max(len(s) for s in seqs)), pad, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        toks[i, : len(s)] = s
+    return toks
+
+
+def _sequences(vocab: int, lengths) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+
+
+def composition_trace(model_dir, out):
+    """A trace whose logprobs are the composition's (the sampler's programs, no engine): each
+    sequence's decisions from one ``lanes.qwen3_next`` forward over prompt + sampled tokens."""
+    geom = N.Geometry.from_model_dir(model_dir)
+    weights = load_hf_weights(model_dir)
+    ops = N.default_ops(geom)  # its invoked log is the "sampler's" contract
+    g = torch.Generator().manual_seed(5)
+    prompts, sampled, lps = [], [], []
+    for plen, n in PLAN:
+        seq = torch.randint(0, geom.vocab, (plen + n,), generator=g)
+        lp = N.forward_logprobs(weights, geom, seq[:-1], ops=ops)
+        rows = torch.arange(plen - 1, plen + n - 1)
+        prompts.append(seq[:plen])
+        sampled.append(seq[plen:])
+        lps.append(lp[rows, seq[plen:]].contiguous())
+    invoked = ops.invoked_contract()
+    trace = Trace.from_sequences(
+        prompts,
+        sampled,
+        lps,
+        contract_fingerprint=invoked.fingerprint,
+        contract=invoked.to_json(),
+        model_hash=dir_hash(model_dir),
+        engine={"name": "composition"},
+    )
+    return trace.save(out, overwrite=True)
+
+
+@pytest.fixture(scope="module")
+def next_trace(next_dir, tmp_path_factory):
+    return composition_trace(next_dir, tmp_path_factory.mktemp("trace") / "t")
+
+
+# --- the model is megatron-core's ----------------------------------------------------------------
+def test_the_model_is_megatron_cores_gdn_attention_and_moe_without_fla(loaded):
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    model, _ = loaded
+    geom = model.geom
+    names = set(model.gpt.state_dict())
+    for i, (kind, layer) in enumerate(zip(geom.layer_types, model.gpt.decoder.layers, strict=True)):
+        mixer, p = layer.self_attention, f"decoder.layers.{i}.self_attention."
+        if kind == N.LINEAR:
+            assert isinstance(mixer, GatedDeltaNet)
+            for name in ("in_proj.weight", "conv1d.weight", "A_log", "dt_bias", "out_norm.weight"):
+                assert p + name in names
+            assert p + "out_proj.weight" in names
+            assert mixer.in_proj.weight.shape[0] == mixer.in_proj_dim
+        else:
+            assert isinstance(mixer, SelfAttention) and model.gpt.config.attention_output_gate
+            assert p + "linear_qkv.weight" in names
+        assert isinstance(layer.mlp, MoELayer)
+        assert isinstance(layer.mlp.shared_experts, SharedExpertMLP)
+        assert f"decoder.layers.{i}.mlp.shared_experts.gate_weight" in names
+    assert not any(m == "fla" or m.startswith("fla.") for m in sys.modules)
+
+
+def test_the_gated_delta_net_modules_own_forward_is_the_compositions_mixer(loaded):
+    """Megatron's GatedDeltaNet called as Megatron calls it ([s, b, h] in, (out, bias) back):
+    each batch column's rows are the composition's GDN mixer bytes on HF's weights."""
+    model, weights = loaded
+    geom = model.geom
+    ops, slots = N.default_ops(geom), N.DictSlots(weights, geom)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(90, 2, geom.hidden, generator=g) * 0.5).to(torch.bfloat16)
+    for i, kind in enumerate(geom.layer_types):
+        if kind != N.LINEAR:
+            continue
+        with torch.no_grad():
+            out, bias = model.gpt.decoder.layers[i].self_attention(x, None)
+        assert bias is None and out.shape == x.shape
+        for col, n in ((0, 90), (1, 70)):  # a shorter sequence: its first 70 rows
+            seg = [(0, n, N.NextCache.empty(geom))]
+            ref = N.Layer(geom, i, ops, slots).gdn(x[:n, col].contiguous(), seg)
+            assert torch.equal(out[:n, col], ref), (i, col)
+    with pytest.raises(gdn.HybridRefused, match="takes no packed_seq_params"):
+        model.gpt.decoder.layers[0].self_attention(x, None, packed_seq_params=object())
+
+
+def test_fused_weights_hold_the_hf_projections_bytes(loaded):
+    model, weights = loaded
+    slots = gdn.NextSlots(model)
+    for i, kind in enumerate(model.geom.layer_types):
+        names = (
+            ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba")
+            if kind == N.LINEAR
+            else ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        )
+        for name in (*names, "mlp.shared_expert.up_proj", "mlp.experts.1.down_proj"):
+            hf = weights[f"model.layers.{i}.{name}.weight"]
+            assert torch.equal(slots.weight(i, f"{name}.weight"), hf), (i, name)
+
+
+# --- bytes ---------------------------------------------------------------------------------------
+def test_megatron_logprobs_equal_the_composition_bytes_in_padded_batches(loaded):
+    model, weights = loaded
+    seqs = _sequences(model.geom.vocab, (150, 70, 9, 64, 65))
+    for pad in (0, model.geom.vocab - 1):  # what fills the padding must not matter
+        with torch.no_grad():
+            lp = model(_batch(seqs, pad))
+        assert lp.dtype == torch.float32
+        for i, s in enumerate(seqs):
+            ref = N.forward_logprobs(weights, model.geom, s)
+            assert torch.equal(lp[i, : len(s)], ref), f"sequence {i} (len {len(s)}), pad {pad}"
+
+
+@pytest.mark.parametrize("where", ["in_proj", "A_log", "conv1d"])
+def test_one_ulp_gdn_weight_change_is_caught(next_dir, where):
+    model = build(next_dir).eval()
+    weights = load_hf_weights(next_dir)
+    seq = _sequences(model.geom.vocab, (80,))[0]
+    i = model.geom.layer_types.index(N.LINEAR)
+    mixer = model.gpt.decoder.layers[i].self_attention
+    t = {"in_proj": mixer.in_proj.weight, "A_log": mixer.A_log, "conv1d": mixer.conv1d.weight}
+    with torch.no_grad():
+        t[where].view(torch.int16).view(-1)[0] += 1  # one bf16 ulp
+        lp = model(seq[None])
+    assert not torch.equal(lp[0], N.forward_logprobs(weights, model.geom, seq))
+
+
+# --- replay --------------------------------------------------------------------------------------
+def test_replay_of_a_composition_trace_is_exact_for_every_decision(next_dir, next_trace):
+    trace = Trace.load(next_trace)
+    lps, _ = replay(next_dir, next_trace, micro_batch=4)
+    cmp = compare(trace.logprobs, lps)
+    assert cmp.n == trace.num_decisions == sum(n for _, n in PLAN)
+    assert cmp.byte_equal == cmp.n and cmp.k3_max == 0.0
+
+
+def decoded_trace(model_dir, out, temperature=0.8, top_p=0.9):
+    """A trace drawn as a sampler draws it: the prompt prefilled, then one token per step from
+    the composition's cache (decode crosses the 64-token chunk), each token the lane's sampling
+    rule's draw; the trace records the rule and the seeds, so replay checks every token."""
+    from lockstep_exact.trace import SamplingSettings
+
+    geom = N.Geometry.from_model_dir(model_dir)
+    weights = load_hf_weights(model_dir)
+    ops = N.default_ops(geom)
+    g = torch.Generator().manual_seed(9)
+    prompts, sampled, lps, seeds = [], [], [], []
+    for i, (plen, n) in enumerate(((60, 10), (5, 7), (63, 3))):
+        seed, cache = 100 + i, N.NextCache.empty(geom)
+        prompt = torch.randint(0, geom.vocab, (plen,), generator=g)
+        row = N.forward_logprobs(weights, geom, prompt, cache, ops=ops)[-1:]
+        toks, lp = [], []
+        for j in range(n):
+            tok = ops.sample(
+                "sample",
+                row,
+                temperature=temperature,
+                top_p=top_p,
+                seeds=[seed],
+                positions=[plen + j],
+            )
+            toks.append(tok)
+            lp.append(row[0, tok])
+            row = N.forward_logprobs(weights, geom, tok, cache, ops=ops)
+        prompts.append(prompt)
+        sampled.append(torch.cat(toks))
+        lps.append(torch.cat(lp))
+        seeds.append(seed)
+    invoked = ops.invoked_contract()
+    rule = ops.program("sample", "sample.gumbel_topp").ident
+    return Trace.from_sequences(
+        prompts,
+        sampled,
+        lps,
+        contract_fingerprint=invoked.fingerprint,
+        contract=invoked.to_json(),
+        model_hash=dir_hash(model_dir),
+        sampling=SamplingSettings(temperature, top_p, seed=100, seeds=tuple(seeds), rule=rule),
+        engine={"name": "composition, decoded"},
+    ).save(out, overwrite=True)
+
+
+def test_replay_of_a_decoded_trace_with_its_sampling_rule_is_exact(next_dir, tmp_path):
+    """Teacher forcing in Megatron (every position in one forward) against token-by-token
+    decode in the composition: byte-equal, and every token is the rule's draw."""
+    path = decoded_trace(next_dir, tmp_path / "decoded")
+    trace = Trace.load(path)
+    assert trace.sampling.rule is not None
+    lps, _ = replay(next_dir, path, micro_batch=2)
+    cmp = compare(trace.logprobs, lps)
+    assert cmp.n == 20 and cmp.byte_equal == cmp.n
+
+
+def test_replay_on_a_one_ulp_copy_reports_a_difference(next_dir, next_trace, tmp_path):
+    name = "model.layers.0.linear_attn.in_proj_qkvz.weight"  # layer 0 is a GDN layer
+    nudged = nudge_one_ulp(next_dir, tmp_path / "nudged", name)
+    original = Trace.load(next_trace)
+    forged = Trace.from_sequences(  # the original's bytes, admitted against the nudged copy
+        [original.prompt(i) for i in range(original.num_sequences)],
+        [original.sampled(i) for i in range(original.num_sequences)],
+        [original.sequence_logprobs(i) for i in range(original.num_sequences)],
+        contract_fingerprint=original.contract_fingerprint,
+        contract=original.contract,
+        model_hash=dir_hash(nudged),
+    ).save(tmp_path / "trace")
+    lps, _ = replay(nudged, forged, micro_batch=4)
+    cmp = compare(original.logprobs, lps)
+    assert cmp.byte_equal < cmp.n and cmp.first_diff is not None
+
+
+def test_lockstep_replay_cli_on_a_qwen3_next_model(next_dir, next_trace, tmp_path, capsys):
+    import json
+
+    from lockstep_exact.cli import main
+
+    report = tmp_path / "report.json"
+    args = ["replay", "--model", str(next_dir), "--trace", str(next_trace), "--out", str(report)]
+    assert main(args) == 0
+    n = Trace.load(next_trace).num_decisions
+    assert f"EXACT: {n}/{n} decisions byte-equal" in capsys.readouterr().out
+    assert json.loads(report.read_text())["byte_equal"] == n
+
+
+# --- refusals ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def default_dir(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("next-refusals") / "m", arch="qwen3-next")
+
+
+def test_training_the_hybrid_lane_is_refused_by_name(default_dir, tmp_path):
+    from lockstep_megatron.run import train
+    from lockstep_megatron.session import open_session
+
+    want = "training the hybrid lane is not built yet \\(issue 16\\)"
+    request = TrainRequest(
+        model_dir=default_dir, trace_dir=tmp_path / "t", adapter_in=None, adapter_out=tmp_path
+    )
+    with pytest.raises(gdn.HybridRefused, match=want):
+        train(request)
+    for role in ("policy", "frozen"):
+        with pytest.raises(gdn.HybridRefused, match=want):
+            open_session(TrainerSessionRequest(model_dir=default_dir, role=role))
+
+
+def test_a_forward_with_trainable_parameters_is_refused(loaded):
+    model, _ = loaded
+    p = model.gpt.decoder.final_layernorm.weight
+    p.requires_grad_(True)
+    try:
+        with pytest.raises(gdn.HybridRefused, match="training the hybrid lane is not built yet"):
+            model(torch.zeros(1, 4, dtype=torch.long))
+    finally:
+        p.requires_grad_(False)
+
+
+def test_replay_refuses_an_adapter_another_layout_and_another_backend(default_dir, tmp_path):
+    with pytest.raises(gdn.HybridRefused, match="LoRA on the hybrid lane .* is not built yet"):
+        replay(default_dir, tmp_path / "t", adapter_dir=tmp_path / "adapter")
+    with pytest.raises(LayoutRefused, match="qwen3-next lane runs on one device so far"):
+        replay(default_dir, tmp_path / "t", tp=2)
+    with pytest.raises(gdn.HybridRefused, match="runs in Megatron on cpu only so far, not 'cuda'"):
+        gdn.check_replay(default_dir, None, "cuda", 1, 1)
+
+
+def test_the_trainer_contract_hook_answers_for_the_hybrid_lane(default_dir, tmp_path):
+    from lockstep_exact.model import ModelDir
+    from lockstep_megatron import plugin
+
+    contract = plugin.lockstep_trainer_contract(default_dir, None, "cpu")
+    assert contract.lane == "qwen3-next/bf16/cpu"
+    assert contract.fingerprint == ModelDir(default_dir, hybrid=True).contract().fingerprint
+    with pytest.raises(gdn.HybridRefused, match="LoRA on the hybrid lane .* is not built yet"):
+        plugin.lockstep_trainer_contract(default_dir, tmp_path / "adapter", "cpu")
