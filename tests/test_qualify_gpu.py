@@ -34,7 +34,7 @@ def _vllm_026():
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])
-def test_the_whole_ladder_qualifies_on_cuda(arch, tmp_path, capsys):
+def test_the_whole_ladder_qualifies_on_cuda(arch, tmp_path, capfd):
     _vllm_026()
     import megatron.core
 
@@ -43,7 +43,7 @@ def test_the_whole_ladder_qualifies_on_cuda(arch, tmp_path, capsys):
     out = tmp_path / "q"
     argv = ["qualify", "--tiny", arch, "--backend", "cuda", "--out", str(out)]
     rc = main(argv)
-    printed = capsys.readouterr().out
+    printed = capfd.readouterr().out
     report = json.loads((out / "report.json").read_text())
     failed = [(g["name"], g["error"], g["bisect"]) for g in report["gates"] if not g["passed"]]
     assert rc == 0 and report["passed"], (failed, printed[-3000:])

@@ -15,8 +15,10 @@ with a one-ulp negative control:
   prefix-cache hit equals the miss; a chunked prefill equals one prefill; base, adapter A and
   adapter B in one batch each equal their solo runs.
 
-The engine runs eagerly (``enforce_eager``, the lane's default): its attention builder
-declares no CUDA graph support yet.
+- with CUDA graphs (``engine_args(cuda_graphs=True)``): one-token decode steps replay
+  captured graphs (no Python forward runs) with the eager engine's bytes, and Megatron
+  replays such a trace byte for byte; the paged decode step's programs themselves are gated
+  in packages/shared-exact/tests/test_programs_gpu.py.
 """
 
 from __future__ import annotations
@@ -198,8 +200,11 @@ def _stop(llm):
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])
-def test_megatron_on_cuda_replays_a_trace_captured_from_vllm_026(arch, gpu_models, tmp_path):
+def test_megatron_on_cuda_replays_a_trace_captured_from_vllm_026(
+    arch, graphs, gpu_models, tmp_path
+):
     from lockstep_exact.k3 import compare
     from lockstep_exact.parity import nudge_ulp
     from lockstep_exact.requests import CaptureRequest
@@ -217,7 +222,7 @@ def test_megatron_on_cuda_replays_a_trace_captured_from_vllm_026(arch, gpu_model
             out_dir=tmp_path / "trace",
             seed=3,
             backend="cuda",
-            options={"gpu_memory_utilization": GPU_MEMORY},
+            options={"gpu_memory_utilization": GPU_MEMORY, "cuda_graphs": graphs},
         )
     )
     torch.cuda.empty_cache()
@@ -226,7 +231,8 @@ def test_megatron_on_cuda_replays_a_trace_captured_from_vllm_026(arch, gpu_model
     assert trace.contract["backend"] == "cuda"
     got, seconds = replay(model_dir, tmp_path / "trace", backend="cuda")
     cmp = compare(torch.as_tensor(trace.logprobs), got)
-    print(f"{arch}: vLLM 0.26 cuda -> Megatron cuda: {cmp} ({seconds:.1f} s)")
+    mode = "cuda graphs" if graphs else "eager"
+    print(f"{arch} ({mode}): vLLM 0.26 cuda -> Megatron cuda: {cmp} ({seconds:.1f} s)")
     assert cmp.exact and cmp.n == 64 and cmp.k3_max == 0.0
     # control: one final-norm weight one ulp off in the trainer is caught
     model = build(model_dir).cuda().eval()
@@ -234,6 +240,32 @@ def test_megatron_on_cuda_replays_a_trace_captured_from_vllm_026(arch, gpu_model
     with torch.no_grad():
         w.copy_(nudge_ulp(w, 3))
     assert not compare(torch.as_tensor(trace.logprobs), score(model, trace, control=True)).exact
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])
+def test_decode_steps_replayed_from_cuda_graphs_give_the_eager_bytes(arch, gpu_models):
+    """The same 8 seeded requests in an eager engine and in one with CUDA graphs: every
+    decision byte-equal, and with graphs no decode step ran the Python forward (each was a
+    graph replay), while the eager engine ran them all."""
+    from lockstep_exact.tiny import default_prompts
+    from lockstep_serving.offline import python_decode_steps
+
+    prompts = default_prompts(8)
+    runs = {}
+    for graphs in (False, True):
+        llm = _start(gpu_models[arch], cuda_graphs=graphs, max_num_seqs=16)
+        try:
+            before = sum(llm.apply_model(python_decode_steps))
+            outs = llm.generate(prompts, _params(8), use_tqdm=False)
+            runs[graphs] = (outs, sum(llm.apply_model(python_decode_steps)) - before)
+        finally:
+            _stop(llm)
+    (eager, eager_steps), (graph, graph_steps) = runs[False], runs[True]
+    print(f"{arch}: Python decode steps eager {eager_steps}, with graphs {graph_steps}")
+    assert eager_steps >= DECISIONS - 1
+    assert graph_steps == 0, "a decode step ran eagerly in the engine with CUDA graphs"
+    for i in range(8):
+        _same(eager[i], graph[i], f"prompt {i}: eager vs CUDA graphs")
 
 
 _V2_CHILD = """

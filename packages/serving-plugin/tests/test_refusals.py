@@ -178,3 +178,52 @@ def test_capture_refuses_a_trace_whose_engine_ran_another_backend(dense, monkeyp
         "the engine ran the cpu lane but backend 'cuda' was asked for (the lane's backend is "
         "the engine's device)"
     )
+
+
+def _graph_config(mode=0, graphs="FULL_DECODE_ONLY", lora=None, tp=1):
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationConfig
+
+    return SimpleNamespace(
+        compilation_config=CompilationConfig(mode=mode, cudagraph_mode=graphs),
+        lora_config=lora,
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+    )
+
+
+def test_cuda_graphs_with_what_a_graph_cannot_hold_are_refused():
+    """CUDA graphs capture the lane's one-token decode steps only: LoRA (an adapter choice per
+    request) and tp > 1 are refused with graphs on, and whole-model torch.compile always."""
+    from lockstep_serving.vllm_model import _check_graphs
+
+    _check_graphs(_graph_config())  # graphs alone: accepted
+    _check_graphs(_graph_config(graphs="NONE", lora=object(), tp=2))  # eager: accepted
+    cases = {
+        "lora": (
+            _graph_config(lora=object()),
+            "LoRA with CUDA graphs: a captured step cannot choose adapters per request; start "
+            "the engine with enforce_eager=True for LoRA",
+        ),
+        "tp": (
+            _graph_config(tp=2),
+            "CUDA graphs at tensor parallel size 2: the lane captures one-GPU decode steps "
+            "only; start the engine with enforce_eager=True",
+        ),
+        "compile": (
+            _graph_config(mode=1, graphs="NONE"),
+            "compilation mode STOCK_TORCH_COMPILE would torch.compile the lane's forward "
+            "(Inductor may fuse and reorder its programs); use mode NONE (-cc.mode=0)",
+        ),
+    }
+    for config, message in cases.values():
+        with pytest.raises(LaneRefused) as err:
+            _check_graphs(config)
+        assert str(err.value) == f"Lockstep exact lane refused to start: {message}"
+
+
+def test_engine_args_with_cuda_graphs_ask_for_decode_graphs_and_no_compilation(dense):
+    args = engine_args(dense, cuda_graphs=True)
+    assert args["enforce_eager"] is False
+    assert args["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    assert engine_args(dense)["enforce_eager"] is True

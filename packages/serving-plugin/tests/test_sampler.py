@@ -173,3 +173,21 @@ def test_an_unsupported_sampling_parameter_is_refused_by_name(runs, name):
 def test_a_random_request_without_a_seed_still_samples(runs):
     for out in runs["unseeded"]:
         assert len(out.outputs[0].token_ids) == DECISIONS
+
+
+def test_the_sampler_finds_the_lane_model_behind_a_cuda_graph_wrapper():
+    """With CUDA graphs vLLM wraps the model (CUDAGraphWrapper); the runner's ``get_model``
+    unwraps it. The sampler must see the lane model there, or it would sample with vLLM's
+    own rule while the lane model runs (the defect the GPU graph tests first showed)."""
+    from types import SimpleNamespace
+
+    from lockstep_serving.sampler import _is_lane_runner, runner_model
+    from lockstep_serving.vllm_model import LIVE
+
+    inner = torch.nn.Linear(1, 1)
+    LIVE.add(inner)
+    wrapper = SimpleNamespace(unwrap=lambda: inner)
+    runner = SimpleNamespace(model=wrapper, get_model=lambda: inner)
+    assert runner_model(runner) is inner and _is_lane_runner(runner)
+    assert not _is_lane_runner(SimpleNamespace(model=wrapper))  # the wrapper is not the lane
+    assert runner_model(SimpleNamespace(model=inner)) is inner  # a runner without get_model

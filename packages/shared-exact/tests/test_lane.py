@@ -48,3 +48,36 @@ def test_reference_is_the_hf_model_within_bf16_error(tiny):
     # MoE allows a few rows beyond the dense bound.
     rows_off = int((err.amax(-1) > 0.25).sum())
     assert rows_off <= (4 if geom.is_moe else 0), f"{rows_off} of 40 rows beyond 0.25"
+
+
+def test_static_dispatch_gives_the_bytes_of_the_per_expert_dispatch():
+    """The graph-safe MoE dispatch (every expert on every row, then a gather) equals running
+    each expert on the rows that chose it, byte for byte; a one-ulp change of one expert
+    weight shows the check can fail."""
+    from lockstep_exact import programs as P
+
+    g = torch.Generator().manual_seed(3)
+    experts, hidden, inter, rows, k = 6, 64, 48, 37, 2
+    w = [
+        (torch.randn(inter, hidden, generator=g) * 0.1).to(torch.bfloat16)
+        for _ in range(2 * experts)
+    ]
+    down = [
+        (torch.randn(hidden, inter, generator=g) * 0.1).to(torch.bfloat16) for _ in range(experts)
+    ]
+    h = torch.randn(rows, hidden, generator=g).to(torch.bfloat16)
+    ids = torch.sort(
+        torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(rows)]), 1
+    )
+    ids = ids.values
+
+    def expert(e, x, nudge=False):
+        d = nudge_ulp(down[e], 0) if nudge else down[e]
+        act = P.swiglu(P.gemm(x, w[2 * e]), P.gemm(x, w[2 * e + 1]))
+        return P.gemm(act, d)
+
+    want = qwen3.local_dispatch(h, ids, expert)
+    got = qwen3.static_dispatch(h, ids, expert, experts)
+    assert_same_bytes(got, want)
+    nudged = qwen3.static_dispatch(h, ids, lambda e, x: expert(e, x, nudge=e == 2), experts)
+    assert not same_bytes(nudged, want)

@@ -434,3 +434,132 @@ def test_attention_error_is_bounded(h_q, h_kv):
     q, k, v = attn_inputs(n, h_q=h_q, h_kv=h_kv, seed=50)
     out = P.attention(q, k, v, torch.arange(n, device="cuda"), block=64)
     assert rel_err(out, attention_f64(q, k, v)) < 1e-2
+
+
+# --- paged decode (issue 11: the graph-safe step) ------------------------------------------------
+def _paged_batch(lens, page, seed, h_kv=2, d=128, spare=3):
+    """Requests of ``lens`` keys scattered over shuffled pages of one cache whose other slots
+    hold NaN/inf; returns (contiguous k/v per request, key_cache, value_cache, block_table)."""
+    pages = [-(-n // page) for n in lens]
+    width = max(pages) + 2
+    num_blocks = sum(pages) + spare
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).cuda()
+    kv = torch.full((num_blocks, h_kv, page, 2 * d), float("nan"), dtype=BF16, device="cuda")
+    kv[..., d:] = float("inf")
+    key_cache, value_cache = kv[..., :d], kv[..., d:]  # vLLM-style halves of one cache
+    table = torch.zeros(len(lens) + 2, width, dtype=torch.int32, device="cuda")
+    ks, vs, at = [], [], 0
+    for i, n in enumerate(lens):
+        k = cuda_rand(n, h_kv, d, seed=seed + 7 * i)
+        v = cuda_rand(n, h_kv, d, seed=seed + 7 * i + 1)
+        ids = perm[at : at + pages[i]]
+        at += pages[i]
+        table[i, : pages[i]] = ids.int()
+        t = torch.arange(n, device="cuda")
+        key_cache[ids[t // page], :, t % page] = k
+        value_cache[ids[t // page], :, t % page] = v
+        ks.append(k)
+        vs.append(v)
+    return ks, vs, key_cache, value_cache, table
+
+
+DECODE_LENS = (1, 31, 32, 33, 100, 2047, 2048, 2049, 3000, 4100)
+
+
+@pytest.mark.parametrize("page,block", [(16, 32), (32, 32), (64, 32), (16, 64)])
+def test_paged_decode_gives_each_request_the_contiguous_bytes(page, block):
+    """A batch of one-token decodes over a paged cache (pages shuffled, NaN/inf elsewhere,
+    two padding requests of seq_len 0): each row is the bytes of attention.blocked on the
+    request's contiguous keys, decoded alone; one ulp in one query row is caught."""
+    h_kv, g, d = 2, 4, 128
+    ks, vs, key_cache, value_cache, table = _paged_batch(DECODE_LENS, page, seed=page + block)
+    n = len(DECODE_LENS)
+    q = cuda_rand(n + 2, h_kv * g, d, seed=99)
+    seq = torch.tensor(list(DECODE_LENS) + [0, 0], dtype=torch.int32, device="cuda")
+    pos = torch.tensor([m - 1 for m in DECODE_LENS] + [0, 0], device="cuda")
+    got = P.attention_decode_paged(
+        q, key_cache, value_cache, table, seq, pos, max_seq_len=4200, block=block
+    )
+    for i, m in enumerate(DECODE_LENS):
+        want = P.attention(q[i : i + 1], ks[i], vs[i], pos[i : i + 1], block=block)
+        assert_same_bytes(got[i : i + 1], want, f"request {i} ({m} keys)")
+    moved = q.clone()
+    moved[3] = nudge_ulp(q[3], 5)
+    other = P.attention_decode_paged(
+        moved, key_cache, value_cache, table, seq, pos, max_seq_len=4200, block=block
+    )
+    assert not same_bytes(other[3], got[3]) and same_bytes(other[:3], got[:3])
+
+
+def test_the_paged_decode_step_replays_from_a_cuda_graph_with_the_eager_bytes():
+    """write_pages + attention_decode_paged captured once in a CUDA graph (no host read in
+    either), then replayed on new rows, new lengths and new pages: the eager bytes."""
+    h_kv, g, d, page = 2, 4, 128, 16
+    lens = (5, 40, 2100)
+    ks, vs, key_cache, value_cache, table = _paged_batch(lens, page, seed=4, spare=300)
+    n = len(lens)
+    q = cuda_rand(n, h_kv * g, d, seed=1)
+    k_new, v_new = cuda_rand(n, h_kv, d, seed=2), cuda_rand(n, h_kv, d, seed=3)
+    seq = torch.tensor([m + 1 for m in lens], dtype=torch.int32, device="cuda")
+    pos = (seq - 1).long()
+    slots = torch.stack([table[i, m // page].long() * page + m % page for i, m in enumerate(lens)])
+    out = torch.empty(n, h_kv * g, d, dtype=BF16, device="cuda")
+
+    def step():
+        P.write_pages(key_cache, value_cache, k_new, v_new, slots)
+        out.copy_(P.attention_decode_paged(
+            q, key_cache, value_cache, table, seq, pos, max_seq_len=4096
+        ))  # fmt: skip
+
+    step()  # compiles the kernels before the capture
+    eager_first = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    # the next step: the same requests one token further, new query rows
+    q.copy_(cuda_rand(n, h_kv * g, d, seed=11))
+    k_new.copy_(cuda_rand(n, h_kv, d, seed=12))
+    v_new.copy_(cuda_rand(n, h_kv, d, seed=13))
+    seq += 1
+    pos += 1
+    slots.copy_(torch.stack([table[i, (m + 1) // page].long() * page + (m + 1) % page
+                             for i, m in enumerate(lens)]))  # fmt: skip
+    graph.replay()
+    replayed = out.clone()
+    step()
+    assert_same_bytes(replayed, out, "graph replay vs eager")
+    assert not same_bytes(replayed, eager_first)
+    assert not same_bytes(nudge_ulp(replayed, 7), out)
+
+
+def test_write_pages_copies_rows_into_their_slots_and_skips_padding():
+    h_kv, d, page = 2, 128, 16
+    kv = torch.zeros(6, h_kv, page, 2 * d, dtype=BF16, device="cuda")
+    key_cache, value_cache = kv[..., :d], kv[..., d:]
+    k, v = cuda_rand(4, h_kv, d, seed=1), cuda_rand(4, h_kv, d, seed=2)
+    before = kv.clone()
+    P.write_pages(key_cache, value_cache, k, v, torch.tensor([17, -1, 95, 6 * page], device="cuda"))
+    assert_same_bytes(key_cache[1, :, 1], k[0])
+    assert_same_bytes(value_cache[5, :, 15], v[2])
+    changed = (kv.view(torch.int16) != before.view(torch.int16)).any(-1)
+    assert changed.nonzero().tolist() == [[1, 0, 1], [1, 1, 1], [5, 0, 15], [5, 1, 15]]
+
+
+def test_rope_under_a_position_bound_reads_no_position_on_the_host():
+    """Under programs.position_bound the cuda rope runs inside a CUDA graph capture (no host
+    read) with the bytes of the unbounded call; outside one, a capture is refused by name."""
+    x = cuda_rand(5, 4, 128, seed=3)
+    pos = torch.tensor([0, 7, 1000, 4095, 3], device="cuda")
+    want = P.rope(x, pos, 1e6)
+    out = torch.empty_like(x)
+    with P.position_bound(4096):
+        out.copy_(P.rope(x, pos, 1e6))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out.copy_(P.rope(x, pos, 1e6))
+    out.zero_()
+    graph.replay()
+    assert_same_bytes(out, want)
+    refused = pytest.raises(ValueError, match="a CUDA graph capture needs programs.position_bound")
+    with refused, torch.cuda.graph(torch.cuda.CUDAGraph()):
+        P.rope(x, pos, 1e6)

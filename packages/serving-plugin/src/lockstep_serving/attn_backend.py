@@ -26,6 +26,7 @@ from typing import ClassVar
 import torch
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,
@@ -68,7 +69,15 @@ class LaneAttentionMetadata:
 
 
 class LaneAttentionMetadataBuilder(AttentionMetadataBuilder[LaneAttentionMetadata]):
-    """Copies the batch's common metadata into ``LaneAttentionMetadata``; plans nothing."""
+    """Copies the batch's common metadata into ``LaneAttentionMetadata``; plans nothing.
+
+    CUDA graphs: a step of one-token decodes runs the lane's graph-safe path (no host read,
+    shapes fixed by the padded batch; ``vllm_model._decode_step``), so vLLM may capture those;
+    any other step runs eager."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    )
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)

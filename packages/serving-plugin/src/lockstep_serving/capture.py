@@ -129,6 +129,11 @@ def build_trace(
     """The Trace of one generate call: raw FP32 logprobs, the invoked contract, the rule."""
     import vllm
 
+    if "sample" not in invoked.sites:
+        raise LaneRefused(
+            "the engine produced tokens without running the lane's sampling rule (no 'sample' "
+            "op site ran): its tokens and logprobs are not the lane's, so no trace is written"
+        )
     temperature = params[0].temperature if params else 1.0
     return Trace.from_sequences(
         [list(o.prompt_token_ids) for o in outs],

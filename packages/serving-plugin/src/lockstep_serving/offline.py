@@ -49,10 +49,14 @@ def isolate(root: Path, *, override: bool = False, tmp: bool = False) -> None:
             os.environ.setdefault(key, value)
 
 
-def engine_args(model_dir, *, contract: str | None = None, **overrides) -> dict:
+def engine_args(
+    model_dir, *, contract: str | None = None, cuda_graphs: bool = False, **overrides
+) -> dict:
     """Keyword arguments for ``vllm.LLM`` that serve ``model_dir`` on the exact lane.
 
     ``contract``: a fingerprint the lane must match, or the engine refuses to start.
+    ``cuda_graphs``: capture the lane's one-token decode steps in CUDA graphs (a GPU engine;
+    no compilation, full graphs for decode batches, every other step eager). Default: eager.
     """
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     arch = (cfg.get("architectures") or ["?"])[0]
@@ -76,6 +80,9 @@ def engine_args(model_dir, *, contract: str | None = None, **overrides) -> dict:
         # The hybrid lane refuses vLLM's prefix caching (vllm_next.py), which vLLM turns on
         # for it by default.
         args["enable_prefix_caching"] = False
+    if cuda_graphs:
+        args["enforce_eager"] = False
+        args["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     args.update(overrides)
     return args
 
@@ -88,6 +95,12 @@ def _fingerprint(model) -> str:
 
 def _invoked_json(model) -> str:
     return json.dumps(model.ops.invoked_contract().to_json(), sort_keys=True)
+
+
+def python_decode_steps(model) -> int:
+    """One-token decode steps the lane's Python forward has run (a step replayed from a CUDA
+    graph runs none): how a test sees that graphs were used."""
+    return int(getattr(model, "decode_steps", 0))
 
 
 def _declared_json(model) -> str:

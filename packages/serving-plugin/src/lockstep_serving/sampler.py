@@ -143,10 +143,22 @@ def process_inputs(self, request_id, prompt, params, *args, **kwargs):
     return request
 
 
+def runner_model(runner):
+    """The runner's model itself: vLLM wraps it (CUDAGraphWrapper) when it captures CUDA
+    graphs, and a wrapper is not the lane model (the sampler would miss the lane)."""
+    get = getattr(runner, "get_model", None)
+    if callable(get):
+        try:
+            return get()
+        except ValueError:  # "Cannot get model before model has been initialized"
+            return None
+    return getattr(runner, "model", None)
+
+
 def _is_lane_runner(runner) -> bool:
     from .vllm_model import LIVE
 
-    model = getattr(runner, "model", None)
+    model = runner_model(runner)
     return model is not None and model in LIVE
 
 
@@ -194,7 +206,7 @@ def lane_sample(self, logits, spec_decode_metadata):
     # Lane requests never draw from torch generators (see the module docstring).
     self.input_batch.generators.clear()
     # The raw rows, from the lane's logprobs site (what Sampler.compute_logprobs gives too).
-    ops = self.model.ops
+    ops = runner_model(self).ops
     with paused():  # bisect records the logprobs site from the model's forward, every row
         raw = ops.log_softmax("logprobs", logits.to(torch.float32))
     temps, tops, seeds, positions = rows_of(self, n)

@@ -135,6 +135,7 @@ def _validate_config(vllm_config, arch: str) -> tuple[qwen3.Geometry, Path]:
         _refuse(f"data parallelism ({par.data_parallel_size}) is not part of the lane")
     if mc.logprobs_mode != "raw_logprobs":
         _refuse(f"logprobs_mode {mc.logprobs_mode!r}; start the engine with 'raw_logprobs'")
+    _check_graphs(vllm_config)
     geom = lane_geometry(arch, model_dir)
     try:
         check_layout(model_contract(model_dir, backend), tp=par.tensor_parallel_size)
@@ -142,6 +143,38 @@ def _validate_config(vllm_config, arch: str) -> tuple[qwen3.Geometry, Path]:
         _refuse(str(err))
     admit_requested(model_dir, backend, getattr(mc.hf_config, CONTRACT_OVERRIDE, None))
     return geom, model_dir
+
+
+def _check_graphs(vllm_config) -> None:
+    """What the lane allows of vLLM's compilation and CUDA graphs, refused by name otherwise.
+
+    The lane's model is never compiled: vLLM's own compilation only touches models marked for
+    it, and ``torch.compile`` of the whole model (STOCK_TORCH_COMPILE) would let Inductor fuse
+    and reorder the programs' arithmetic. CUDA graphs capture the lane's one-token decode
+    batches (its attention backend declares that much); a graph holds no per-step adapter
+    choice and no tensor-parallel gather, so LoRA and tp > 1 run eager."""
+    from vllm.config import CompilationMode
+    from vllm.config.compilation import CUDAGraphMode
+
+    cc = vllm_config.compilation_config
+    if cc.mode == CompilationMode.STOCK_TORCH_COMPILE:
+        _refuse(
+            "compilation mode STOCK_TORCH_COMPILE would torch.compile the lane's forward "
+            "(Inductor may fuse and reorder its programs); use mode NONE (-cc.mode=0)"
+        )
+    if cc.cudagraph_mode in (None, CUDAGraphMode.NONE):
+        return
+    if vllm_config.lora_config is not None:
+        _refuse(
+            "LoRA with CUDA graphs: a captured step cannot choose adapters per request; "
+            "start the engine with enforce_eager=True for LoRA"
+        )
+    if vllm_config.parallel_config.tensor_parallel_size != 1:
+        _refuse(
+            "CUDA graphs at tensor parallel size "
+            f"{vllm_config.parallel_config.tensor_parallel_size}: the lane captures one-GPU "
+            "decode steps only; start the engine with enforce_eager=True"
+        )
 
 
 def _expected_names(geom: qwen3.Geometry) -> set[str]:
@@ -208,6 +241,9 @@ class LockstepQwen3ForCausalLM(nn.Module):
             self.gather = DistGather(group.cpu_group if on_cpu else group.device_group, self.tp)
         self.weights: dict[str, torch.Tensor] = {}
         self.device = torch.device(vllm_config.device_config.device)
+        # Every position vLLM schedules is below this: the bound of the graph-safe decode step.
+        self.max_positions = int(vllm_config.model_config.max_model_len)
+        self.decode_steps = 0
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(g.layers)]
         # vLLM's Attention modules own the paged KV cache; their forward is unused. They run on
         # the lane's own backend (attn_backend.py): no vLLM kernel, so no kernel's shape limits.
@@ -243,7 +279,18 @@ class LockstepQwen3ForCausalLM(nn.Module):
         if missing:
             _refuse(f"checkpoint lacks {len(missing)} tensor(s), first {missing[0]!r}")
         self._layer_weights = qwen3.split_layers(self.weights, self.geom)
+        if self.device.type == "cuda":
+            self._warm_position_tables()
         return set()  # no nn.Parameters: the weights live outside vLLM's parameter tracking
+
+    def _warm_position_tables(self) -> None:
+        """Run rope once under the engine's position bound, so its table is on the device
+        before any CUDA graph capture (a capture cannot copy from the host)."""
+        g = self.geom
+        base = self.ops.program("layers.0.self_attn.q_rope", "rope.neox").param("base")
+        x = torch.zeros(1, 1, g.head_dim, dtype=torch.bfloat16, device=self.device)
+        with P.position_bound(self.max_positions):
+            P.rope(x, torch.zeros(1, dtype=torch.int64, device=self.device), base)
 
     # --- forward ---------------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -274,6 +321,8 @@ class LockstepQwen3ForCausalLM(nn.Module):
         md = get_attention_context(self.layer_names[0])[0]
         if md is None:
             return out
+        if self._one_token_decodes(md, positions):
+            return self._decode_step(input_ids, positions, md)
         # Requests sharing an adapter run together; rows never mix, so each equals its solo run.
         qsl = md.query_start_loc.tolist()
         ids = self._token_adapters
@@ -296,6 +345,27 @@ class LockstepQwen3ForCausalLM(nn.Module):
             logits = qwen3.final_logits(self.ops, self.geom, self.slots(), out[: qsl[-1]])
             qwen3.logprobs(self.ops, logits)
         return out
+
+    def _one_token_decodes(self, md, positions) -> bool:
+        """A step of one-token decodes on cuda with no adapter: it takes the graph-safe path
+        (the only kind of step vLLM captures in a CUDA graph for the lane)."""
+        return (
+            self.device.type == "cuda"
+            and md.max_query_len == 1
+            and md.num_reqs == positions.shape[0]
+            and not any(self._token_adapters)
+            and not is_recording()
+        )
+
+    def _decode_step(self, input_ids, positions, md):
+        """Every row at once, with no host read and shapes fixed by the batch: K/V written
+        through the slot mapping, paged attention over each request's pages, experts run on
+        every row. Each row gets the bytes of the per-request path (the same programs)."""
+        self.decode_steps += 1  # Python runs: a step replayed from a CUDA graph adds none
+        slots = DecodeSlots(self, md)
+        with P.position_bound(self.max_positions):
+            h = qwen3.embed(self.ops, slots, input_ids)
+            return qwen3.layers(self.ops, self.geom, slots, h, positions)
 
     def slots(self) -> qwen3.DictSlots:
         slots = qwen3.DictSlots(self.weights, self.geom, per_layer=self._layer_weights)
@@ -326,6 +396,48 @@ class PagedSlots(qwen3.DictSlots):
         return paged_attention(
             q, k, v, positions, md, kv_cache, slots[self.rows], self.reqs, core=core
         )
+
+
+class DecodeSlots(qwen3.DictSlots):
+    """The composition's slots for a step of one-token decodes on cuda (``_decode_step``):
+    one paged-attention call for all requests and the experts' static dispatch, so the step
+    reads nothing on the host and a CUDA graph can capture it."""
+
+    def __init__(self, model: LockstepQwen3ForCausalLM, md):
+        super().__init__(model.weights, model.geom, None, per_layer=model._layer_weights)
+        self.model, self.md = model, md
+        self.gather = model.gather
+        self.checked = False
+
+    def attend(self, layer, q, k, v, positions, core):
+        from vllm.model_executor.layers.attention.attention import get_attention_context
+
+        from .attn_backend import LaneAttentionMetadata, kv_halves
+
+        md, _layer, kv_cache, slot_mapping = get_attention_context(self.model.layer_names[layer])
+        if not isinstance(md, LaneAttentionMetadata):
+            raise LaneRefused(
+                f"Lockstep exact lane: attention metadata of type {type(md).__name__}; the "
+                "lane's layers must run on its own backend (attn_backend.LaneAttentionBackend)"
+            )
+        n = q.shape[0]
+        slots = (slot_mapping if slot_mapping is not None else md.slot_mapping)[:n]
+        seq_lens = md.seq_lens[:n]
+        if not self.checked:
+            # vLLM's invariant, checked on the device (no host read): a row that writes a slot
+            # is its request's last token. Padding rows (slot < 0) attend nothing.
+            ok = (slots < 0) | ((seq_lens > 0) & (positions == seq_lens - 1))
+            torch._assert_async(ok.all())
+            self.checked = True
+        key_cache, value_cache = kv_halves(kv_cache, k)
+        P.write_pages(key_cache, value_cache, k, v, slots)
+        return self.model.ops.attention_decode_paged(
+            core.site, q, key_cache, value_cache, md.block_table, seq_lens, positions,
+            max_seq_len=md.max_seq_len,
+        )  # fmt: skip
+
+    def dispatch(self, layer, h, ids, expert):
+        return qwen3.static_dispatch(h, ids, expert, self.model.geom.experts)
 
 
 class LockstepQwen3MoeForCausalLM(LockstepQwen3ForCausalLM):

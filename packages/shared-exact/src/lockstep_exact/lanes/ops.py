@@ -152,6 +152,22 @@ class Ops:
             v,
         )
 
+    def attention_decode_paged(
+        self, path: str, q, key_cache, value_cache, block_table, seq_lens, positions, *,
+        max_seq_len: int,
+    ):  # fmt: skip
+        """The site's attention.blocked for a batch of one-token decodes over a paged cache
+        (each row the bytes of ``attention`` on its request's keys; serving only, no VJP)."""
+        prog = self.program(path, "attention.blocked")
+        if self.grad:
+            raise ContractMismatch(f"op site {site_key(path)!r}: the paged decode has no VJP")
+        self._ran(path, prog)
+        out = P.attention_decode_paged(
+            q, key_cache, value_cache, block_table, seq_lens, positions,
+            max_seq_len=max_seq_len, block=prog.param("block"),
+        )  # fmt: skip
+        return record(path, out)
+
     def router(self, path: str, logits):
         """(expert ids [T, k], weights [T, k] bf16); ids are recorded as ``<path>.ids``."""
         prog = self.program(path, "router.softmax_topk")

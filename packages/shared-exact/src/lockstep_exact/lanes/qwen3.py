@@ -200,6 +200,18 @@ def local_dispatch(h, ids, expert, owned=None):
     return out.index_put((torch.cat(rows_all), torch.cat(slots_all)), torch.cat(outs))
 
 
+def static_dispatch(h, ids, expert, experts: int):
+    """``local_dispatch``'s result with no host read and shapes fixed by the batch (a CUDA
+    graph can capture it): every expert runs on every row and each (row, slot) takes its
+    expert's row. The bytes are the same, because a row's projection bytes never depend on
+    the other rows of its gemm; the cost is ``experts`` times the expert work."""
+    outs = h.new_empty(experts, h.shape[0], h.shape[1])
+    for e in range(experts):
+        outs[e] = expert(e, h)
+    rows = torch.arange(h.shape[0], device=h.device)[:, None].expand_as(ids)
+    return outs[ids, rows]
+
+
 def linear(ops, path: str, x, w, lora: LoRA | None = None, gather=P.LOCAL):
     """The projection's gemm (gemm.kpart over ``gather`` on a row-parallel site), plus
     lora.shrink/lora.expand when an adapter covers it. Under tensor parallelism a row-parallel
@@ -244,6 +256,8 @@ class Layer:
 
         def core(qq, kk, vv, pos):
             return ops.attention(f"{s}.core", qq, kk, vv, pos)
+
+        core.site = f"{s}.core"  # for slots that run the site's program in another form
 
         o = self.slots.attend(self.index, q, k, v, positions, core)
         o = record(f"{s}.core", o)  # all rows of the step (core records per sequence)

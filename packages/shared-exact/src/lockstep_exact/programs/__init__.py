@@ -10,6 +10,9 @@ closed where a backend lacks the program: there is no fallback to a non-exact pa
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -112,6 +115,29 @@ def _impl(fn_name: str, *tensors: torch.Tensor):
     if fn is None:
         raise BackendUnavailable(f"{module.__name__} does not implement {fn_name}")
     return fn
+
+
+_POSITION_BOUND: ContextVar[int | None] = ContextVar("lockstep_position_bound", default=None)
+
+
+@contextmanager
+def position_bound(n: int) -> Iterator[None]:
+    """A promise that every position a program is given lies in [0, n). Under it the cuda
+    programs read no position on the host (rope sizes its table from ``n`` and checks the
+    promise on the device), so a step can be captured in a CUDA graph; the bytes are the
+    same either way (a rope table row depends on its position only)."""
+    if int(n) < 1:
+        raise ValueError(f"position_bound: the bound must be positive, got {n}")
+    token = _POSITION_BOUND.set(int(n))
+    try:
+        yield
+    finally:
+        _POSITION_BOUND.reset(token)
+
+
+def position_bound_now() -> int | None:
+    """The bound of the innermost ``position_bound``, or None outside one."""
+    return _POSITION_BOUND.get()
 
 
 def gemm(x, w, *, bk: int = 32, out_dtype=torch.bfloat16):
@@ -217,6 +243,23 @@ def rope_partial(x, positions, base: float, rotary: int):
 
 def attention(q, k, v, positions, *, scale=None, block: int = 32):
     return _impl("attention", q, k, v)(q, k, v, positions, scale=scale, block=block)
+
+
+def attention_decode_paged(
+    q, key_cache, value_cache, block_table, seq_lens, positions, *, max_seq_len: int,
+    block: int = 32,
+):  # fmt: skip
+    """attention.blocked for a batch of one-token decodes over a paged KV cache (the cuda
+    backend; each row has the bytes ``attention`` gives on its request's contiguous keys)."""
+    return _impl("attention_decode_paged", q, key_cache, value_cache)(
+        q, key_cache, value_cache, block_table, seq_lens, positions, max_seq_len=max_seq_len,
+        block=block,
+    )  # fmt: skip
+
+
+def write_pages(key_cache, value_cache, k, v, slots) -> None:
+    """Copy K/V rows into their paged-cache slots (slot < 0 skipped): a copy, no arithmetic."""
+    _impl("write_pages", key_cache, value_cache, k, v)(key_cache, value_cache, k, v, slots)
 
 
 def softmax(x):
@@ -400,6 +443,7 @@ __all__ = [
     "sigmoid_gate",
     "Program",
     "attention",
+    "attention_decode_paged",
     "backend_of",
     "backend_module",
     "Gather",
@@ -413,6 +457,8 @@ __all__ = [
     "lora_expand",
     "lora_shrink",
     "moe_fold",
+    "position_bound",
+    "position_bound_now",
     "residual_add",
     "rmsnorm",
     "rope",
@@ -422,4 +468,5 @@ __all__ = [
     "sample",
     "softmax",
     "swiglu",
+    "write_pages",
 ]

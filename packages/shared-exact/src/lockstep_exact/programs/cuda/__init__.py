@@ -13,7 +13,7 @@ import triton
 
 from .activation import swiglu
 from .arith import round_bf16
-from .attention import SEGMENT, attention
+from .attention import SEGMENT, attention, attention_decode_paged, write_pages
 from .gemm import TILINGS, gemm, pick_tiling
 from .lora import lora_expand, lora_shrink
 from .moe import moe_fold, moe_fold_fp32, router_topk
@@ -41,6 +41,7 @@ __all__ = [
     "SEGMENT",
     "TILINGS",
     "attention",
+    "attention_decode_paged",
     "environment",
     "gemm",
     "log_softmax",
@@ -57,4 +58,5 @@ __all__ = [
     "sample",
     "softmax",
     "swiglu",
+    "write_pages",
 ]

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ..cpu.attention import check_inputs, default_scale
-from .arith import EXACT, F32, next_pow2, require, require_cuda
+from .arith import BF16, EXACT, F32, next_pow2, require, require_cuda
 
 SEGMENT = 2048  # keys per segment: part of the cuda program (moving it moves bytes)
 # (query rows per tile, warps): 16 rows per warp either way, so each row sees the same MMA
@@ -39,6 +39,15 @@ def _sm_count(index: int) -> int:
 
 
 @triton.jit
+def _page_rows(kpos, bt_ptr, stride_ks, stride_vs, stride_kp, stride_vp, PAGE: tl.constexpr):
+    """Element offsets of the K and V rows of key positions ``kpos`` in a paged cache (64-bit:
+    a cache may hold more than 2**31 elements)."""
+    page = tl.load(bt_ptr + kpos // PAGE).to(tl.int64)
+    row = (kpos % PAGE).to(tl.int64)
+    return page * stride_kp + row * stride_ks, page * stride_vp + row * stride_vs
+
+
+@triton.jit
 def _segment(
     q,
     k_base,
@@ -54,11 +63,18 @@ def _segment(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     D: tl.constexpr,
+    bt_ptr,
+    stride_kp,
+    stride_vp,
+    PAGE: tl.constexpr,
 ):
     """Online-softmax state of the rows over key blocks [j_lo, j_hi), ascending.
 
     Blocks below j_full are visible to every row of the tile and skip the masks; the masked
     loop computes the same values for such a block, so the split point moves no byte.
+    ``PAGE`` > 0: the keys sit in a paged cache, key position p in page ``bt_ptr[p // PAGE]``
+    (pages ``stride_kp``/``stride_vp`` apart), row p % PAGE; only the addresses differ, the
+    arithmetic is the contiguous one's.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
@@ -68,8 +84,15 @@ def _segment(
     j_mid = tl.maximum(j_lo, tl.minimum(j_hi, j_full))
     for j in range(j_lo, j_mid):
         kpos = j * BLOCK_N + offs_n
-        k = tl.load(k_base + kpos[:, None] * stride_ks + offs_d[None, :])
-        v = tl.load(v_base + kpos[:, None] * stride_vs + offs_d[None, :])
+        if PAGE > 0:
+            k_row, v_row = _page_rows(
+                kpos, bt_ptr, stride_ks, stride_vs, stride_kp, stride_vp, PAGE
+            )  # fmt: skip
+            k = tl.load(k_base + k_row[:, None] + offs_d[None, :])
+            v = tl.load(v_base + v_row[:, None] + offs_d[None, :])
+        else:
+            k = tl.load(k_base + kpos[:, None] * stride_ks + offs_d[None, :])
+            v = tl.load(v_base + kpos[:, None] * stride_vs + offs_d[None, :])
         s = tl.dot(q, tl.trans(k)) * scale
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
@@ -80,8 +103,16 @@ def _segment(
     for j in range(j_mid, j_hi):
         kpos = j * BLOCK_N + offs_n
         in_kv = (kpos < kv_lim)[:, None]
-        k = tl.load(k_base + kpos[:, None] * stride_ks + offs_d[None, :], mask=in_kv, other=0.0)
-        v = tl.load(v_base + kpos[:, None] * stride_vs + offs_d[None, :], mask=in_kv, other=0.0)
+        if PAGE > 0:
+            k_row, v_row = _page_rows(
+                tl.where(kpos < kv_lim, kpos, 0), bt_ptr, stride_ks, stride_vs, stride_kp,
+                stride_vp, PAGE,
+            )  # fmt: skip
+            k = tl.load(k_base + k_row[:, None] + offs_d[None, :], mask=in_kv, other=0.0)
+            v = tl.load(v_base + v_row[:, None] + offs_d[None, :], mask=in_kv, other=0.0)
+        else:
+            k = tl.load(k_base + kpos[:, None] * stride_ks + offs_d[None, :], mask=in_kv, other=0.0)
+            v = tl.load(v_base + kpos[:, None] * stride_vs + offs_d[None, :], mask=in_kv, other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale
         s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -132,7 +163,7 @@ def _one_segment(
     with no second accumulator live across the key loop (the registers it would cost)."""
     m, l_s, acc = _segment(
         q, k_base, v_base, stride_ks, stride_vs, pos, kv_lim, 0, j_last + 1, j_full,
-        scale, BLOCK_M, BLOCK_N, D,
+        scale, BLOCK_M, BLOCK_N, D, o_ptr, 0, 0, 0,
     )  # fmt: skip
     m_g = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_g = tl.zeros([BLOCK_M], tl.float32)
@@ -197,7 +228,7 @@ def _attn_kernel(
             j_hi = tl.minimum(j_lo + SEG_BLOCKS, j_last + 1)
             m, l_s, acc = _segment(
                 q, k_base, v_base, stride_ks, stride_vs, pos, kv_lim, j_lo, j_hi, j_full,
-                scale, BLOCK_M, BLOCK_N, D,
+                scale, BLOCK_M, BLOCK_N, D, pos_ptr, 0, 0, 0,
             )  # fmt: skip
             at = (s_idx * n_kv_heads + h) * n_rows + rows
             tl.store(m_buf + at, m, mask=row_ok)
@@ -224,7 +255,7 @@ def _attn_kernel(
             j_hi = tl.minimum(j_lo + SEG_BLOCKS, j_last + 1)
             m, l_s, acc = _segment(
                 q, k_base, v_base, stride_ks, stride_vs, pos, kv_lim, j_lo, j_hi, j_full,
-                scale, BLOCK_M, BLOCK_N, D,
+                scale, BLOCK_M, BLOCK_N, D, pos_ptr, 0, 0, 0,
             )  # fmt: skip
             m_g, l_g, a_g = _merge(m_g, l_g, a_g, m, l_s, acc, pos >= s_idx * SEG)
         _finish(o_ptr, t, head, stride_ot, stride_oh, l_g, a_g, row_ok, D)
@@ -398,3 +429,196 @@ def attention_paged(
     k = gather_pages(key_cache, block_table, seq_len)
     v = gather_pages(value_cache, block_table, seq_len)
     return attention(q, k, v, positions, scale=scale, block=block)
+
+
+@triton.jit
+def _decode_paged_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, pos_ptr, kv_len_ptr, m_buf, l_buf, a_buf,
+    n_kv_heads, scale,
+    stride_qt, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
+    stride_bt,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEG_BLOCKS: tl.constexpr, SEG: tl.constexpr, PAGE: tl.constexpr,
+):  # fmt: skip
+    """One (request, kv head, segment) of a batch of one-token decodes: the rows of the
+    request's token in the kv head's group, the segment's state written for the combine."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    s_idx = tl.program_id(2)
+    p = tl.load(pos_ptr + r)  # -1: the request attends nothing (padding)
+    if s_idx * SEG <= p:
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < G
+        head = h * G + rows
+        pos = tl.where(row_ok, p, -1)
+        offs_d = tl.arange(0, D)
+        q_src = q_ptr + r * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_src, mask=row_ok[:, None], other=0.0)
+        kv_lim = tl.minimum(tl.load(kv_len_ptr + r), p + 1)
+        j_last = p // BLOCK_N
+        j_full = (p + 1) // BLOCK_N
+        j_lo = s_idx * SEG_BLOCKS
+        j_hi = tl.minimum(j_lo + SEG_BLOCKS, j_last + 1)
+        m, l_s, acc = _segment(
+            q, kc_ptr + h * stride_kh, vc_ptr + h * stride_vh, stride_ks, stride_vs, pos,
+            kv_lim, j_lo, j_hi, j_full, scale, BLOCK_M, BLOCK_N, D,
+            bt_ptr + r.to(tl.int64) * stride_bt, stride_kp, stride_vp, PAGE,
+        )  # fmt: skip
+        n_rows = tl.num_programs(0) * G
+        at = (s_idx * n_kv_heads + h) * n_rows + r * G + rows
+        tl.store(m_buf + at, m, mask=row_ok)
+        tl.store(l_buf + at, l_s, mask=row_ok)
+        tl.store(a_buf + at[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
+
+
+def _paged_halves_ok(key_cache: torch.Tensor, value_cache: torch.Tensor, d: int) -> None:
+    require_cuda(key_cache, value_cache)
+    require(
+        key_cache.dim() == 4 and key_cache.shape == value_cache.shape and key_cache.shape[3] == d,
+        f"paged attention (cuda): caches [num_blocks, Hkv, page, {d}] of one shape, got "
+        f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}",
+    )
+    require(
+        key_cache.stride(3) == 1 and value_cache.stride(3) == 1,
+        "paged attention (cuda): the head dim of the caches must be contiguous",
+    )
+
+
+def attention_decode_paged(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    max_seq_len: int,
+    scale: torch.Tensor | float | None = None,
+    block: int = 32,
+) -> torch.Tensor:
+    """attention.blocked for a batch of one-token decodes whose keys sit in a paged cache.
+
+    Row r of ``q`` [R, Hq, D] is request r's token at ``positions[r]``; its keys are positions
+    0..seq_lens[r]-1 of ``key_cache``/``value_cache`` [num_blocks, Hkv, page, D] through its
+    row of ``block_table`` [>= R, width] (key p in page ``block_table[r, p // page]``, row
+    p % page). Every row's bytes are those of ``attention`` on the request's contiguous keys:
+    the same segment and block walk, the same decode tile and merge code; only the key
+    addresses differ. No host read and a launch grid fixed by (R, Hkv, ``max_seq_len``): the
+    call can be captured in a CUDA graph. ``max_seq_len`` (a host bound on every seq_len)
+    fixes the number of segments. A request with seq_len 0, or whose position is not below
+    its seq_len (and the table's reach), attends nothing: its output rows are unspecified.
+    """
+    require_cuda(q, block_table, seq_lens, positions)
+    require(q.dtype == BF16 and q.dim() == 3, "paged attention (cuda): q [R, Hq, D] bf16")
+    n, h_q, d = q.shape
+    _paged_halves_ok(key_cache, value_cache, d)
+    require(
+        key_cache.dtype == BF16 and value_cache.dtype == BF16,
+        "paged attention (cuda): bf16 caches required",
+    )
+    _, h_kv, page, _ = key_cache.shape
+    require(h_q % h_kv == 0, f"paged attention: {h_q} query heads over {h_kv} kv heads")
+    require(d == next_pow2(d) and 16 <= d <= 256, f"attention (cuda): head dim {d} unsupported")
+    require(
+        block == next_pow2(block) and 16 <= block <= 128,
+        f"attention (cuda): block must be a power of two in [16, 128], got {block}",
+    )
+    require(
+        block_table.dim() == 2 and block_table.shape[0] >= n and block_table.stride(1) == 1,
+        "paged attention (cuda): block_table [>= R, width] with contiguous rows",
+    )
+    require(
+        seq_lens.dim() == 1 and seq_lens.shape[0] >= n and positions.shape == (n,),
+        "paged attention (cuda): seq_lens [>= R] and positions [R]",
+    )
+    require(max_seq_len >= 1, "paged attention (cuda): max_seq_len must be positive")
+    if n == 0:
+        return q.clone()
+    if scale is None:
+        scale_f = _default_scale(d)
+    else:
+        scale_f = float(scale.item() if isinstance(scale, torch.Tensor) else scale)
+        require(torch.tensor(scale_f, dtype=F32).item() == scale_f, "attention: scale must be fp32")
+    g = h_q // h_kv
+    n_seg = triton.cdiv(max_seq_len, SEGMENT)
+    reach = min(block_table.shape[1] * page, n_seg * SEGMENT)
+    lens = seq_lens[:n].to(torch.int32)
+    kv_len = torch.clamp(lens, max=reach)
+    pos = positions.to(torch.int32)
+    pos = torch.where((lens > 0) & (pos >= 0) & (pos < kv_len), pos, -1).contiguous()
+    qc = q.contiguous()
+    out = torch.empty_like(qc)
+    n_rows = n * g
+    m_buf = torch.empty(n_seg, h_kv, n_rows, dtype=F32, device=q.device)
+    l_buf = torch.empty_like(m_buf)
+    a_buf = torch.empty(n_seg, h_kv, n_rows, d, dtype=F32, device=q.device)
+    block_m, num_warps = _DECODE_TILE
+    _decode_paged_kernel[(n, h_kv, n_seg)](
+        qc, key_cache, value_cache, block_table, pos, kv_len, m_buf, l_buf, a_buf,
+        h_kv, scale_f,
+        qc.stride(0), qc.stride(1), key_cache.stride(0), key_cache.stride(1),
+        key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_table.stride(0),
+        G=g, D=d, BLOCK_M=block_m, BLOCK_N=block, SEG_BLOCKS=SEGMENT // block, SEG=SEGMENT,
+        PAGE=page, num_warps=num_warps, num_stages=_NUM_STAGES, **EXACT,
+    )  # fmt: skip
+    _combine_kernel[(triton.cdiv(n_rows, _COMBINE_ROWS), h_kv)](
+        out, pos, m_buf, l_buf, a_buf, n_rows, h_kv, out.stride(0), out.stride(1),
+        G=g, D=d, ROWS=_COMBINE_ROWS, SEG=SEGMENT, num_warps=4, **EXACT,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _write_pages_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, n_slots,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kp, stride_kch, stride_ks, stride_vp, stride_vch, stride_vs,
+    PAGE, D, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if (slot >= 0) & (slot < n_slots):
+        page = slot // PAGE
+        row = slot % PAGE
+        d = tl.arange(0, BLOCK_D)
+        ok = d < D
+        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=ok)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=ok)
+        tl.store(kc_ptr + page * stride_kp + h * stride_kch + row * stride_ks + d, k, mask=ok)
+        tl.store(vc_ptr + page * stride_vp + h * stride_vch + row * stride_vs + d, v, mask=ok)
+
+
+def write_pages(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Copy row t of ``k``/``v`` [T, Hkv, D] into cache slot ``slots[t]`` (page slot // page,
+    row slot % page) of ``key_cache``/``value_cache`` [num_blocks, Hkv, page, D]; a slot < 0
+    (padding) or past the cache is skipped. A copy: no byte moves. No host read, so it can be
+    captured in a CUDA graph."""
+    require_cuda(k, v, slots)
+    require(k.dim() == 3 and v.shape == k.shape, "write_pages: k, v [T, Hkv, D] of one shape")
+    n, h_kv, d = k.shape
+    _paged_halves_ok(key_cache, value_cache, d)
+    require(
+        key_cache.shape[1] == h_kv and k.dtype == key_cache.dtype == value_cache.dtype == v.dtype,
+        f"write_pages: rows [.., {h_kv}, {d}] {k.dtype} do not fit caches "
+        f"{tuple(key_cache.shape)} {key_cache.dtype}",
+    )
+    require(slots.shape == (n,), "write_pages: one slot per row")
+    if n == 0:
+        return
+    require(k.stride(2) == 1 and v.stride(2) == 1, "write_pages: rows must be contiguous")
+    page = key_cache.shape[2]
+    _write_pages_kernel[(n, h_kv)](
+        k, v, key_cache, value_cache, slots, key_cache.shape[0] * page,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        page, d, BLOCK_D=next_pow2(d), num_warps=1,
+    )  # fmt: skip

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import position_bound_now
 from ..cpu.rope import rope_tables
 from .arith import BF16, EXACT, next_pow2, require, require_cuda
 
@@ -67,10 +68,20 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
     require(dim % 2 == 0 and half == next_pow2(half), f"rope (cuda): head dim {dim} unsupported")
     if n_tok == 0:
         return x.clone()
-    n_pos = int(positions.max()) + 1  # a host read: the table must cover every position
-    require(int(positions.min()) >= 0, "rope: negative position")
-    cos, sin = gpu_tables(base, dim, n_pos, x.device)
+    bound = position_bound_now()
     pos = positions.to(device=x.device, dtype=torch.int32).contiguous()
+    if bound is None:
+        require(
+            not torch.cuda.is_current_stream_capturing(),
+            "rope (cuda): a CUDA graph capture needs programs.position_bound (this call would "
+            "read the positions on the host)",
+        )
+        n_pos = int(positions.max()) + 1  # a host read: the table must cover every position
+        require(int(positions.min()) >= 0, "rope: negative position")
+    else:
+        n_pos = bound  # the promise, checked on the device: no host read
+        torch._assert_async(((pos >= 0) & (pos < bound)).all())
+    cos, sin = gpu_tables(base, dim, n_pos, x.device)
     xc = x.contiguous()
     y = torch.empty_like(xc)
     block_h = min(next_pow2(heads), max(1, 4096 // half))
