@@ -245,7 +245,6 @@ def _config(**changes):
             r"the qwen3-next lane runs on one device so far \(tp 1, ep 1\); asked for tp 2",
         ),
         ({"enable_prefix_caching": True}, r"prefix caching on the qwen3-next lane"),
-        ({"lora": object()}, r"LoRA on the qwen3-next lane is not implemented yet \(issue 16\)"),
         (
             {"mamba_cache_dtype": "float16"},
             r"mamba_cache_dtype 'float16': the qwen3-next lane keeps its Gated DeltaNet state in "

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from lockstep_exact import programs as P
-from lockstep_exact.contract import ContractMismatch, LayoutRefused, geometry_contract
+from lockstep_exact.contract import LayoutRefused, geometry_contract
 from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.lanes.config import UnsupportedModel, check_next_config
 from lockstep_exact.lanes.ops import check_invoked
@@ -179,7 +179,8 @@ def test_model_dir_gives_the_lane_contract_and_a_forward_runs_exactly_its_sites(
     with recording() as rec:
         N.forward_logprobs(w, model.geometry, tokens(5), ops=ops)
     check_invoked(contract, ops.invoked_contract(), "the qwen3-next reference")
-    assert set(contract.sites) - set(ops.invoked) == {"sample"}
+    # a forward without an adapter runs every site but the draw and the LoRA sites
+    assert {k for k in set(contract.sites) - set(ops.invoked) if ".lora_" not in k} == {"sample"}
     assert "layers.0.linear_attn.core" in rec and "layers.1.self_attn.gate" in rec
     # the chunk is part of the lane's identity
     other = geometry_contract(dataclasses.replace(model.geometry, chunk=CHUNK))
@@ -248,12 +249,11 @@ def test_model_dir_refuses_an_unimplemented_qwen3_next_config(tmp_path):
         ModelDir(d, hybrid=True)
 
 
-def test_the_lane_refuses_a_chunk_that_is_not_a_power_of_two_and_training():
+def test_the_lane_refuses_a_chunk_that_is_not_a_power_of_two_and_a_tp_layout():
     with pytest.raises(UnsupportedModel, match="gdn chunk 24 is not a power of two"):
         N.Geometry.from_hf_config(tiny_config("qwen3-next"), chunk=24)
     geom = N.Geometry.from_hf_config(tiny_config("qwen3-next"))
-    with pytest.raises(ContractMismatch, match="the qwen3-next lane has no backward yet"):
-        N.NextOps(geometry_contract(geom), grad=True)
+    assert N.NextOps(geometry_contract(geom), grad=True).grad  # trains: test_vjp_next.py
     assert check_next_config(tiny_config("qwen3-next"))["rotary_dim"] == 8
     with pytest.raises(LayoutRefused, match="the qwen3-next lane runs on one device so far"):
         geometry_contract(geom, tp=2)

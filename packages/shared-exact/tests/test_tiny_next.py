@@ -129,12 +129,12 @@ def test_check_next_config_refuses_what_the_programs_do_not_implement(key, value
 
 
 def test_the_engines_refuse_a_qwen3_next_model_by_name(tmp_path):
-    """Only the vLLM plugin serves the lane (its capture:
-    serving-plugin/tests/test_vllm_next.py): a plugin reading the model through ModelDir
-    without hybrid refuses it, naming why, before any engine starts."""
+    """The vLLM and Megatron plugins serve the lane (serving-plugin/tests/test_vllm_next.py,
+    trainer-plugin/tests/test_hybrid.py); a path reading the model through ModelDir without
+    hybrid (the SGLang plugin's) refuses it, naming why, before any engine starts."""
     from lockstep_exact.model import ModelDir
 
     model = make_tiny(tmp_path / "m", arch="qwen3-next")
-    with pytest.raises(UnsupportedModel, match=r"plugins do not serve it yet \(issue 16\)"):
+    with pytest.raises(UnsupportedModel, match=r"SGLang plugin do not take it yet \(issue 16\)"):
         ModelDir(model)
     assert ModelDir(model, hybrid=True).family == "qwen3-next"

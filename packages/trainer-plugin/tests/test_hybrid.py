@@ -23,7 +23,7 @@ from lockstep_exact.contract import LayoutRefused
 from lockstep_exact.k3 import compare
 from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.model import model_hash as dir_hash
-from lockstep_exact.requests import TrainerSessionRequest, TrainRequest
+from lockstep_exact.requests import TrainerSessionRequest
 from lockstep_exact.tiny import make_tiny
 from lockstep_exact.trace import Trace
 from lockstep_megatron import gdn
@@ -296,35 +296,20 @@ def default_dir(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("next-refusals") / "m", arch="qwen3-next")
 
 
-def test_training_the_hybrid_lane_is_refused_by_name(default_dir, tmp_path):
-    from lockstep_megatron.run import train
+def test_the_trainer_session_and_training_off_cpu_are_refused_by_name(default_dir):
+    """Training is built (test_hybrid_train.py); the RL loop's session and cuda are not."""
     from lockstep_megatron.session import open_session
 
-    want = "training the hybrid lane is not built yet \\(issue 16\\)"
-    request = TrainRequest(
-        model_dir=default_dir, trace_dir=tmp_path / "t", adapter_in=None, adapter_out=tmp_path
-    )
-    with pytest.raises(gdn.HybridRefused, match=want):
-        train(request)
+    want = "the trainer session \\(policy / frozen\\) on the hybrid lane \\(qwen3-next\\) is not"
     for role in ("policy", "frozen"):
         with pytest.raises(gdn.HybridRefused, match=want):
             open_session(TrainerSessionRequest(model_dir=default_dir, role=role))
+    with pytest.raises(gdn.HybridRefused, match="training: the hybrid lane .* cpu only .* 'cuda'"):
+        gdn.refuse_training(default_dir, "cuda")
+    gdn.refuse_training(default_dir, "cpu")
 
 
-def test_a_forward_with_trainable_parameters_is_refused(loaded):
-    model, _ = loaded
-    p = model.gpt.decoder.final_layernorm.weight
-    p.requires_grad_(True)
-    try:
-        with pytest.raises(gdn.HybridRefused, match="training the hybrid lane is not built yet"):
-            model(torch.zeros(1, 4, dtype=torch.long))
-    finally:
-        p.requires_grad_(False)
-
-
-def test_replay_refuses_an_adapter_another_layout_and_another_backend(default_dir, tmp_path):
-    with pytest.raises(gdn.HybridRefused, match="LoRA on the hybrid lane .* is not built yet"):
-        replay(default_dir, tmp_path / "t", adapter_dir=tmp_path / "adapter")
+def test_replay_refuses_another_layout_and_another_backend(default_dir, tmp_path):
     with pytest.raises(LayoutRefused, match="qwen3-next lane runs on one device so far"):
         replay(default_dir, tmp_path / "t", tp=2)
     with pytest.raises(gdn.HybridRefused, match="runs in Megatron on cpu only so far, not 'cuda'"):
@@ -338,5 +323,6 @@ def test_the_trainer_contract_hook_answers_for_the_hybrid_lane(default_dir, tmp_
     contract = plugin.lockstep_trainer_contract(default_dir, None, "cpu")
     assert contract.lane == "qwen3-next/bf16/cpu"
     assert contract.fingerprint == ModelDir(default_dir, hybrid=True).contract().fingerprint
-    with pytest.raises(gdn.HybridRefused, match="LoRA on the hybrid lane .* is not built yet"):
+    # adapters are the trainer's (test_hybrid_lora.py); a directory without one is named
+    with pytest.raises(Exception, match="not a PEFT adapter directory"):
         plugin.lockstep_trainer_contract(default_dir, tmp_path / "adapter", "cpu")

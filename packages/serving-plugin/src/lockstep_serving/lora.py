@@ -36,7 +36,7 @@ def adapter_hash(adapter_dir, model_dir, backend: str = "cpu") -> str:
     ``backend``'s (cuda adapters for a cuda engine)."""
     from lockstep_exact.model import ModelDir
 
-    base = ModelDir.of(model_dir)
+    base = model_dir if isinstance(model_dir, ModelDir) else ModelDir(model_dir, hybrid=True)
     return load_adapter(adapter_dir, base, contract=base.contract(backend).fingerprint).sha256
 
 
@@ -132,8 +132,9 @@ def load_lora_model(self, model, vllm_config, device):
     """LoRAModelRunnerMixin.load_lora_model: lane models get LaneLoRAManager."""
     from .patches import TABLE
     from .vllm_model import LockstepQwen3ForCausalLM
+    from .vllm_next import LockstepQwen3NextForCausalLM
 
-    if isinstance(model, LockstepQwen3ForCausalLM):
+    if isinstance(model, (LockstepQwen3ForCausalLM, LockstepQwen3NextForCausalLM)):
         self.lora_manager = LaneLoRAManager(model, vllm_config.lora_config.max_loras)
         return model
     return TABLE.original("LoRAModelRunnerMixin.load_lora_model")(self, model, vllm_config, device)

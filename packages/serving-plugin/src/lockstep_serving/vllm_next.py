@@ -22,9 +22,14 @@ position 0 starts from the programs' zero state (vLLM does not clear a reused pa
 
 Refused at start, by name (``_validate``): prefix caching (vLLM resumes a hybrid request
 from states it checkpoints at its own block boundaries, a state the lane does not keep; the
-lane's engine arguments turn it off), tensor/pipeline/data/expert parallelism, LoRA, a
+lane's engine arguments turn it off), tensor/pipeline/data/expert parallelism, a
 mamba cache dtype, speculative decoding, and everything ``vllm_model._validate_config``
 refuses for the other lanes.
+
+LoRA: as on the dense lane, vLLM decides which request uses which adapter (``LoRARequest``)
+and ``lora.LaneLoRAManager`` loads them and hands the model the per-token adapter ids
+(``set_token_adapters``); a step runs once per adapter group, each group's rows through the
+composition with that adapter in its slots, so no row's bytes depend on another group's.
 """
 
 from __future__ import annotations
@@ -161,8 +166,6 @@ def check_hybrid(vllm_config, geom: N.Geometry) -> None:
             "engine with enable_prefix_caching=False (lockstep_serving.offline.engine_args "
             "does)"
         )
-    if vllm_config.lora_config is not None:
-        _refuse("LoRA on the qwen3-next lane is not implemented yet (issue 16)")
     if getattr(cc, "mamba_cache_dtype", "auto") != "auto":
         _refuse(
             f"mamba_cache_dtype {cc.mamba_cache_dtype!r}: the qwen3-next lane keeps its Gated "
@@ -205,7 +208,9 @@ class LockstepQwen3NextForCausalLM(nn.Module):
     # vLLM's hybrid model interface (IsHybrid, HasInnerState): attention pages + state pages.
     is_hybrid = True
     has_inner_state = True
-    supports_lora = False
+    # LoRA: vLLM's per-request plumbing, applied by LaneLoRAManager (lora.py), not punica.
+    supports_lora = True
+    _token_adapters: tuple[int, ...] = ()  # adapter id per scheduled token (set_token_adapters)
     embedding_modules: dict[str, str] = {}
     packed_modules_mapping: dict[str, list[str]] = {}
 
@@ -263,6 +268,7 @@ class LockstepQwen3NextForCausalLM(nn.Module):
             next_state.LaneStateLayer(STATE_PREFIX.format(i), layout, vllm_config)
             for i in self.gdn_layers
         )
+        self._adapters: dict[int, dict] = {}
         LIVE.add(self)
 
     # --- weights ---------------------------------------------------------------------------
@@ -285,6 +291,11 @@ class LockstepQwen3NextForCausalLM(nn.Module):
     # --- forward ---------------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.weights["model.embed_tokens.weight"][input_ids]  # embedding.gather
+
+    def set_token_adapters(self, token_ids: tuple[int, ...], adapters: dict[int, dict]):
+        """Called by LaneLoRAManager each step: adapter id per scheduled token (0 = base)."""
+        self._token_adapters = token_ids
+        self._adapters = adapters
 
     def _pages(self) -> dict[int, dict[str, torch.Tensor]]:
         return {i: layer.pages() for i, layer in zip(self.gdn_layers, self.state, strict=True)}
@@ -316,7 +327,10 @@ class LockstepQwen3NextForCausalLM(nn.Module):
                 "Lockstep exact lane: the attention and state metadata of one step place the "
                 "requests' rows differently"
             )
-        reqs, batch, slots = [], [], []
+        # Requests sharing an adapter run together (0: the base weights), each group a call of
+        # the composition; groups run in order of first appearance.
+        groups: dict[int, tuple[list, list, list]] = {}
+        ids = self._token_adapters
         pages = self._pages()
         pos_cpu = positions.to("cpu")
         for r, seq_len in enumerate(seq_lens):
@@ -331,16 +345,24 @@ class LockstepQwen3NextForCausalLM(nn.Module):
                     f"cache's {first}..{seq_len - 1}; the lane cannot continue its state there"
                 )
             slot = int(smd.state_slots[r]) if smd is not None else -1
+            reqs, batch, slots = groups.setdefault(
+                ids[start] if start < len(ids) else 0, ([], [], [])
+            )
             reqs.append((r, start, end, seq_len))
             slots.append(slot)
             batch.append((input_ids[start:end], load_cache(self.geom, pages, slot, first)))
-        if not reqs:
+        for lid, (reqs, batch, slots) in groups.items():
+            adapters = self._adapters.get(lid) if lid else None
+            if lid and adapters is None:
+                _refuse(f"tokens of adapter id {lid} arrived before the adapter was loaded")
+            rows = torch.cat([torch.arange(s, e) for _, s, e, _ in reqs]).to(positions.device)
+            slots_ = PagedNextSlots(self, reqs, rows, adapters)
+            h = N.hidden(self.ops, self.geom, slots_, batch)
+            for slot, (_, cache) in zip(slots, batch, strict=True):
+                store_cache(self.geom, pages, slot, cache)
+            out[rows] = h
+        if not groups:
             return out
-        rows = torch.cat([torch.arange(s, e) for _, s, e, _ in reqs]).to(positions.device)
-        h = N.hidden(self.ops, self.geom, PagedNextSlots(self, reqs, rows), batch)
-        for slot, (_, cache) in zip(slots, batch, strict=True):
-            store_cache(self.geom, pages, slot, cache)
-        out[rows] = h
         if is_recording():
             # lockstep bisect: the final sites of every row, through the lane's own programs.
             logits = N.final_logits(self.ops, self.geom, self._slots, out[: qsl[-1]])
@@ -354,12 +376,14 @@ class LockstepQwen3NextForCausalLM(nn.Module):
 
 
 class PagedNextSlots(N.DictSlots):
-    """The composition's slots in vLLM: the engine's weights and attention over vLLM's paged
-    KV cache (``vllm_model.paged_attention``); the GDN state travels in the ``NextCache``."""
+    """The composition's slots in vLLM: the engine's weights, this group's adapter (or none)
+    and attention over vLLM's paged KV cache (``vllm_model.paged_attention``); the GDN state
+    travels in the ``NextCache``."""
 
-    def __init__(self, model: LockstepQwen3NextForCausalLM, reqs, rows):
+    def __init__(self, model: LockstepQwen3NextForCausalLM, reqs, rows, adapters=None):
         # The loaded weights, split by layer once (load_weights), not at every step.
         self.weights, self.per_layer = model._slots.weights, model._slots.per_layer
+        self.adapters = adapters or {}
         self.model, self.reqs, self.rows = model, reqs, rows
 
     def attend(self, layer, q, k, v, segs, positions, core):

@@ -132,6 +132,8 @@ class Adapter:
 def module_shapes(geom: Geometry) -> dict[str, tuple[int, int]]:
     """HF weight name (without ``.weight``) -> (out_features, in_features) of every target."""
     g = geom
+    if g.family == "qwen3-next":
+        return _next_shapes(g)
     shapes = {}
     for i in range(g.layers):
         p = f"model.layers.{i}."
@@ -149,6 +151,33 @@ def module_shapes(geom: Geometry) -> dict[str, tuple[int, int]]:
             shapes[p + "mlp.gate_proj"] = (g.intermediate, g.hidden)
             shapes[p + "mlp.up_proj"] = (g.intermediate, g.hidden)
             shapes[p + "mlp.down_proj"] = (g.hidden, g.intermediate)
+    return shapes
+
+
+def _next_shapes(g) -> dict[str, tuple[int, int]]:
+    """The qwen3-next lane's targets (``lanes.qwen3_next.ADAPTED``): per Gated DeltaNet layer
+    in_proj_qkvz, in_proj_ba and out_proj, per attention layer q_proj (query and output gate
+    rows), k_proj, v_proj and o_proj; in every layer each routed expert's and the shared
+    expert's gate/up/down. Conv1d, the norms, the router and the shared expert's gate are
+    not adapted."""
+    shapes = {}
+    for i, kind in enumerate(g.layer_types):
+        p = f"model.layers.{i}."
+        if kind == "linear_attention":
+            shapes[p + "linear_attn.in_proj_qkvz"] = (2 * g.key_dim + 2 * g.value_dim, g.hidden)
+            shapes[p + "linear_attn.in_proj_ba"] = (2 * g.linear_value_heads, g.hidden)
+            shapes[p + "linear_attn.out_proj"] = (g.hidden, g.value_dim)
+        else:
+            shapes[p + "self_attn.q_proj"] = (2 * g.heads * g.head_dim, g.hidden)
+            shapes[p + "self_attn.k_proj"] = (g.kv_heads * g.head_dim, g.hidden)
+            shapes[p + "self_attn.v_proj"] = (g.kv_heads * g.head_dim, g.hidden)
+            shapes[p + "self_attn.o_proj"] = (g.hidden, g.heads * g.head_dim)
+        mlps = [(f"{p}mlp.experts.{e}.", g.moe_intermediate) for e in range(g.experts)]
+        mlps.append((f"{p}mlp.shared_expert.", g.shared_intermediate))
+        for q, inner in mlps:
+            shapes[q + "gate_proj"] = (inner, g.hidden)
+            shapes[q + "up_proj"] = (inner, g.hidden)
+            shapes[q + "down_proj"] = (g.hidden, inner)
     return shapes
 
 
@@ -289,7 +318,7 @@ def make_adapter(
     """
     from .model import ModelDir
 
-    model = ModelDir.of(model_dir)
+    model = model_dir if isinstance(model_dir, ModelDir) else ModelDir(model_dir, hybrid=True)
     geom = model.geometry
     contract = contract or model.contract().fingerprint
     gen = torch.Generator().manual_seed(seed)
@@ -460,14 +489,18 @@ def load_adapter(
     contract: str | None = None,
     model_hash: str | None = None,
 ) -> Adapter:
-    """Read and validate an adapter for ``model`` (a ``ModelDir`` or a ``Geometry``).
+    """Read and validate an adapter for ``model`` (a ``ModelDir`` or a ``Geometry`` of the
+    qwen3 or the qwen3-next lane).
 
     ``modules`` maps HF weight names to (A, B, scale). Given a ``ModelDir`` (or
     ``model_hash``), a Lockstep export bound to another base model is refused; given
     ``contract``, one made for another contract. ``AdapterError`` names every problem.
     """
-    geom = model if isinstance(model, Geometry) else model.geometry
-    if model_hash is None and not isinstance(model, Geometry):
+    from .lanes.qwen3_next import Geometry as NextGeometry
+
+    bare = isinstance(model, (Geometry, NextGeometry))
+    geom = model if bare else model.geometry
+    if model_hash is None and not bare:
         model_hash = model.model_hash
     path = Path(adapter_dir)
     config, tensors, meta = _read(path)

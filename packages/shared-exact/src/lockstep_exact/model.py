@@ -98,10 +98,10 @@ def _check_weight_files(path: Path) -> None:
 
 
 HYBRID_NOT_SERVED = (
-    "architecture 'Qwen3NextForCausalLM': its exact lane (qwen3-next) is served by the vLLM "
-    "plugin only so far (lockstep_serving.vllm_next, over the reference composition "
-    "lockstep_exact.lanes.qwen3_next); the SGLang and Megatron plugins do not serve it yet "
-    "(issue 16)"
+    "architecture 'Qwen3NextForCausalLM': its exact lane (qwen3-next, the composition "
+    "lockstep_exact.lanes.qwen3_next) is served by the vLLM plugin (lockstep_serving.vllm_next) "
+    "and scored and trained by the Megatron plugin (lockstep_megatron.gdn); this path and the "
+    "SGLang plugin do not take it yet (issue 16)"
 )
 
 

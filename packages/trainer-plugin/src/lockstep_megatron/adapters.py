@@ -1,11 +1,13 @@
 """LoRA on the exact lane: where adapters sit, their HF/PEFT names, and the frozen backbone.
 
 Fresh adapters (``attach``) cover the attention and MLP projections (q, k, v, o, gate, up,
-down) of every layer; in a MoE layer every expert's gate/up/down gets its own adapter of rank
-``r // topk`` (so the rank a token passes through, summed over its k experts, is ``r``). A
-loaded adapter covers the sites it has, with its own ranks and alphas. Every adapter has
-PEFT's scale ``alpha / its rank`` (``lockstep_exact.adapters``, shared with the sampler).
-Master weights are fp32; the forward (and the export) sees them rounded to bf16.
+down) of every layer (on the hybrid lane: the Gated DeltaNet's in_proj_qkvz, in_proj_ba and
+out_proj in its layers, and the shared expert's gate/up/down too); in a MoE layer every
+expert's gate/up/down gets its own adapter of rank ``r // topk`` (so the rank a token passes
+through, summed over its k experts, is ``r``). A loaded adapter covers the sites it has, with
+its own ranks and alphas. Every adapter has PEFT's scale ``alpha / its rank``
+(``lockstep_exact.adapters``, shared with the sampler). Master weights are fp32; the forward
+(and the export) sees them rounded to bf16.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lockstep_exact.adapters import module_rank
+from lockstep_exact.adapters import module_rank, module_shapes
 from lockstep_exact.hashing import tensor_sha256
 
 from .spec import ExactLinear, LockstepGPT
@@ -35,6 +37,9 @@ class Site:
 
 
 def sites(model: LockstepGPT) -> Iterator[Site]:
+    if model.geom.family == "qwen3-next":
+        yield from _next_sites(model)
+        return
     for i, layer in enumerate(model.gpt.decoder.layers):
         p = f"model.layers.{i}."
         att = layer.self_attention
@@ -49,6 +54,19 @@ def sites(model: LockstepGPT) -> Iterator[Site]:
         else:
             for part, fc in zip(MLP, ("linear_fc1", "linear_fc1", "linear_fc2"), strict=True):
                 yield Site(f"{p}mlp.{part}", getattr(layer.mlp, fc), part, False)
+
+
+def _next_sites(model) -> Iterator[Site]:
+    """The hybrid lane's (``gdn.LockstepNext``): every projection ``module_shapes`` lists for
+    its geometry (GDN in_proj parts and out_proj, attention q/k/v/o, routed and shared
+    experts' gate/up/down), on the Megatron linear that holds it (``gdn.NextSlots.proj``)."""
+    from .gdn import NextSlots
+
+    slots = NextSlots(model)
+    for module in module_shapes(model.geom):
+        layer, name = module.removeprefix("model.layers.").split(".", 1)
+        linear, part = slots.proj(int(layer), name)
+        yield Site(module, linear, part, ".mlp.experts." in module)
 
 
 def rank_of(model: LockstepGPT, site: Site, rank: int) -> int:

@@ -31,8 +31,19 @@ attention run per sequence; the layer hands the composition the rows sequence-ma
 segment per batch column) and gives them back [s, b]. Padding rows follow a sequence's real
 rows, and every sequence-mixing op is causal, so they never reach a real row's bytes.
 
-Scope: forward only, tp 1, ep 1, cpu, no LoRA. Training is refused by name
-(``TRAINING_REFUSED``), as are adapters and other layouts (``check_replay``).
+LoRA: ``adapters.attach`` / ``export.load_into`` put an adapter on the Megatron linear and
+part of each projection the lane adapts (``NextSlots.proj``: the GDN's in_proj parts and
+out_proj, the attention's linear_qkv parts and linear_proj, the experts' and the shared
+expert's fc1 / fc2); ``NextSlots.lora`` hands it, rounded to bf16, to the composition, which
+runs lora.shrink / lora.expand after that projection's gemm.
+
+Training: the lane's ops run with ``grad=True`` (``NextOps``: each program's bytes forward,
+its ideal op's VJP backward, the GDN state and conv window included), so a loss on the
+log-probabilities differentiates through the whole composition, to the backbone's parameters
+and the adapters alike; ``lockstep train`` trains a LoRA adapter (``train.Trainer``) on cpu.
+
+Scope: tp 1, ep 1, cpu. Refused by name: training on another backend (``refuse_training``),
+the trainer session of the RL loop (``SESSION_REFUSED``), other layouts (``check_replay``).
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ from lockstep_exact import programs as P
 from lockstep_exact.contract import geometry_contract
 from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.lanes.config import HYBRID_FAMILIES
+from lockstep_exact.lanes.ops import to_bf16
 
 from .spec import (
     BF16,
@@ -60,10 +72,9 @@ from .spec import (
     parallel_linear,
 )
 
-TRAINING_REFUSED = "training the hybrid lane is not built yet (issue 16)"
-LORA_REFUSED = (
-    "LoRA on the hybrid lane (qwen3-next) is not built yet (issue 16): replay its traces "
-    "without an adapter"
+SESSION_REFUSED = (
+    "the trainer session (policy / frozen) on the hybrid lane (qwen3-next) is not built yet "
+    "(issue 16): train its adapter with lockstep train"
 )
 BACKEND_REFUSED = "the hybrid lane (qwen3-next) runs in Megatron on cpu only so far, not {!r}"
 
@@ -84,19 +95,25 @@ def is_hybrid(model_dir: str | Path) -> bool:
     return isinstance(archs, list) and any(a in HYBRID_FAMILIES for a in archs)
 
 
-def refuse_training(model_dir: str | Path) -> None:
-    """Refuse (``HybridRefused``, ``TRAINING_REFUSED``) a training job on a hybrid model."""
+def refuse_training(model_dir: str | Path, backend: str) -> None:
+    """What a training job on a hybrid model refuses before reading anything else: a backend
+    other than cpu (``HybridRefused``)."""
+    if is_hybrid(model_dir) and backend != "cpu":
+        raise HybridRefused(f"training: {BACKEND_REFUSED.format(backend)}")
+
+
+def refuse_session(model_dir: str | Path) -> None:
+    """Refuse (``HybridRefused``, ``SESSION_REFUSED``) a trainer session on a hybrid model."""
     if is_hybrid(model_dir):
-        raise HybridRefused(f"{TRAINING_REFUSED}: {model_dir} is a Qwen3-Next model")
+        raise HybridRefused(f"{SESSION_REFUSED}: {model_dir} is a Qwen3-Next model")
 
 
 def check_replay(model_dir, adapter_dir, backend: str, tp: int, ep: int) -> None:
-    """What replay of a hybrid model refuses before reading anything else: an adapter, a
-    backend other than cpu, a layout other than tp 1 ep 1 (the contract's ``LayoutRefused``)."""
+    """What replay of a hybrid model refuses before reading anything else: a backend other
+    than cpu, a layout other than tp 1 ep 1 (the contract's ``LayoutRefused``). An adapter is
+    checked by replay's admission (``export.read_adapter``)."""
     if not is_hybrid(model_dir):
         return
-    if adapter_dir is not None:
-        raise HybridRefused(LORA_REFUSED)
     if backend != "cpu":
         raise HybridRefused(BACKEND_REFUSED.format(backend))
     geom = N.Geometry.from_model_dir(model_dir)
@@ -306,8 +323,29 @@ class NextSlots(N.Slots):
         }
         if name in plain:
             return plain[name]()
-        path = name.removesuffix(".weight").split(".")
+        linear, part = self.proj(layer, name.removesuffix(".weight"))
+        return linear.part_weight(part)
+
+    def lora(self, layer, name):
+        """The adapter on projection ``name`` (``adapters.attach``), rounded to bf16, or None."""
+        found = self.proj(layer, name) if name.endswith(N.ADAPTED) else None
+        if found is None or found[1] not in found[0].lora:
+            return None
+        ad = found[0].lora[found[1]]
+        # bf16 of the fp32 masters, straight-through under grad (as the dense lane's slots)
+        return to_bf16(ad.A, grad=True), to_bf16(ad.B, grad=True), ad.scale
+
+    def proj(self, layer: int, name: str):
+        """(Megatron linear, part) holding the projection ``name`` (HF name after
+        ``model.layers.N.``, without ``.weight``) of layer ``layer``."""
+        mod = self.lane.gpt.decoder.layers[layer]
+        mixer, mlp = mod.self_attention, mod.mlp
+        path = name.split(".")
         part = path[-1]
+        if name == "linear_attn.out_proj":
+            return mixer.out_proj, part
+        if name == "self_attn.o_proj":
+            return mixer.linear_proj, part
         if path[0] == "linear_attn":
             linear = mixer.in_proj
         elif path[0] == "self_attn":
@@ -320,7 +358,7 @@ class NextSlots(N.Slots):
 
             expert = mlp.experts.local_experts[mlp.local_index(int(path[2]))]
             linear = expert_linear(expert, part)
-        return linear.part_weight(part)
+        return linear, part
 
 
 class NextFinalNorm(nn.Module):
@@ -474,7 +512,8 @@ def transformer_config(geom: N.Geometry):
 
 class LockstepNext(nn.Module):
     """``Float16Module(GPTModel)`` of a Qwen3-Next geometry with the hybrid spec, then the
-    lane's log_softmax: tokens [b, s] -> [b, s, V] fp32 log-probabilities. Forward only."""
+    lane's log_softmax: tokens [b, s] -> [b, s, V] fp32 log-probabilities, differentiable
+    (the ops run with ``grad=True``)."""
 
     def __init__(self, geom: N.Geometry, tp: int = 1, ep: int = 1):
         super().__init__()
@@ -529,7 +568,10 @@ class LockstepNext(nn.Module):
         """The lane's programs on ``device``'s backend, read from that backend's contract."""
         backend = torch.device(device).type
         if backend not in self._ops:
-            self._ops[backend] = N.NextOps(geometry_contract(self.geom, backend=backend))
+            contract = geometry_contract(self.geom, backend=backend)
+            # grad=True: exact forward, the ideal ops' VJPs backward (``programs.vjp``); with
+            # no tensor requiring grad the programs run alone, as for inference.
+            self._ops[backend] = N.NextOps(contract, grad=True)
         return self._ops[backend]
 
     def invoked_contract(self, device: torch.device | str = "cpu"):
@@ -538,8 +580,6 @@ class LockstepNext(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] (right-padded, each sequence from position 0) -> [b, s, V] float32."""
-        if any(p.requires_grad for p in self.parameters()):
-            raise HybridRefused(f"{TRAINING_REFUSED}: a parameter of the model requires grad")
         logits = self.model(input_ids=tokens, position_ids=None, attention_mask=None)
         b, s, v = logits.shape
         ops = self.ops(logits.device)
@@ -614,8 +654,7 @@ def build(model_dir: str | Path, tp: int = 1, ep: int = 1) -> LockstepNext:
 
 
 __all__ = [
-    "LORA_REFUSED",
-    "TRAINING_REFUSED",
+    "SESSION_REFUSED",
     "HybridRefused",
     "LockstepNext",
     "NextSlots",
@@ -625,6 +664,7 @@ __all__ = [
     "gated_qkv_parts",
     "in_proj_parts",
     "is_hybrid",
+    "refuse_session",
     "refuse_training",
     "transformer_config",
 ]

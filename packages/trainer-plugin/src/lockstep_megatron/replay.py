@@ -293,6 +293,8 @@ def replay(
     model = build(base.path, tp, ep).eval()
     if adapter_dir is not None:
         export.load_into(model, adapter_dir, base)
+        if base.family == "qwen3-next":
+            model.requires_grad_(False)  # scoring only: no autograd graph over the adapter
     if backend == "cuda":
         model = model.cuda()  # the programs dispatch on the tensors' device: the cuda lane
     admit_invoked(trace, model, base, backend, control)

@@ -39,8 +39,9 @@ def check_train_backend(backend: str) -> None:
 
 def train(request: TrainRequest) -> TrainResult:
     check_train_backend(request.backend)  # before the trace or the model is read
-    refuse_training(request.model_dir)  # the hybrid lane (Qwen3-Next) is not trained yet
-    model_dir = ModelDir(request.model_dir)  # parsed and hashed once for every check below
+    refuse_training(request.model_dir, request.backend)  # the hybrid lane trains on cpu only
+    # Parsed and hashed once for every check below; the hybrid lane (Qwen3-Next) trains too.
+    model_dir = ModelDir(request.model_dir, hybrid=True)
     adapter_in = Path(request.adapter_in) if request.adapter_in else None
     trace = Trace.load(request.trace_dir)
     admit_trace(trace, model_dir, adapter_in, request.backend)

@@ -211,9 +211,9 @@ class FrozenSession:
 
 
 def open_session(request):
-    from .gdn import refuse_training
+    from .gdn import refuse_session
 
-    refuse_training(request.model_dir)  # before anything is read or built
+    refuse_session(request.model_dir)  # before anything is read or built
     if request.role == "policy":
         return PolicySession(request)
     if request.role == "frozen":

@@ -183,9 +183,9 @@ def check_config(cfg: Mapping) -> dict[str, Any]:
     if isinstance(archs, list) and archs and archs[0] in HYBRID_FAMILIES:
         raise UnsupportedModel(
             f"architecture {archs[0]!r} is not a Qwen3 / Qwen3-MoE model: its lane is qwen3-next "
-            "(lanes.qwen3_next, config check check_next_config), which the vLLM plugin serves "
-            "(lockstep_serving.vllm_next); the other engines' plugins do not serve it yet "
-            "(issue 16)"
+            "(lanes.qwen3_next, config check check_next_config), which the vLLM and Megatron "
+            "plugins serve (lockstep_serving.vllm_next, lockstep_megatron.gdn); this path and "
+            "the SGLang plugin do not take it yet (issue 16)"
         )
     if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in FAMILIES:
         raise UnsupportedModel(

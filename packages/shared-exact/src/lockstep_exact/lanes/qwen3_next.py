@@ -16,8 +16,12 @@ chunks to absolute positions, one prefill, any split into calls and token-by-tok
 the same bytes. Row-wise ops (projections, norms, MLPs) run over all rows of a step; the
 sequence-mixing ops (conv, GDN, attention) run per sequence.
 
-Not wired yet: LoRA, tensor/expert parallelism beyond the contract's K partitions, autograd
-(``NextOps`` refuses ``grad=True``). The vLLM half is ``lockstep_serving.vllm_next`` (``hidden``
+LoRA: an adapter covering a projection (``ADAPTED``; ``Slots.lora``) adds lora.shrink and
+lora.expand after its gemm, as on the dense lane (``qwen3.linear``).
+
+Training: ``NextOps(grad=True)`` gives every program the VJP of its ideal op
+(``programs.vjp``), the caches included. Not wired yet: tensor/expert parallelism beyond the
+contract's K partitions. The vLLM half is ``lockstep_serving.vllm_next`` (``hidden``
 and ``final_logits``, attention through ``Slots.attend`` over vLLM's paged cache).
 """
 
@@ -31,17 +35,31 @@ from pathlib import Path
 import torch
 
 from .. import programs as P
-from ..contract import ContractMismatch
 from ..programs import Program
+from ..programs import vjp as V
 from ..sites import record
 from .config import UnsupportedModel, check_next_config
 from .ops import Ops
-from .qwen3 import K_PARTS, k_parts, local_dispatch
+from .qwen3 import K_PARTS, LoRA, k_parts, linear, local_dispatch
 
 ARCHITECTURES = {"Qwen3NextForCausalLM": "qwen3-next"}
 GDN_CHUNK = 64  # the lane's gdn.chunked chunk (tests may build a geometry with another)
 L2NORM_EPS = 1e-6  # HF Qwen3Next's l2norm of q and k (not rms_norm_eps)
 LINEAR, FULL = "linear_attention", "full_attention"
+# The projections an adapter may cover (``lockstep_exact.adapters``): the GDN's three, the
+# gated attention's four, every routed expert's and the shared expert's gate/up/down.
+ADAPTED = (
+    "linear_attn.in_proj_qkvz",
+    "linear_attn.in_proj_ba",
+    "linear_attn.out_proj",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
 
 
 @dataclass(frozen=True)
@@ -164,6 +182,11 @@ def op_sites(geom: Geometry) -> dict[str, Program]:
     sites["lm_head"] = Program.of("gemm.kblock", bk=32, out="fp32")
     sites["logprobs"] = Program.of("log_softmax.tree")
     sites["sample"] = Program.of("sample.gumbel_topp")
+    # Every adaptable projection's LoRA sites, run when an adapter covers it.
+    shrink, expand = Program.of("lora.shrink", bk=32), Program.of("lora.expand", bk=32)
+    for path in [p for p in sites if p.endswith(ADAPTED)]:
+        sites[f"{path}.lora_shrink"] = shrink
+        sites[f"{path}.lora_expand"] = expand
     return sites
 
 
@@ -172,102 +195,121 @@ LAYOUT = {"k_parts": K_PARTS}
 
 # --- the hybrid programs, called by op site --------------------------------------------------
 class NextOps(Ops):
-    """``Ops`` plus the hybrid lane's programs. Forward only: the programs have no VJPs yet."""
+    """``Ops`` plus the hybrid lane's programs. With ``grad=True`` each runs as the dense
+    lane's do (``programs.vjp.exact``: the program's bytes forward, its ideal op's VJP
+    backward), and the caches a call returns carry gradient into the next call: the conv
+    window and the GdnState's cached tokens are copies of the inputs, its S has the VJP of
+    the delta rule over the chunks it completed."""
 
     def __init__(self, contract, *, grad: bool = False):
-        if grad:
-            raise ContractMismatch(
-                "the qwen3-next lane has no backward yet (its hybrid programs have no VJPs): "
-                "it cannot be trained"
-            )
-        super().__init__(contract)
-
-    def _run(self, path: str, expect: str, fn, *xs):
-        prog = self.program(path, expect)
-        self._ran(path, prog)
-        return prog, fn(prog, *xs)
+        super().__init__(contract, grad=grad)
 
     def rmsnorm_zc(self, path, x, w):
-        _, y = self._run(
+        prog = self.program(path, "rmsnorm.zero_centered")
+        eps = prog.param("eps")
+        return self._call(
             path,
-            "rmsnorm.zero_centered",
-            lambda p, a, b: P.rmsnorm_zero_centered(a, b, p.param("eps")),
+            prog,
+            lambda a, b: P.rmsnorm_zero_centered(a, b, eps),
+            V.rmsnorm_zero_centered(eps),
             x,
             w,
         )
-        return record(path, y)
 
     def rmsnorm_gated(self, path, x, z, w):
-        _, y = self._run(
+        prog = self.program(path, "rmsnorm.gated")
+        eps = prog.param("eps")
+        return self._call(
             path,
-            "rmsnorm.gated",
-            lambda p, a, b, c: P.rmsnorm_gated(a, b, c, p.param("eps")),
+            prog,
+            lambda a, b, c: P.rmsnorm_gated(a, b, c, eps),
+            V.rmsnorm_gated(eps),
             x,
             z,
             w,
         )
-        return record(path, y)
 
     def sigmoid_gate(self, path, x, gate):
-        _, y = self._run(path, "gate.sigmoid", lambda p, a, b: P.sigmoid_gate(a, b), x, gate)
-        return record(path, y)
+        prog = self.program(path, "gate.sigmoid")
+        return self._call(path, prog, P.sigmoid_gate, V.sigmoid_gate, x, gate)
 
     def shared_gate(self, path, routed, shared, logit):
-        _, y = self._run(
-            path,
-            "moe.shared_gate",
-            lambda p, a, b, c: P.shared_expert_gate(a, b, c),
-            routed,
-            shared,
-            logit,
-        )
-        return record(path, y)
+        prog = self.program(path, "moe.shared_gate")
+        return self._call(path, prog, P.shared_expert_gate, V.shared_gate, routed, shared, logit)
 
     def rope_partial(self, path, x, positions):
-        _, y = self._run(
+        prog = self.program(path, "rope.partial")
+        base, rotary = prog.param("base"), prog.param("rotary")
+        return self._call(
             path,
-            "rope.partial",
-            lambda p, a: P.rope_partial(a, positions, p.param("base"), p.param("rotary")),
+            prog,
+            lambda a: P.rope_partial(a, positions, base, rotary),
+            V.rope_partial(positions, base, rotary),
             x,
         )
-        return record(path, y)
 
     def conv1d(self, path, x, w, window):
-        """(out, window'): ``out`` recorded."""
-        _, (y, win) = self._run(
-            path,
-            "conv1d.causal",
-            lambda p, a, b, c: P.conv1d_causal(a, b, c, kernel=p.param("kernel")),
-            x,
-            w,
-            window,
-        )
-        return record(path, y), win
+        """(out, window'): ``out`` recorded; under grad window' is a copy of the inputs'
+        last rows (the program's bytes) through which gradient reaches the earlier call."""
+        prog = self.program(path, "conv1d.causal")
+        kernel = prog.param("kernel")
+        kept = {}
+
+        def fn(a, b, c):
+            y, kept["window"] = P.conv1d_causal(a, b, c, kernel=kernel)
+            return y
+
+        y = self._call(path, prog, fn, V.conv1d_causal(kernel), x, w, window)
+        win = kept["window"]
+        if self.grad and (x.requires_grad or window.requires_grad):
+            full = torch.cat([window, x], dim=0)
+            win = full[full.shape[0] - (kernel - 1) :]
+        return y, win
 
     def gating(self, path, a, b, a_log, dt_bias):
-        """(g, beta), recorded as ``<path>.g`` and ``<path>.beta``."""
-        _, (g, beta) = self._run(
-            path, "gdn.gating", lambda p, *xs: P.gdn_gating(*xs), a, b, a_log, dt_bias
-        )
+        """(g, beta), recorded as ``<path>.g`` and ``<path>.beta`` (under grad: g with the
+        VJP of -exp(A_log) softplus(a + dt_bias), beta with that of sigmoid(b))."""
+        prog = self.program(path, "gdn.gating")
+        self._ran(path, prog)
+        g, beta = P.gdn_gating(a.detach(), b.detach(), a_log.detach(), dt_bias.detach())
+        if self.grad:
+            g = V.exact(lambda *_: g, V.gdn_decay, a, a_log, dt_bias)
+            beta = V.exact(lambda _b: beta, V.gdn_beta, b)
         return record(f"{path}.g", g), record(f"{path}.beta", beta)
 
     def l2norm(self, path, x):
-        _, y = self._run(path, "gdn.l2norm", lambda p, a: P.l2norm(a, p.param("eps")), x)
-        return record(path, y)
+        prog = self.program(path, "gdn.l2norm")
+        eps = prog.param("eps")
+        return self._call(path, prog, lambda a: P.l2norm(a, eps), V.l2norm(eps), x)
 
     def gdn(self, path, q, k, v, g, beta, state, position: int):
-        """(out, state'): ``out`` recorded."""
-        _, (y, st) = self._run(
-            path,
-            "gdn.chunked",
-            lambda p, *xs: P.gdn_chunked(*xs, state, position=position, chunk=p.param("chunk")),
-            q,
-            k,
-            v,
-            g,
-            beta,
-        )
-        return record(path, y), st
+        """(out, state'): ``out`` recorded. Under grad both carry the delta rule's VJP: the
+        output's to q, k, v, g, beta and the incoming state, state' S's to the tokens of the
+        chunks it completed and the incoming state."""
+        prog = self.program(path, "gdn.chunked")
+        chunk = prog.param("chunk")
+        kept = {}
+
+        def fn(*xs):
+            y, kept["state"] = P.gdn_chunked(*xs[:5], state, position=position, chunk=chunk)
+            return y
+
+        xs = (q, k, v, g, beta, state.s, state.k, state.v, state.g, state.beta)
+        y = self._call(path, prog, fn, V.gdn_chunked, *xs)
+        new = kept["state"]
+        if self.grad and any(x.requires_grad for x in xs):
+            keep, s_end = new.start - state.start, new.s
+            cached = [torch.cat(p, dim=0)[keep:] for p in zip(xs[6:], xs[1:5], strict=True)]
+            new = P.GdnState(
+                chunk=new.chunk,
+                start=new.start,
+                s=V.exact(lambda *_: s_end, V.gdn_state(keep), *xs),
+                k=cached[0],
+                v=cached[1],
+                g=cached[2],
+                beta=cached[3],
+            )
+        return y, new
 
 
 # --- the per-sequence cache ---------------------------------------------------------------------
@@ -310,6 +352,11 @@ class Slots:
     def weight(self, layer: int | None, name: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def lora(self, layer: int, name: str) -> LoRA | None:
+        """The adapter factors (A, B, scale) covering projection ``name`` (e.g.
+        ``linear_attn.in_proj_qkvz``), already bf16, or None: the base weights only."""
+        return None
+
     def attend(self, layer: int, q, k, v, segs: Segments, positions, core) -> torch.Tensor:
         """This step's rows of attention layer ``layer``: q/k/v are every row's (after norm
         and rope); each sequence's k/v join its cache, then ``core(q_rows, keys, values,
@@ -325,8 +372,16 @@ class Slots:
 
 
 class DictSlots(Slots):
-    def __init__(self, weights: Mapping[str, torch.Tensor], geom: Geometry):
+    """Weights (and ``adapters``: HF weight name -> LoRA) from HF-named dicts."""
+
+    def __init__(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        geom: Geometry,
+        adapters: Mapping[str, LoRA] | None = None,
+    ):
         self.weights = weights
+        self.adapters = adapters or {}
         self.per_layer: list[dict[str, torch.Tensor]] = [{} for _ in range(geom.layers)]
         for name, t in weights.items():
             if name.startswith("model.layers."):
@@ -335,6 +390,9 @@ class DictSlots(Slots):
 
     def weight(self, layer, name):
         return self.weights[name] if layer is None else self.per_layer[layer][name]
+
+    def lora(self, layer, name):
+        return self.adapters.get(f"model.layers.{layer}.{name}.weight")
 
 
 Segments = Sequence[tuple[int, int, NextCache]]  # (first row, row count, the sequence's cache)
@@ -351,7 +409,9 @@ class Layer:
         return self.slots.weight(self.index, name)
 
     def gemm(self, x, name: str):
-        return self.ops.gemm(f"{self.site}.{name}", x, self.w(f"{name}.weight"))
+        """The projection's gemm, plus lora.shrink/lora.expand when an adapter covers it."""
+        lora = self.slots.lora(self.index, name)
+        return linear(self.ops, f"{self.site}.{name}", x, self.w(f"{name}.weight"), lora)
 
     def gdn(self, h, segs: Segments):
         g, ops, s, i = self.geom, self.ops, f"{self.site}.linear_attn", self.index
@@ -498,9 +558,11 @@ def forward_logprobs(
     cache: NextCache | None = None,
     *,
     ops: NextOps | None = None,
+    adapters: Mapping[str, LoRA] | None = None,
 ) -> torch.Tensor:
     """Reference forward of one sequence: [T, V] log-probabilities of ``tokens`` continuing
-    ``cache`` (a fresh sequence at position 0 when None; the cache is advanced)."""
+    ``cache`` (a fresh sequence at position 0 when None; the cache is advanced), with
+    ``adapters`` (HF weight name -> LoRA, ``adapters.load_adapter(...).modules``) if given."""
     ops = ops or default_ops(geom, tokens.device.type)
     cache = cache if cache is not None else NextCache.empty(geom)
-    return forward(ops, geom, DictSlots(weights, geom), [(tokens, cache)])
+    return forward(ops, geom, DictSlots(weights, geom, adapters), [(tokens, cache)])

@@ -36,9 +36,13 @@ class _Exact(torch.autograd.Function):
                 for i in wanted:
                     xf[i].requires_grad_(True)
                 out = ctx.ideal(*xf)
-                got = torch.autograd.grad(out, [xf[i] for i in wanted], grad.to(F32))
+                # allow_unused: an output may not read every input (gdn.chunked's state'
+                # reads no query); such an input gets no gradient (None, a zero).
+                got = torch.autograd.grad(
+                    out, [xf[i] for i in wanted], grad.to(F32), allow_unused=True
+                )
             for i, g in zip(wanted, got, strict=True):
-                grads[i] = g.to(xs[i].dtype)
+                grads[i] = None if g is None else g.to(xs[i].dtype)
         return (None, None, *grads)
 
 
@@ -128,3 +132,102 @@ def log_softmax(z):
 
 def identity(x):
     return x
+
+
+# --- the hybrid lane's programs (Qwen3-Next) ----------------------------------------------------
+def rmsnorm_zero_centered(eps: float):
+    """rmsnorm.zero_centered: the weight is stored as w - 1."""
+    return lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w)
+
+
+def rmsnorm_gated(eps: float):
+    """rmsnorm.gated: the normalized x times w, gated by silu(z)."""
+
+    def ideal(x, z, w):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+        return y * torch.nn.functional.silu(z)
+
+    return ideal
+
+
+def sigmoid_gate(x, gate):
+    return x * torch.sigmoid(gate)
+
+
+def shared_gate(routed, shared, logit):
+    return routed + torch.sigmoid(logit) * shared
+
+
+def rope_partial(positions: torch.Tensor, base: float, rotary: int):
+    """rope.neox (its tables, built for ``rotary`` dims) on the first ``rotary`` dims; the
+    rest pass through."""
+    turn = rope(positions, base)
+    return lambda x: torch.cat([turn(x[..., :rotary]), x[..., rotary:]], dim=-1)
+
+
+def gdn_decay(a, a_log, dt_bias):
+    """gdn.gating's g: -(exp(A_log) * softplus(a + dt_bias))."""
+    return -(torch.exp(a_log) * torch.nn.functional.softplus(a + dt_bias))
+
+
+def gdn_beta(b):
+    """gdn.gating's beta: sigmoid(b)."""
+    return torch.sigmoid(b)
+
+
+def l2norm(eps: float):
+    return lambda x: x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def conv1d_causal(kernel: int):
+    """conv1d.causal over the cached window then x, SiLU after: x [T, D], w [D, W],
+    window [W-1, D]."""
+
+    def ideal(x, w, window):
+        full = torch.cat([window, x], dim=0)
+        n = x.shape[0]
+        acc = sum(full[i : i + n] * w[:, i] for i in range(kernel))
+        return torch.nn.functional.silu(acc)
+
+    return ideal
+
+
+def _delta_rule(q, k, v, g, beta, s0, ck, cv, cg, cb, *, keep: int | None):
+    """The gated delta rule, token by token (the textbook recurrence gdn.chunked computes in
+    chunks): S <- exp(g_t) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = S^T q_t / sqrt(K).
+    The cached tokens (ck, cv, cg, cb) come first, from the state s0, and give no output.
+    Returns the new tokens' outputs [T, Hv, V], or with ``keep`` the state after the first
+    ``keep`` tokens (cached then new)."""
+    r = v.shape[1] // k.shape[1]
+    kk = torch.cat([ck, k], dim=0).repeat_interleave(r, dim=1)  # [w+T, Hv, K]
+    vv = torch.cat([cv, v], dim=0)
+    gg = torch.cat([cg, g], dim=0)
+    bb = torch.cat([cb, beta], dim=0)
+    qs = q.repeat_interleave(r, dim=1) / (q.shape[-1] ** 0.5)
+    w = ck.shape[0]
+    stop = kk.shape[0] if keep is None else keep
+    s, outs = s0, []
+    for t in range(stop):
+        s = s * torch.exp(gg[t])[:, None, None]
+        err = vv[t] - torch.einsum("hkv,hk->hv", s, kk[t])
+        s = s + kk[t][:, :, None] * (bb[t][:, None] * err)[:, None, :]
+        if t >= w:
+            outs.append(torch.einsum("hkv,hk->hv", s, qs[t - w]))
+    if keep is not None:
+        return s
+    if not outs:
+        return v.new_zeros(0, *v.shape[1:])
+    return torch.stack(outs)
+
+
+def gdn_chunked(q, k, v, g, beta, s0, ck, cv, cg, cb):
+    """gdn.chunked's output: q, k [T, Hk, K] (l2-normalized, unscaled), v [T, Hv, V],
+    g, beta [T, Hv]; the state: s0 [Hv, K, V] at its chunk start and that chunk's cached
+    tokens ck [w, Hk, K], cv [w, Hv, V], cg, cb [w, Hv]. The chunking moves no value."""
+    return _delta_rule(q, k, v, g, beta, s0, ck, cv, cg, cb, keep=None)
+
+
+def gdn_state(keep: int):
+    """gdn.chunked's state' S (gdn_chunked's inputs): the state after the first ``keep``
+    tokens, cached then new (the complete chunks)."""
+    return lambda *xs: _delta_rule(*xs, keep=keep)
