@@ -424,20 +424,18 @@ def block_spec(geom: Geometry):
     )
 
 
-def transformer_config(geom: Geometry, tp: int = 1, ep: int = 1):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from .moe import moe_config
-
-    return TransformerConfig(
-        **moe_config(geom, ep),
+def base_config(geom, ffn_hidden_size: int, tp: int = 1) -> dict:
+    """The TransformerConfig fields every lane's Megatron model shares: its sizes, RMSNorm with
+    q/k norms, SwiGLU, bf16, no dropout and none of Megatron's fused kernels (the lane's
+    programs run in their place)."""
+    return dict(
         tensor_model_parallel_size=tp,
         num_layers=geom.layers,
         hidden_size=geom.hidden,
         num_attention_heads=geom.heads,
         num_query_groups=geom.kv_heads,
         kv_channels=geom.head_dim,
-        ffn_hidden_size=geom.intermediate or geom.moe_intermediate,
+        ffn_hidden_size=ffn_hidden_size,
         normalization="RMSNorm",
         layernorm_epsilon=geom.eps,
         qk_layernorm=True,
@@ -454,6 +452,16 @@ def transformer_config(geom: Geometry, tp: int = 1, ep: int = 1):
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+    )
+
+
+def transformer_config(geom: Geometry, tp: int = 1, ep: int = 1):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from .moe import moe_config
+
+    return TransformerConfig(
+        **moe_config(geom, ep), **base_config(geom, geom.intermediate or geom.moe_intermediate, tp)
     )
 
 
