@@ -64,10 +64,9 @@ from lockstep_exact.lanes.ops import to_bf16
 from .spec import (
     BF16,
     ExactBDA,
-    ExactCoreAttention,
-    ExactProj,
     ExactRMSNorm,
     _cols,
+    attention_spec,
     base_config,
     fc1_parts,
     parallel_linear,
@@ -404,24 +403,6 @@ def gdn_spec():
     )
 
 
-def attention_spec():
-    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    return ModuleSpec(
-        module=SelfAttention,
-        params={"attn_mask_type": AttnMaskType.causal},
-        submodules=SelfAttentionSubmodules(
-            linear_qkv=GatedQKV,
-            core_attention=ExactCoreAttention,
-            linear_proj=ExactProj,
-            q_layernorm=ExactRMSNorm,
-            k_layernorm=ExactRMSNorm,
-        ),
-    )
-
-
 def mlp_spec():
     """The lane's MoELayer (moe.py) plus Megatron's SharedExpertMLP with the exact linears."""
     from megatron.core.transformer.mlp import MLPSubmodules
@@ -450,7 +431,7 @@ def block_spec(geom: N.Geometry):
             module=classes()["layer"],
             submodules=TransformerLayerSubmodules(
                 input_layernorm=ExactRMSNorm,
-                self_attention=gdn_spec() if kind == N.LINEAR else attention_spec(),
+                self_attention=gdn_spec() if kind == N.LINEAR else attention_spec(GatedQKV),
                 self_attn_bda=ExactBDA,
                 pre_mlp_layernorm=ExactRMSNorm,
                 mlp=mlp_spec(),

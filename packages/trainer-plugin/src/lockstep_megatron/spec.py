@@ -381,9 +381,27 @@ class ExactOutputLayer(nn.Module):
 
 
 # --- specs and model -----------------------------------------------------------------------------
-def layer_spec(geom: Geometry):
+def attention_spec(linear_qkv):
+    """Megatron's causal SelfAttention with the lane's modules in its slots; ``linear_qkv``
+    is the lane's QKV projection of the model at hand."""
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    return ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=linear_qkv,
+            core_attention=ExactCoreAttention,
+            linear_proj=ExactProj,
+            q_layernorm=ExactRMSNorm,
+            k_layernorm=ExactRMSNorm,
+        ),
+    )
+
+
+def layer_spec(geom: Geometry):
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
@@ -397,17 +415,7 @@ def layer_spec(geom: Geometry):
         module=_layer_class(),
         submodules=TransformerLayerSubmodules(
             input_layernorm=ExactRMSNorm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ExactQKV,
-                    core_attention=ExactCoreAttention,
-                    linear_proj=ExactProj,
-                    q_layernorm=ExactRMSNorm,
-                    k_layernorm=ExactRMSNorm,
-                ),
-            ),
+            self_attention=attention_spec(ExactQKV),
             self_attn_bda=ExactBDA,
             pre_mlp_layernorm=ExactRMSNorm,
             mlp=mlp,
