@@ -558,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
     qual = sub.add_parser("qualify", help="run the qualification ladder (the main job)")
     src = qual.add_mutually_exclusive_group()
     src.add_argument("--model", help="HF model directory (default: a tiny model made now)")
-    src.add_argument("--tiny", choices=("qwen3", "qwen3-moe"), default="qwen3-moe")
+    src.add_argument("--tiny", choices=("qwen3", "qwen3-moe", "qwen3-next"), default="qwen3-moe")
     qual.add_argument("--adapter", help="qualify this adapter (runs the base ruler on it)")
     qual.add_argument("--decisions", type=int, default=64)
     qual.add_argument("--seed", type=int, default=0, help="seed of the tiny model")

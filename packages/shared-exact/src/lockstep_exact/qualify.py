@@ -18,7 +18,7 @@ import torch
 
 from . import __version__
 from .adapters import load_adapter, make_adapter, perturb_adapter
-from .contract import admit, check_layout
+from .contract import admit, check_layout, geometry_contract
 from .k3 import compare, k3
 from .model import ModelDir
 from .parity import same_bytes
@@ -148,7 +148,9 @@ class Ladder:
         self.user_adapter = Path(adapter_dir) if adapter_dir else None
         self.prompts = tuple(prompts or default_prompts(8))
         self.say = progress
-        self.model_dir = ModelDir(self.model)
+        # A Qwen3-Next model is admitted here: both plugins run its lane (vllm_next, gdn.py),
+        # and each half's contract hook refuses by name what that lane lacks.
+        self.model_dir = ModelDir(self.model, hybrid=True)
         self.geom = self.model_dir.geometry
         # The ladder's adapters: rank 8, raised to a multiple of top-k for an MoE (grouped
         # expert LoRA gives each routed expert rank r // topk).
@@ -159,6 +161,9 @@ class Ladder:
         # contract: before any engine starts. The bytes must not depend on either.
         check_layout(self.contract, tp=sampler_tp)
         check_layout(self.contract, tp=trainer_tp, ep=trainer_ep)
+        if self.geom.family == "qwen3-next":  # one device so far: LayoutRefused above 1
+            geometry_contract(self.geom, backend=backend, tp=sampler_tp)
+            geometry_contract(self.geom, backend=backend, tp=trainer_tp, ep=trainer_ep)
         self.layouts = {
             "sampler": {"tp": sampler_tp},
             "trainer": {"tp": trainer_tp, "ep": trainer_ep},

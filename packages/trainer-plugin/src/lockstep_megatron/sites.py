@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from lockstep_exact.model import ModelDir
 from lockstep_exact.sites import recording
 
 from . import export
@@ -21,9 +22,10 @@ from .convert import build
 def dump_sites(
     model_dir: Path, tokens: torch.Tensor, position: int, adapter_dir: Path | None = None
 ) -> dict[str, torch.Tensor]:
-    model = build(model_dir).eval()
+    base = ModelDir(model_dir, hybrid=True)  # a Qwen3-Next model dumps its sites too (gdn.py)
+    model = build(base.path).eval()
     if adapter_dir is not None:
-        export.load_into(model, adapter_dir, model_dir)
+        export.load_into(model, adapter_dir, base)
     with recording() as sites, torch.no_grad():
         model(tokens[None, : position + 1])
     return dict(sites)
