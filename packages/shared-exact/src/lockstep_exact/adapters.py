@@ -43,11 +43,11 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .atomic import write_dir
 from .hashing import sha256_bytes, tensor_bytes
 from .lanes.qwen3 import Geometry
+from .safetensors_io import write_safetensors
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -234,7 +234,7 @@ def _write_dir(out: Path, payload: dict, config: dict, meta: dict) -> Path:
     """Write the two files atomically (atomic.write_dir: temp dir, fsync, rename)."""
 
     def fill(tmp: Path) -> None:
-        save_file(payload, str(tmp / WEIGHTS), metadata=meta)
+        write_safetensors(tmp / WEIGHTS, payload, meta)
         (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     return write_dir(out, fill=fill, overwrite=True)

@@ -59,9 +59,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save as safetensors_save
 
 from .atomic import write_file
+from .safetensors_io import safetensors_bytes
 
 __all__ = [
     "ARCHES",
@@ -630,7 +630,7 @@ def make_tiny(
     files: dict[str, bytes] = {
         "config.json": _json(config).encode(),
         "generation_config.json": _json(generation).encode(),
-        "model.safetensors": safetensors_save(weights, metadata={"format": "pt"}),
+        "model.safetensors": safetensors_bytes(weights, {"format": "pt"}),
     }
     for name, text in _tokenizer_files(tok, max_positions).items():
         files[name] = text.encode()

@@ -39,10 +39,10 @@ from typing import Any
 
 import torch
 from safetensors.torch import load as safetensors_load
-from safetensors.torch import save as safetensors_save
 
 from .atomic import write_dir
 from .hashing import sha256_bytes, tensor_sha256
+from .safetensors_io import safetensors_bytes
 
 __all__ = [
     "FORMAT",
@@ -456,7 +456,7 @@ class Trace:
         as a whole, never mixed with the new files)."""
         if self.num_decisions == 0:
             raise TraceError(f"refusing to save: {NO_DECISIONS}")
-        payload = safetensors_save(
+        payload = safetensors_bytes(
             {k: v.contiguous() for k, v in self.tensors().items()},
             metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)},
         )

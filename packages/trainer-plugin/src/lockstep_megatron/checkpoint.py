@@ -17,9 +17,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load, save
+from safetensors.torch import load
 
 from lockstep_exact.atomic import read_manifested, write_manifested
+from lockstep_exact.safetensors_io import safetensors_bytes
 
 FORMAT = "lockstep.megatron.checkpoint/2"
 
@@ -36,9 +37,9 @@ def _files(state: dict) -> dict[str, bytes]:
         "identity": state.get("identity", {}),
     }
     return {
-        "adapters.safetensors": save({k: v.contiguous() for k, v in state["adapters"].items()}),
-        "optimizer.safetensors": save({k: v.contiguous() for k, v in state["optimizer"].items()}),
-        "rng.safetensors": save({k: v.contiguous() for k, v in state["rng"].items()}),
+        "adapters.safetensors": safetensors_bytes(state["adapters"]),
+        "optimizer.safetensors": safetensors_bytes(state["optimizer"]),
+        "rng.safetensors": safetensors_bytes(state["rng"]),
         "meta.json": (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode(),
     }
 

@@ -18,10 +18,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import load, save
+from safetensors.torch import load
 
 from lockstep_exact.model import ModelDir
 from lockstep_exact.parity import same_bytes
+from lockstep_exact.safetensors_io import safetensors_bytes
 from lockstep_exact.trace import Trace
 
 from . import adapters as AD
@@ -142,9 +143,9 @@ class PolicySession:
                 optimizer[f"{names[id(p)]}::{key}"] = t.contiguous()
         meta = {"format": STATE_FORMAT, "adapter_hash": self.adapter_hash}
         return {
-            "adapters.safetensors": save(adapters),
-            "optimizer.safetensors": save(optimizer),
-            "rng.safetensors": save({"data": self.data.get_state()}),
+            "adapters.safetensors": safetensors_bytes(adapters),
+            "optimizer.safetensors": safetensors_bytes(optimizer),
+            "rng.safetensors": safetensors_bytes({"data": self.data.get_state()}),
             "trainer.json": (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode(),
         }
 
