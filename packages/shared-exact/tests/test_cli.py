@@ -121,3 +121,17 @@ def test_bisect_of_a_decision_the_trace_lacks_exits_2_naming_the_range(tmp_path,
         f"lockstep bisect: error: the trace has 1 decisions; no decision {index} "
         "(choose --decision from 0 to 0)" in capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize("extra", [[], ["--backend", "cuda", "--engine", "sglang"]])
+def test_capture_with_cuda_graphs_needs_the_cuda_backend_and_vllm(tmp_path, capsys, extra):
+    """--cuda-graphs is the vLLM lane's GPU decode path; elsewhere it is refused, by name,
+    before any engine starts."""
+    argv = ["capture", "--model", str(tmp_path), "--out", str(tmp_path / "t"), "--cuda-graphs"]
+    assert main(argv + extra) == 2
+    err = capsys.readouterr().err
+    assert (
+        "lockstep capture: error: --cuda-graphs captures the vLLM lane's decode steps on a GPU: "
+        "it needs --backend cuda and the vLLM sampler" in err
+    )
+    assert not (tmp_path / "t").exists()

@@ -200,6 +200,14 @@ def _cmd_capture(args) -> int:
         else tuple(default_prompts(8))
     )
     prompts = tuple(p for p in prompts if p.strip())
+    options = {}
+    if args.cuda_graphs:
+        if args.backend != "cuda" or args.engine == "sglang":
+            raise ValueError(
+                "--cuda-graphs captures the vLLM lane's decode steps on a GPU: it needs "
+                "--backend cuda and the vLLM sampler"
+            )
+        options["cuda_graphs"] = True  # offline.engine_args: full graphs for decode steps
     trace = _drive(
         args,
         "lockstep_capture",
@@ -215,6 +223,7 @@ def _cmd_capture(args) -> int:
             seed=args.seed,
             tp=args.tp,
             backend=args.backend,
+            options=options,
         ),
         engine=args.engine,
     )
@@ -536,6 +545,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("vllm", "sglang"),
         help="the serving engine (default: the installed one; sglang needs the sglang "
         "environment, docs/sglang.md)",
+    )
+    cap.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="--backend cuda, vLLM: replay the lane's one-token decode steps from CUDA graphs "
+        "(the eager bytes, faster; LoRA and --tp > 1 are refused with it)",
     )
     cap.set_defaults(func=_cmd_capture)
 
