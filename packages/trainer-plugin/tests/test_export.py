@@ -160,3 +160,31 @@ def test_a_loaded_peft_adapter_exports_with_its_ranks_and_alphas(dense_dir, tmp_
     for k, (a, b, s) in before.modules.items():
         a2, b2, s2 = after.modules[k]
         assert torch.equal(a, a2) and torch.equal(b, b2) and s == s2, k
+
+
+def test_an_adapter_is_read_against_the_lane_of_the_backend_it_runs_on(
+    dense_dir, tmp_path, monkeypatch
+):
+    """The trainer checks an adapter against the contract of the lane it runs (as the serving
+    half does): one bound to the cuda lane loads for backend cuda and is refused for cpu, and
+    the reverse. (The cuda contract's pins need the cuda backend; here each backend's
+    fingerprint is stood in for, the binding logic is what is checked.)"""
+    from types import SimpleNamespace
+
+    from lockstep_exact.adapters import make_adapter
+
+    real = ModelDir.contract
+
+    def contract(self, backend="cpu", *a, **kw):
+        if backend == "cuda":
+            return SimpleNamespace(fingerprint="cuda-lane-" + real(self).fingerprint[:16])
+        return real(self, backend, *a, **kw)
+
+    monkeypatch.setattr(ModelDir, "contract", contract)
+    cuda_lane = ModelDir(dense_dir).contract("cuda").fingerprint
+    on_cuda = make_adapter(dense_dir, tmp_path / "cuda", rank=4, seed=1, contract=cuda_lane)
+    on_cpu = make_adapter(dense_dir, tmp_path / "cpu", rank=4, seed=1)
+    assert read_adapter(on_cuda, dense_dir, "cuda").sha256 == read_adapter(on_cpu, dense_dir).sha256
+    for path, backend in ((on_cuda, "cpu"), (on_cpu, "cuda")):
+        with pytest.raises(AdapterError, match="contract"):
+            read_adapter(path, dense_dir, backend)

@@ -310,8 +310,13 @@ class Ladder:
 
     def adapter_a(self, gate: Gate) -> None:
         adir = self.out / "adapters"
-        zero = make_adapter(self.model, adir / "zero", rank=self.rank, zero_b=True, seed=1)
-        a = make_adapter(self.model, adir / "A", rank=self.rank, seed=2)
+        # Bound to the ladder's lane (cpu or cuda): each half checks an adapter against the
+        # lane it runs.
+        lane = self.contract.fingerprint
+        zero = make_adapter(
+            self.model, adir / "zero", rank=self.rank, zero_b=True, seed=1, contract=lane
+        )
+        a = make_adapter(self.model, adir / "A", rank=self.rank, seed=2, contract=lane)
         self.adapter_a_dir = a
         per = max(1, self.decisions // len(self.prompts))
         n = len(self.prompts)

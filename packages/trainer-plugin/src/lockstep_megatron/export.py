@@ -35,8 +35,15 @@ def peft_tensors(model: LockstepGPT) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_peft(model: LockstepGPT, out_dir: str | Path, model_dir: str | Path | ModelDir) -> Path:
-    """Write the trained adapter, bound to ``model_dir``'s model hash and contract."""
+def export_peft(
+    model: LockstepGPT,
+    out_dir: str | Path,
+    model_dir: str | Path | ModelDir,
+    backend: str = "cpu",
+) -> Path:
+    """Write the trained adapter, bound to ``model_dir``'s model hash and to the contract of
+    the lane it was trained on (``backend``'s: a cuda-trained adapter names the cuda lane, as
+    the serving half checks an adapter against the lane it serves)."""
     if getattr(model, "tp", 1) > 1:
         raise NotImplementedError(
             "exporting an adapter from Megatron at tp > 1 is not wired yet (issue 14): the "
@@ -54,7 +61,7 @@ def export_peft(model: LockstepGPT, out_dir: str | Path, model_dir: str | Path |
         peft_tensors(model),
         rank=cfg["r"],
         alpha=cfg["alpha"],
-        contract=base.contract().fingerprint,
+        contract=base.contract(backend).fingerprint,
         geom=model.geom,
         base_model=str(base.path),
         model_hash=base.model_hash,
@@ -62,20 +69,30 @@ def export_peft(model: LockstepGPT, out_dir: str | Path, model_dir: str | Path |
     )
 
 
-def read_adapter(adapter_dir: str | Path, model_dir: str | Path | ModelDir) -> Adapter:
-    """The validated adapter for this lane, or ``AdapterError`` naming the problem."""
+def read_adapter(
+    adapter_dir: str | Path, model_dir: str | Path | ModelDir, backend: str = "cpu"
+) -> Adapter:
+    """The validated adapter for this lane on ``backend``, or ``AdapterError`` naming the
+    problem (one bound to another backend's lane among them)."""
     base = ModelDir.of(model_dir)
-    return load_adapter(adapter_dir, base, contract=base.contract().fingerprint)
+    return load_adapter(adapter_dir, base, contract=base.contract(backend).fingerprint)
 
 
-def adapter_hash(adapter_dir: str | Path, model_dir: str | Path | ModelDir) -> str:
-    return read_adapter(adapter_dir, model_dir).sha256
+def adapter_hash(
+    adapter_dir: str | Path, model_dir: str | Path | ModelDir, backend: str = "cpu"
+) -> str:
+    return read_adapter(adapter_dir, model_dir, backend).sha256
 
 
-def load_into(model: LockstepGPT, adapter_dir: str | Path, model_dir: str | Path | ModelDir) -> str:
-    """Attach the adapter in ``adapter_dir`` to ``model`` (fp32 masters holding the bf16
-    values exactly); returns the adapter hash."""
-    adapter = read_adapter(adapter_dir, model_dir)
+def load_into(
+    model: LockstepGPT,
+    adapter_dir: str | Path,
+    model_dir: str | Path | ModelDir,
+    backend: str = "cpu",
+) -> str:
+    """Attach the adapter in ``adapter_dir`` (bound to ``backend``'s lane) to ``model`` (fp32
+    masters holding the bf16 values exactly); returns the adapter hash."""
+    adapter = read_adapter(adapter_dir, model_dir, backend)
     ranks = {k: (int(a.shape[0]), adapter.alphas[k]) for k, (a, _, _) in adapter.modules.items()}
     AD.attach(model, adapter.rank, adapter.alpha, modules=ranks)
     seen = set()

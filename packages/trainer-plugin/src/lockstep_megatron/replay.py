@@ -132,7 +132,7 @@ def admit_trace(
                 f"{name}[{i}] = {int(ids[i])} is past the model's vocabulary ({vocab} ids): "
                 "the trace was edited or made for another model; capture it again"
             )
-    adapter_hash = export.adapter_hash(adapter_dir, base) if adapter_dir else None
+    adapter_hash = export.adapter_hash(adapter_dir, base, backend) if adapter_dir else None
     if not control and trace.adapter_hash != adapter_hash:
         raise AdmissionError(
             f"adapter hash: the trace was sampled with adapter {trace.adapter_hash}, "
@@ -292,7 +292,7 @@ def replay(
     t0 = time.perf_counter()
     model = build(base.path, tp, ep).eval()
     if adapter_dir is not None:
-        export.load_into(model, adapter_dir, base)
+        export.load_into(model, adapter_dir, base, backend)
         if base.family == "qwen3-next":
             model.requires_grad_(False)  # scoring only: no autograd graph over the adapter
     if backend == "cuda":

@@ -47,7 +47,7 @@ def train(request: TrainRequest) -> TrainResult:
     admit_trace(trace, model_dir, adapter_in, request.backend)
     model = build(model_dir.path)
     if adapter_in is not None:
-        export.load_into(model, adapter_in, model_dir)
+        export.load_into(model, adapter_in, model_dir, request.backend)
     if request.backend == "cuda":
         model = model.cuda()  # fresh adapters (no adapter_in) follow in Trainer
     admit_invoked(trace, model, model_dir, request.backend)  # before any backward pass
@@ -67,7 +67,9 @@ def train(request: TrainRequest) -> TrainResult:
     identity = {
         "contract": trace.contract_fingerprint,
         "model_hash": trace.model_hash,
-        "adapter_in": export.adapter_hash(adapter_in, model_dir) if adapter_in else None,
+        "adapter_in": (
+            export.adapter_hash(adapter_in, model_dir, request.backend) if adapter_in else None
+        ),
         "steps": request.steps,
         "backend": request.backend,
     }
@@ -81,7 +83,7 @@ def train(request: TrainRequest) -> TrainResult:
         state = {**trainer.state(), "identity": identity}
         save_checkpoint(state, ckpt_root / f"step-{trainer.position}")
     after = AD.backbone_hash(model)
-    out = export.export_peft(model, request.adapter_out, model_dir)
+    out = export.export_peft(model, request.adapter_out, model_dir, request.backend)
     return TrainResult(
         losses=losses, backbone_hash_before=before, backbone_hash_after=after, adapter_dir=out
     )
