@@ -49,6 +49,7 @@ from .vllm_model import (  # plain definitions: vllm_model imports no vLLM at mo
     _refuse,
     admit_requested,
     lane_geometry,
+    lane_weights,
 )
 
 # CONTRACT_OVERRIDE is also the json_model_override_args key carrying the fingerprint asked for.
@@ -161,16 +162,8 @@ class LockstepQwen3ForCausalLM(nn.Module):
 
     # --- weights ---------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
-        expected = _expected_names(self.geom)
-        for name, t in weights:
-            if name not in expected:
-                _refuse(f"unexpected tensor {name!r} in the checkpoint (not part of the lane)")
-            if t.dtype != torch.bfloat16:
-                _refuse(f"tensor {name!r} is {t.dtype}; the exact lane loads bf16 weights only")
+        for name, t in lane_weights(weights, _expected_names(self.geom)):
             self.weights[name] = t.detach().to("cpu").clone()
-        missing = sorted(expected - set(self.weights))
-        if missing:
-            _refuse(f"checkpoint lacks {len(missing)} tensor(s), first {missing[0]!r}")
         self._layer_weights = qwen3.split_layers(self.weights, self.geom)
 
     def slots(self) -> qwen3.DictSlots:

@@ -177,6 +177,25 @@ def _check_graphs(vllm_config) -> None:
         )
 
 
+def lane_weights(weights: Iterable[tuple[str, torch.Tensor]], expected: set[str], skip=()):
+    """The checkpoint's (name, tensor) pairs, each refused by name unless it is one of
+    ``expected`` and bf16 (names starting with a ``skip`` prefix are passed over); once all
+    are read, a checkpoint lacking an expected tensor is refused, naming the first."""
+    seen: set[str] = set()
+    for name, t in weights:
+        if skip and name.startswith(tuple(skip)):
+            continue
+        if name not in expected:
+            _refuse(f"unexpected tensor {name!r} in the checkpoint (not part of the lane)")
+        if t.dtype != torch.bfloat16:
+            _refuse(f"tensor {name!r} is {t.dtype}; the exact lane loads bf16 weights only")
+        seen.add(name)
+        yield name, t
+    missing = sorted(expected - seen)
+    if missing:
+        _refuse(f"checkpoint lacks {len(missing)} tensor(s), first {missing[0]!r}")
+
+
 def _expected_names(geom: qwen3.Geometry) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     if not geom.tie_embeddings:
@@ -267,17 +286,9 @@ class LockstepQwen3ForCausalLM(nn.Module):
 
     # --- weights ---------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        expected = _expected_names(self.geom)
-        for name, t in weights:
-            if name not in expected:
-                _refuse(f"unexpected tensor {name!r} in the checkpoint (not part of the lane)")
-            if t.dtype != torch.bfloat16:
-                _refuse(f"tensor {name!r} is {t.dtype}; the exact lane loads bf16 weights only")
+        for name, t in lane_weights(weights, _expected_names(self.geom)):
             shard = shard_weight(name, t.detach(), self.tp_rank, self.tp)
             self.weights[name] = shard.to(self.device, copy=True)  # the engine's device
-        missing = sorted(expected - set(self.weights))
-        if missing:
-            _refuse(f"checkpoint lacks {len(missing)} tensor(s), first {missing[0]!r}")
         self._layer_weights = qwen3.split_layers(self.weights, self.geom)
         if self.device.type == "cuda":
             self._warm_position_tables()

@@ -48,7 +48,14 @@ from lockstep_exact.lanes.config import UnsupportedModel
 from lockstep_exact.sites import is_recording, paused
 
 from .patches import LaneRefused
-from .vllm_model import LIVE, _refuse, _validate_config, lane_backend, paged_attention
+from .vllm_model import (
+    LIVE,
+    _refuse,
+    _validate_config,
+    lane_backend,
+    lane_weights,
+    paged_attention,
+)
 
 ARCH = "LockstepQwen3NextForCausalLM"
 STATE_PREFIX = "model.layers.{}.linear_attn"  # the state layer of GDN layer i
@@ -273,18 +280,9 @@ class LockstepQwen3NextForCausalLM(nn.Module):
 
     # --- weights ---------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        expected = _expected_names(self.geom)
-        for name, t in weights:
-            if name.startswith("mtp."):
-                continue  # the multi-token-prediction head drafts; the lane does not run it
-            if name not in expected:
-                _refuse(f"unexpected tensor {name!r} in the checkpoint (not part of the lane)")
-            if t.dtype != torch.bfloat16:
-                _refuse(f"tensor {name!r} is {t.dtype}; the exact lane loads bf16 weights only")
+        # skip "mtp.": the multi-token-prediction head drafts; the lane does not run it
+        for name, t in lane_weights(weights, _expected_names(self.geom), skip=("mtp.",)):
             self.weights[name] = t.detach().to(self.device, copy=True)
-        missing = sorted(expected - set(self.weights))
-        if missing:
-            _refuse(f"checkpoint lacks {len(missing)} tensor(s), first {missing[0]!r}")
         self._slots = N.DictSlots(self.weights, self.geom)
         return set()  # no nn.Parameters: the weights live outside vLLM's parameter tracking
 
