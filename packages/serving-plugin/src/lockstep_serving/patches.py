@@ -53,6 +53,25 @@ def _lane_process_inputs():
     return process_inputs
 
 
+# What the lane reads of SamplingParams: the rule it runs and every knob it refuses.
+SAMPLING_ATTRS = (
+    "temperature",
+    "top_p",
+    "seed",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "min_tokens",
+    "structured_outputs",
+    "thinking_token_budget",
+    "watermarking",
+)
+
 TARGETS: tuple[Target, ...] = (
     Target(
         "vllm.model_executor.models.registry",
@@ -87,6 +106,13 @@ TARGETS: tuple[Target, ...] = (
         replacement=_lane_sample,
     ),
     Target(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner.get_model",
+        "read",
+        "the lane's sampler finds the lane model through it: with CUDA graphs the runner's "
+        "model attribute is vLLM's CUDAGraphWrapper (sampler.runner_model)",
+    ),
+    Target(
         "vllm.v1.engine.input_processor",
         "InputProcessor.process_inputs",
         "patch",
@@ -100,23 +126,7 @@ TARGETS: tuple[Target, ...] = (
         "SamplingParams",
         "read",
         "the request's rule (temperature, top_p, seed) and every parameter the lane refuses",
-        attrs=(
-            "temperature",
-            "top_p",
-            "seed",
-            "top_k",
-            "min_p",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-            "logit_bias",
-            "allowed_token_ids",
-            "bad_words",
-            "min_tokens",
-            "structured_outputs",
-            "thinking_token_budget",
-            "watermarking",
-        ),
+        attrs=SAMPLING_ATTRS,
     ),
     Target(
         "vllm.v1.worker.gpu_input_batch",
@@ -347,6 +357,7 @@ SHARED_0_26 = (
     "vllm.plugins.endpoint_plugins.interface.EndpointPlugin",
     "vllm.v1.sample.sampler.Sampler.compute_logprobs",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._sample",
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.get_model",
     "vllm.v1.engine.input_processor.InputProcessor.process_inputs",
     "vllm.v1.worker.gpu_input_batch.CachedRequestState",
     "vllm.v1.sample.metadata.SamplingMetadata",
@@ -376,22 +387,7 @@ TARGETS_0_26: tuple[Target, ...] = tuple(_BY_NAME[n] for n in SHARED_0_26) + (
         "read",
         "the request's rule (temperature, top_p, seed) and every parameter the lane refuses "
         "(0.26.0 has no watermarking field)",
-        attrs=(
-            "temperature",
-            "top_p",
-            "seed",
-            "top_k",
-            "min_p",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-            "logit_bias",
-            "allowed_token_ids",
-            "bad_words",
-            "min_tokens",
-            "structured_outputs",
-            "thinking_token_budget",
-        ),
+        attrs=tuple(a for a in SAMPLING_ATTRS if a != "watermarking"),
     ),
     Target(
         "vllm.config",
@@ -454,8 +450,8 @@ TARGETS_0_26: tuple[Target, ...] = tuple(_BY_NAME[n] for n in SHARED_0_26) + (
         "vllm.v1.attention.backend",
         "AttentionMetadataBuilder",
         "read",
-        "the lane's builder declares no CUDA graph support (NEVER, inherited): the runner then "
-        "resolves PIECEWISE or NONE and the lane's forward runs eagerly",
+        "the lane's builder declares UNIFORM_SINGLE_TOKEN_DECODE: vLLM captures its one-token "
+        "decode steps (vllm_model._decode_step) in full graphs, every other step runs eagerly",
         attrs=("_cudagraph_support", "get_cudagraph_support", "build_for_cudagraph_capture"),
     ),
     Target(
