@@ -69,6 +69,7 @@ from .spec import (
     attention_spec,
     base_config,
     fc1_parts,
+    model_weight,
     parallel_linear,
 )
 
@@ -300,11 +301,7 @@ class NextSlots(N.Slots):
     def weight(self, layer, name):
         gpt = self.lane.gpt
         if layer is None:
-            return {
-                "model.embed_tokens.weight": lambda: gpt.embedding.word_embeddings.weight,
-                "model.norm.weight": lambda: gpt.decoder.final_layernorm.weight,
-                "lm_head.weight": lambda: gpt.output_layer.weight,
-            }[name]()
+            return model_weight(gpt, name)
         mod = gpt.decoder.layers[layer]
         mixer, mlp = mod.self_attention, mod.mlp
         plain = {

@@ -208,6 +208,15 @@ class ExactMLP(nn.Module):
         return self.linear_fc2 if part == "down_proj" else self.linear_fc1
 
 
+def model_weight(gpt, name: str) -> torch.Tensor:
+    """The model-level (not per-layer) HF weight ``name`` of Megatron's GPTModel ``gpt``."""
+    return {
+        "model.embed_tokens.weight": lambda: gpt.embedding.word_embeddings.weight,
+        "model.norm.weight": lambda: gpt.decoder.final_layernorm.weight,
+        "lm_head.weight": lambda: gpt.output_layer.weight,
+    }[name]()
+
+
 class MegatronSlots(qwen3.Slots):
     """The composition's slots over a Megatron model: weights by HF name, LoRA, attention."""
 
@@ -238,11 +247,7 @@ class MegatronSlots(qwen3.Slots):
             if name == "model.embed_tokens.weight" and self.gather.size > 1:
                 # Megatron's vocab-parallel shards, gathered in rank order: the whole table.
                 return torch.cat(self.gather.all(gpt.embedding.word_embeddings.weight), dim=0)
-            return {
-                "model.embed_tokens.weight": lambda: gpt.embedding.word_embeddings.weight,
-                "model.norm.weight": lambda: gpt.decoder.final_layernorm.weight,
-                "lm_head.weight": lambda: gpt.output_layer.weight,
-            }[name]()
+            return model_weight(gpt, name)
         mod = gpt.decoder.layers[layer]
         plain = {
             "input_layernorm.weight": lambda: mod.input_layernorm.weight,
