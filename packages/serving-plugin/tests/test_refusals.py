@@ -227,3 +227,19 @@ def test_engine_args_with_cuda_graphs_ask_for_decode_graphs_and_no_compilation(d
     assert args["enforce_eager"] is False
     assert args["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     assert engine_args(dense)["enforce_eager"] is True
+
+
+def test_a_trace_whose_engine_never_ran_the_lanes_sampling_rule_is_refused():
+    """If the engine sampled without the lane's rule (no 'sample' op site in what it ran, as
+    when vLLM's own sampler took over), capture writes no trace and says why."""
+    from types import SimpleNamespace
+
+    from lockstep_serving.capture import build_trace
+
+    ran = SimpleNamespace(sites={"logprobs": object()})  # logprobs ran, the rule did not
+    with pytest.raises(LaneRefused) as err:
+        build_trace([], [], ran, None, None, prompts=[], seed=0, batch=True)
+    assert str(err.value) == (
+        "the engine produced tokens without running the lane's sampling rule (no 'sample' op "
+        "site ran): its tokens and logprobs are not the lane's, so no trace is written"
+    )
