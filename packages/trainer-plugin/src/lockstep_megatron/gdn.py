@@ -226,10 +226,11 @@ def _composition_only(self, *args, **kwargs):
 
 def _sequence_rows(lane: LockstepNext, x: torch.Tensor):
     """Megatron's [s, b, h] as the composition's step: sequence-major rows, one segment per
-    batch column (each a fresh sequence at position 0), and every row's position."""
+    batch column (each a fresh sequence at position 0, its cache on x's device), and every
+    row's position."""
     s, b, h = x.shape
     rows = x.transpose(0, 1).reshape(b * s, h)
-    segs = [(i * s, s, N.NextCache.empty(lane.geom)) for i in range(b)]
+    segs = [(i * s, s, N.NextCache.empty(lane.geom, x.device)) for i in range(b)]
     return rows, segs, torch.arange(s, device=x.device).repeat(b)
 
 
