@@ -93,6 +93,33 @@ def assert_cuda_is_cpu(fn, args, dev, what, *, nudge=None):
     return ref
 
 
+# --- the arithmetic under every program: where a difference would start ---------------------
+def test_the_cpu_arith_helpers_give_the_cpu_bytes_on_cuda(dev):
+    """exp, log (fp32, fp64), the bit-trick bf16 rounding, tree_sum, silu, sigmoid and softplus
+    of the cpu backend, run on CUDA tensors, over a million random fp32 bit patterns (NaNs,
+    infinities, subnormals included) and the edge values: the cpu bytes."""
+    from lockstep_exact.programs.cpu import activation, arith, gdn
+
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=gen, dtype=torch.int64)
+    x = torch.cat([bits.to(torch.int32).view(F32), specials(64, F32), rand(4096, dtype=F32)])
+    pos = x.abs()
+    x64 = torch.cat([x.double() * 3.0, torch.linspace(-745.0, 709.0, 4097, dtype=torch.float64)])
+    cases = {
+        "exp fp32": (arith.exp, x),
+        "exp fp64": (arith.exp, x64),
+        "log fp32": (arith.log, pos),
+        "log fp64": (arith.log, x64.abs()),
+        "round_bf16 (bit trick)": (arith.round_bf16, x),
+        "tree_sum": (lambda t: arith.tree_sum(t.view(-1, 97)), x[: 97 * 10000]),
+        "silu": (activation.silu, x),
+        "sigmoid": (gdn.sigmoid, x),
+        "softplus": (gdn.softplus, x),
+    }
+    for what, (fn, t) in cases.items():
+        assert_cuda_is_cpu(fn, (t,), dev, what)
+
+
 # --- gdn.chunked ----------------------------------------------------------------------------
 def gdn_inputs(t, h_k, h_v, d_k, d_v, seed=0):
     """cpu q, k (l2-normalized fp32), v bf16, g, beta fp32 as the lane makes them."""
