@@ -316,3 +316,68 @@ def test_rope_partial_on_cuda_is_the_cuda_rope_on_its_rotary_dims(dev, t, h, d, 
     assert_same_bytes(shuffled.cpu(), out[perm].cpu(), "rope.partial: rows permuted")
     # Negative control: one ulp of a rotated input moves the output.
     assert not same_bytes(P.rope_partial(nudge_ulp(x, 0), pos, 1e6, rotary).cpu(), out.cpu())
+
+
+# --- the lane composition on cuda: caches on the GPU ------------------------------------------
+ODD = {
+    "hidden": 96, "layers": 4, "heads": 4, "kv_heads": 1, "head_dim": 16, "experts": 4,
+    "topk": 3, "moe_intermediate": 40, "vocab": 1024, "tie_embeddings": True,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["default", "odd"])
+def lane_on(request, dev, tmp_path_factory):
+    """(geometry with chunk 16, HF weights on ``dev``) of a tiny qwen3-next."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    from lockstep_exact.model import ModelDir
+    from lockstep_exact.tiny import make_tiny
+
+    kw = ODD if request.param == "odd" else {}
+    d = make_tiny(tmp_path_factory.mktemp(f"next-{request.param}") / "m", arch="qwen3-next", **kw)
+    geom = dataclasses.replace(ModelDir(d, hybrid=True).geometry, chunk=16)
+    weights = {k: v.to(dev) for k, v in load_file(str(d / "model.safetensors")).items()}
+    return geom, weights
+
+
+def test_the_next_lane_on_cuda_prefill_equals_split_calls_and_decode(dev, lane_on):
+    from lockstep_exact.lanes import qwen3_next as N
+
+    geom, w = lane_on
+    toks = torch.randint(0, 1024, (40,), generator=torch.Generator().manual_seed(1)).to(dev)
+    full = N.forward_logprobs(w, geom, toks)
+    assert full.device.type == torch.device(dev).type
+
+    def run_calls(weights, cuts):
+        cache, ops, rows, lo = N.NextCache.empty(geom, dev), N.default_ops(geom, dev), [], 0
+        for hi in cuts:
+            rows.append(N.forward_logprobs(weights, geom, toks[lo:hi], cache, ops=ops))
+            lo = hi
+        states = [t for st in cache.gdn.values() for t in _flat(st)] + list(cache.conv.values())
+        assert {t.device.type for t in states} == {torch.device(dev).type}
+        return torch.cat(rows).cpu()
+
+    ref = full.cpu()
+    assert_same_bytes(run_calls(w, [5, 21, 37, 40]), ref, "calls crossing the chunk starts")
+    assert_same_bytes(run_calls(w, [16, 32, 40]), ref, "calls on the chunk starts")
+    assert_same_bytes(run_calls(w, [13, *range(14, 41)]), ref, "prefill 13, then decode")
+    # control: one GDN projection weight one ulp off moves the decode's bytes
+    name = f"model.layers.{geom.layer_types.index(N.LINEAR)}.linear_attn.in_proj_qkvz.weight"
+    w2 = {**w, name: nudge_ulp(w[name], 7)}
+    assert not same_bytes(run_calls(w2, [13, *range(14, 41)]), ref)
+
+
+def test_the_next_lane_on_cuda_a_sequence_alone_equals_it_in_a_batch(dev, lane_on):
+    from lockstep_exact.lanes import qwen3_next as N
+
+    geom, w = lane_on
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 1024, (n,), generator=gen).to(dev) for n in (40, 23, 9)]
+    alone = torch.cat([N.forward_logprobs(w, geom, t) for t in seqs]).cpu()
+    caches = [N.NextCache.empty(geom, dev) for _ in seqs]
+    ops, slots = N.default_ops(geom, dev), N.DictSlots(w, geom)
+    out = N.forward(ops, geom, slots, list(zip(seqs, caches, strict=True)))
+    assert_same_bytes(out.cpu(), alone, "three prefills in one cuda step")
+    assert ops.invoked_contract().backend == "cuda" or dev == "cpu"
