@@ -194,3 +194,71 @@ def test_a_sequence_cache_is_made_on_the_models_device():
     tensors += [t for st in cache.gdn.values() for t in G.state_tensors(st)]
     assert cache.gdn and cache.keys and {t.device for t in tensors} == {META}
     assert {t.device.type for t in N.NextCache.empty(geom).conv.values()} == {"cpu"}
+
+
+# The cuda module's wiring, without a GPU or triton: a child process stubs triton (its kernels
+# are never called here), imports programs.cuda, and runs programs.cuda.hybrid on meta tensors
+# with its CUDA check recorded instead of enforced.
+_WIRING = r"""
+import sys
+from unittest import mock
+
+import torch
+
+torch.empty(2, device="meta") * torch.empty(2, device="meta")  # torch's own lazy imports first
+stub = mock.MagicMock()
+stub.__version__ = "stub"
+sys.modules.update(
+    {"triton": stub, "triton.language": stub.language, "triton.language.extra": stub.language.extra}
+)
+from lockstep_exact.programs import cuda
+from lockstep_exact.programs.cpu import gdn as G
+from lockstep_exact.programs.cuda import hybrid as H
+
+BF16, M = torch.bfloat16, "meta"
+names = ["gdn_chunked", "gdn_gating", "l2norm", "conv1d_causal", "rmsnorm_zero_centered",
+         "rmsnorm_gated", "sigmoid_gate", "shared_expert_gate", "rope_partial"]
+assert all(n in cuda.__all__ and getattr(cuda, n) is getattr(H, n) for n in names), "exports"
+try:
+    H.sigmoid_gate(torch.zeros(2, dtype=BF16), torch.zeros(2, dtype=BF16))
+    raise SystemExit("a cpu tensor was not refused")
+except ValueError as err:
+    assert "expected a CUDA device" in str(err), err
+checked = []
+H.require_cuda = lambda *ts: checked.append(len(ts))
+e = lambda *s, dtype=torch.float32: torch.empty(*s, dtype=dtype, device=M)
+st = G.gdn_state(1, 2, 16, 16, device=M)
+out, st2 = H.gdn_chunked(e(70, 1, 16), e(70, 1, 16), e(70, 2, 16, dtype=BF16), e(70, 2),
+                         e(70, 2), st, position=0)
+assert out.shape == (70, 2, 16) and st2.start == 64 and checked[-1] == 10, checked
+g, beta = H.gdn_gating(e(5, 4, dtype=BF16), e(5, 4, dtype=BF16), e(4), e(4, dtype=BF16))
+assert g.shape == beta.shape == (5, 4)
+assert H.l2norm(e(5, 2, 16, dtype=BF16)).shape == (5, 2, 16)
+y, win = H.conv1d_causal(e(5, 7, dtype=BF16), e(7, 3, dtype=BF16), e(2, 7, dtype=BF16), kernel=3)
+assert y.shape == (5, 7) and win.shape == (2, 7)
+x, w = e(5, 24, dtype=BF16), e(24, dtype=BF16)
+assert H.rmsnorm_zero_centered(x, w, 1e-6).shape == (5, 24)
+assert H.rmsnorm_gated(x, x, w, 1e-6).shape == (5, 24)
+assert H.sigmoid_gate(x, x).shape == (5, 24)
+assert H.shared_expert_gate(x, x, e(5, 1, dtype=BF16)).shape == (5, 24)
+# every tensor of each call, the state's five included, went through the CUDA check
+assert checked == [10, 4, 1, 3, 2, 3, 2, 3], checked
+seen = []
+H.rope = lambda a, p, base: seen.append((tuple(a.shape), a.is_contiguous(), base)) or a
+r = H.rope_partial(e(3, 2, 32, dtype=BF16), torch.arange(3), 1e6, 8)
+assert r.shape == (3, 2, 32) and seen == [((3, 2, 8), True, 1e6)], seen
+assert checked[-1] == 1, checked
+print("wiring ok")
+"""
+
+
+def test_the_cuda_module_exports_and_wires_the_hybrid_programs_without_a_gpu():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    res = subprocess.run(
+        [sys.executable, "-c", _WIRING], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert res.returncode == 0 and "wiring ok" in res.stdout, res.stderr[-3000:]
