@@ -83,7 +83,7 @@ def test_the_whole_ladder_qualifies_on_cuda(arch, tmp_path, capfd):
     model_dir = out / f"tiny-{arch}"
     trace = Trace.load(promotion["trace"])
     model = build(model_dir).eval()
-    export.load_into(model, promotion["adapter"], model_dir)
+    export.load_into(model, promotion["adapter"], model_dir, "cuda")
     model = model.cuda()
     assert compare(torch.as_tensor(trace.logprobs), score(model, trace)).exact
     w = model.gpt.decoder.final_layernorm.weight

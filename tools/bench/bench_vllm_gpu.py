@@ -114,17 +114,17 @@ def parse_engines(text: str, device: str) -> list[str]:
     return names
 
 
-def parse_concurrency(text: str) -> list[int]:
+def parse_concurrency(text: str, flag: str = "--concurrency") -> list[int]:
     out = []
     for part in text.split(","):
         part = part.strip()
         if not part.isdigit() or int(part) < 1:
             raise BenchArgumentError(
-                f"--concurrency: {part!r} is not a positive whole number (give e.g. 1,16,64,256)"
+                f"{flag}: {part!r} is not a positive whole number (give e.g. 1,16,64,256)"
             )
         out.append(int(part))
     if len(set(out)) != len(out):
-        raise BenchArgumentError(f"--concurrency: a value is given twice in {text!r}")
+        raise BenchArgumentError(f"{flag}: a value is given twice in {text!r}")
     return out
 
 
@@ -151,15 +151,24 @@ def _engine_kwargs(name: str, model: str, args) -> dict:
         shared["gpu_memory_utilization"] = args.gpu_memory_utilization
     graphs = name.endswith("-graphs")
     if name.startswith("lane"):
-        return engine_args(model, cuda_graphs=graphs, **shared)
-    return {
-        "model": model,
-        "dtype": "bfloat16",
-        "seed": 0,
-        "logprobs_mode": "raw_logprobs",
-        "enforce_eager": not graphs,
-        **shared,
-    }
+        kwargs = engine_args(model, cuda_graphs=graphs, **shared)
+    else:
+        kwargs = {
+            "model": model,
+            "dtype": "bfloat16",
+            "seed": 0,
+            "logprobs_mode": "raw_logprobs",
+            "enforce_eager": not graphs,
+            **shared,
+        }
+    sizes = parse_concurrency(args.capture_sizes, "--capture-sizes") if args.capture_sizes else None
+    if graphs and sizes:
+        # Both graph engines capture the same batch sizes (vLLM pads a decode batch up to the
+        # next captured size); the default list is vLLM's, about 50 sizes.
+        compilation = dict(kwargs.get("compilation_config") or {})
+        compilation["cudagraph_capture_sizes"] = sizes
+        kwargs["compilation_config"] = compilation
+    return kwargs
 
 
 def _versions() -> dict:
@@ -343,6 +352,8 @@ def _run_engine(name: str, args, root: Path, model: Path, log: Path) -> dict:
     cmd += ["--tokens", str(args.tokens), "--prompt-len", str(args.prompt_len)]
     cmd += ["--max-model-len", str(args.max_model_len)]
     cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.capture_sizes:
+        cmd += ["--capture-sizes", args.capture_sizes]
     timed_out = False
     with log.open("a") as fh:
         fh.write(f"\n===== engine {name} =====\n")
@@ -436,6 +447,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--engine-timeout", type=float, default=300.0, help="seconds per engine")
+    ap.add_argument(
+        "--capture-sizes",
+        default=None,
+        help="comma list of decode batch sizes both graph engines capture (default: vLLM's)",
+    )
     ap.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "lockstep-bench"))
     ap.add_argument("--json", default=None, help="write every row and the settings here")
     ap.add_argument("--log", default=None, help="engine output (default: under the run dir)")
@@ -454,6 +470,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         engines = parse_engines(args.engines, args.device)
         concs = parse_concurrency(args.concurrency)
+        if args.capture_sizes:
+            parse_concurrency(args.capture_sizes, "--capture-sizes")
         check_lengths(args.prompt_len, args.tokens, args.max_model_len)
     except BenchArgumentError as exc:
         ap.error(str(exc))
@@ -495,6 +513,7 @@ def main(argv: list[str] | None = None) -> None:
         "max_model_len": args.max_model_len,
         "gpu_memory_utilization": args.gpu_memory_utilization if args.device == "cuda" else None,
         "engine_timeout_s": args.engine_timeout,
+        "capture_sizes": args.capture_sizes or "vLLM's default",
         "runner": "V1",
         "env": first.get("env", {}),
         "engines": results,

@@ -103,8 +103,11 @@ def load_cache(geom: N.Geometry, pages: dict[int, dict[str, torch.Tensor]], slot
                 geom.linear_key_dim,
                 geom.linear_value_dim,
                 chunk=c,
+                device=p["s"].device,  # the state pages' device: the model's
             )
-            cache.conv[i] = P.conv1d_window(geom.conv_dim, kernel=geom.conv_kernel)
+            cache.conv[i] = P.conv1d_window(
+                geom.conv_dim, kernel=geom.conv_kernel, device=p["s"].device
+            )
             continue
         held, chunk = (int(x) for x in p["meta"][slot])
         if (held, chunk) != (position, c):

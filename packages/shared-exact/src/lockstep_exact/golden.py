@@ -42,17 +42,14 @@ def _gdn_golden(d: str, part: int) -> torch.Tensor:
     v = golden((150, 2, 16), 52, device=d)
     g = -golden((150, 2), 53, 0.05, f32, d).abs()
     beta = golden((150, 2), 54, 0.1, f32, d).abs().clamp(max=0.29) + 0.3
-    state = P.gdn_state(1, 2, 16, 16)
-    if d != "cpu":
-        state = P.GdnState(
-            64, 0, *(t.to(d) for t in (state.s, state.k, state.v, state.g, state.beta))
-        )
+    state = P.gdn_state(1, 2, 16, 16, device=d)
     out, state = P.gdn_chunked(q, k, v, g, beta, state, position=0)
     return out if part == 0 else state.s
 
 
 def _hybrid_cases() -> dict[str, list[tuple[str, Callable[[str], torch.Tensor]]]]:
-    """The programs of the hybrid lane (Qwen3-Next); cpu only so far."""
+    """The programs of the hybrid lane (Qwen3-Next), on both backends (cuda: the cpu code on
+    CUDA tensors, ``programs.cuda.hybrid``; rope.partial: the cuda rope's bytes)."""
     g = golden
     f32 = torch.float32
 

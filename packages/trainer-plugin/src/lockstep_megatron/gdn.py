@@ -42,8 +42,11 @@ its ideal op's VJP backward, the GDN state and conv window included), so a loss 
 log-probabilities differentiates through the whole composition, to the backbone's parameters
 and the adapters alike; ``lockstep train`` trains a LoRA adapter (``train.Trainer``) on cpu.
 
-Scope: tp 1, ep 1, cpu. Refused by name: training on another backend (``refuse_training``),
-the trainer session of the RL loop (``SESSION_REFUSED``), other layouts (``check_replay``).
+Scope: tp 1, ep 1. The model's forward runs on cpu or, moved to a GPU, whole on cuda: each
+batch column's caches are made on the hidden states' device (``_sequence_rows``) and every
+program dispatches to the cuda backend (tests/test_hybrid_gpu.py). Refused by name: training
+and replay on another backend than cpu (``refuse_training``, ``check_replay``), the trainer
+session of the RL loop (``SESSION_REFUSED``), other layouts (``check_replay``).
 """
 
 from __future__ import annotations
@@ -226,10 +229,11 @@ def _composition_only(self, *args, **kwargs):
 
 def _sequence_rows(lane: LockstepNext, x: torch.Tensor):
     """Megatron's [s, b, h] as the composition's step: sequence-major rows, one segment per
-    batch column (each a fresh sequence at position 0), and every row's position."""
+    batch column (each a fresh sequence at position 0, its cache on x's device), and every
+    row's position."""
     s, b, h = x.shape
     rows = x.transpose(0, 1).reshape(b * s, h)
-    segs = [(i * s, s, N.NextCache.empty(lane.geom)) for i in range(b)]
+    segs = [(i * s, s, N.NextCache.empty(lane.geom, x.device)) for i in range(b)]
     return rows, segs, torch.arange(s, device=x.device).repeat(b)
 
 

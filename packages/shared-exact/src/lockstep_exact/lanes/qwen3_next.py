@@ -325,8 +325,11 @@ class NextCache:
     values: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def empty(cls, geom: Geometry) -> NextCache:
+    def empty(cls, geom: Geometry, device=None) -> NextCache:
+        """A fresh sequence at position 0, its tensors on ``device`` (cpu if None): the
+        device of the model that continues it (the programs refuse a cache on another)."""
         c = cls()
+        kv = (0, geom.kv_heads, geom.head_dim)
         for i, kind in enumerate(geom.layer_types):
             if kind == LINEAR:
                 c.gdn[i] = P.gdn_state(
@@ -335,11 +338,12 @@ class NextCache:
                     geom.linear_key_dim,
                     geom.linear_value_dim,
                     chunk=geom.chunk,
+                    device=device,
                 )
-                c.conv[i] = P.conv1d_window(geom.conv_dim, kernel=geom.conv_kernel)
+                c.conv[i] = P.conv1d_window(geom.conv_dim, kernel=geom.conv_kernel, device=device)
             else:
-                c.keys[i] = torch.zeros(0, geom.kv_heads, geom.head_dim, dtype=torch.bfloat16)
-                c.values[i] = torch.zeros(0, geom.kv_heads, geom.head_dim, dtype=torch.bfloat16)
+                c.keys[i] = torch.zeros(kv, dtype=torch.bfloat16, device=device)
+                c.values[i] = torch.zeros(kv, dtype=torch.bfloat16, device=device)
         return c
 
 
@@ -526,7 +530,7 @@ def hidden(
     for tokens, cache in batch:
         n = int(tokens.shape[0])
         segs.append((lo, n, cache))
-        pos.append(torch.arange(cache.position, cache.position + n))
+        pos.append(torch.arange(cache.position, cache.position + n, device=tokens.device))
         lo += n
     tokens = torch.cat([t for t, _ in batch])
     positions = torch.cat(pos)
@@ -564,5 +568,5 @@ def forward_logprobs(
     ``cache`` (a fresh sequence at position 0 when None; the cache is advanced), with
     ``adapters`` (HF weight name -> LoRA, ``adapters.load_adapter(...).modules``) if given."""
     ops = ops or default_ops(geom, tokens.device.type)
-    cache = cache if cache is not None else NextCache.empty(geom)
+    cache = cache if cache is not None else NextCache.empty(geom, tokens.device)
     return forward(ops, geom, DictSlots(weights, geom, adapters), [(tokens, cache)])

@@ -356,16 +356,19 @@ def lora_expand(base, t, b, scale: float, *, bk: int = 32):
 GdnState = cpu.GdnState
 
 
-def gdn_state(h_k: int, h_v: int, d_k: int, d_v: int, *, chunk: int = 64) -> GdnState:
-    """The gdn.chunked cache of a sequence at position 0 (cpu tensors: S = 0, empty window)."""
-    return cpu.gdn_state(h_k, h_v, d_k, d_v, chunk=chunk)
+def gdn_state(h_k: int, h_v: int, d_k: int, d_v: int, *, chunk: int = 64, device=None) -> GdnState:
+    """The gdn.chunked cache of a sequence at position 0 (S = 0, empty window), its tensors on
+    ``device`` (cpu if None): a model's states live on its device."""
+    return cpu.gdn_state(h_k, h_v, d_k, d_v, chunk=chunk, device=device)
 
 
 def gdn_chunked(q, k, v, g, beta, state, *, position: int, chunk: int = 64):
     """gdn.chunked: (out [T, Hv, V] bf16, state') for T new tokens of one sequence at absolute
     positions ``position ..``; ``state`` is the sequence's GdnState
     (docs/programs/gdn.chunked.md)."""
-    return _impl("gdn_chunked", q, k, v, g, beta, state.s)(
+    # The state's tensors pick the backend with the tokens': a cpu state with cuda tokens is
+    # refused here, naming both devices.
+    return _impl("gdn_chunked", q, k, v, g, beta, *cpu.gdn.state_tensors(state))(
         q, k, v, g, beta, state, position=position, chunk=chunk
     )
 
@@ -385,9 +388,9 @@ def conv1d_causal(x, weight, window, *, kernel: int = 4):
     return _impl("conv1d_causal", x, weight, window)(x, weight, window, kernel=kernel)
 
 
-def conv1d_window(d: int, *, kernel: int = 4):
-    """The conv1d.causal window of a sequence at position 0 (zeros, cpu)."""
-    return cpu.conv1d_window(d, kernel=kernel)
+def conv1d_window(d: int, *, kernel: int = 4, device=None):
+    """The conv1d.causal window of a sequence at position 0 (zeros on ``device``, cpu if None)."""
+    return cpu.conv1d_window(d, kernel=kernel, device=device)
 
 
 def rmsnorm_zero_centered(x, weight, eps: float):

@@ -157,7 +157,9 @@ def _frexp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         xs = torch.where(tiny, x * 8388608.0, x)  # 2**23: subnormals become normal, exactly
         bits = xs.view(torch.int32)
         e = ((bits >> 23) & 0xFF) - 126
-        m = ((bits & 0x807FFFFF) | 0x3F000000).view(F32)
+        # 0x807FFFFF (sign and mantissa) written as the int32 it is, -0x7F800001: a Python int
+        # beyond int32 would leave its conversion to the backend's scalar path.
+        m = ((bits & -0x7F800001) | 0x3F000000).view(F32)
         return m, (e - torch.where(tiny, 23, 0)).to(F32)
     tiny = x < 2.2250738585072014e-308
     xs = torch.where(tiny, x * 4503599627370496.0, x)  # 2**52

@@ -5,6 +5,14 @@ its per-token decay and write strength; gdn.l2norm normalizes q and k; conv1d.ca
 depthwise convolution (with its cached window) that feeds them. Every value inside is fp32 and
 every reduction is a fixed tree (``tree_sum``) or a fixed left-to-right chain whose length is set
 by the program, never by how many tokens a call holds.
+
+The code is device-generic: run on CUDA tensors it is the cuda backend's program too
+(``programs.cuda.hybrid``), with the same bytes, because it keeps three rules. Every tensor it
+creates lives on its inputs' device. No tensor is divided by a Python number or a cpu 0-dim
+tensor (CUDA divides by such a scalar as a multiplication by its reciprocal: one more rounding);
+a divisor is a tensor on the inputs' device, and a Python-number numerator (``1.0 / t``) is the
+IEEE reciprocal on both. No op that a backend may fuse or reorder (addcmul, lerp, matmul, sum,
+cumsum, ...): each + - * / sqrt is its own op, every reduction an explicit ``tree_sum``.
 """
 
 from __future__ import annotations
@@ -67,7 +75,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x [..., D] bf16 -> fp32 x * (1 / sqrt(tree_sum_D(x*x) + eps)); no rounding to bf16."""
     require(x.dtype == BF16, f"gdn.l2norm: bf16 input required, got {x.dtype}")
     xf = as_f32(x)
-    inv = 1.0 / torch.sqrt(tree_sum(xf * xf) + torch.tensor(eps, dtype=F32))
+    inv = 1.0 / torch.sqrt(tree_sum(xf * xf) + torch.tensor(eps, dtype=F32, device=x.device))
     return xf * inv[..., None]
 
 
@@ -105,9 +113,9 @@ def conv1d_causal(x, weight, window, *, kernel: int = 4):
     return out, full[full.shape[0] - (kernel - 1) :].clone()
 
 
-def conv1d_window(d: int, *, kernel: int = 4) -> torch.Tensor:
-    """The window of a sequence at position 0: W-1 zero inputs."""
-    return torch.zeros(kernel - 1, d, dtype=BF16)
+def conv1d_window(d: int, *, kernel: int = 4, device=None) -> torch.Tensor:
+    """The window of a sequence at position 0: W-1 zero inputs, on ``device`` (cpu if None)."""
+    return torch.zeros(kernel - 1, d, dtype=BF16, device=device)
 
 
 # --- gdn.chunked --------------------------------------------------------------------------------
@@ -134,22 +142,28 @@ class GdnState:
         return self.start + self.k.shape[0]
 
 
-def gdn_state(h_k: int, h_v: int, d_k: int, d_v: int, *, chunk: int = 64) -> GdnState:
-    """The state of a sequence at position 0: S = 0 and an empty window."""
+def gdn_state(h_k: int, h_v: int, d_k: int, d_v: int, *, chunk: int = 64, device=None) -> GdnState:
+    """The state of a sequence at position 0: S = 0 and an empty window, on ``device`` (cpu
+    if None)."""
     return GdnState(
         chunk=chunk,
         start=0,
-        s=torch.zeros(h_v, d_k, d_v, dtype=F32),
-        k=torch.zeros(0, h_k, d_k, dtype=F32),
-        v=torch.zeros(0, h_v, d_v, dtype=BF16),
-        g=torch.zeros(0, h_v, dtype=F32),
-        beta=torch.zeros(0, h_v, dtype=F32),
+        s=torch.zeros(h_v, d_k, d_v, dtype=F32, device=device),
+        k=torch.zeros(0, h_k, d_k, dtype=F32, device=device),
+        v=torch.zeros(0, h_v, d_v, dtype=BF16, device=device),
+        g=torch.zeros(0, h_v, dtype=F32, device=device),
+        beta=torch.zeros(0, h_v, dtype=F32, device=device),
     )
 
 
-def default_scale(d_k: int) -> torch.Tensor:
-    """1 / sqrt(K) as float32, from IEEE sqrt and division."""
-    return 1.0 / torch.sqrt(torch.tensor(float(d_k), dtype=F32))
+def state_tensors(state: GdnState) -> tuple[torch.Tensor, ...]:
+    """The state's tensors (s, k, v, g, beta): what must share the call's device."""
+    return state.s, state.k, state.v, state.g, state.beta
+
+
+def default_scale(d_k: int, device=None) -> torch.Tensor:
+    """1 / sqrt(K) as float32, from IEEE sqrt and division (a 0-dim tensor on ``device``)."""
+    return 1.0 / torch.sqrt(torch.tensor(float(d_k), dtype=F32, device=device))
 
 
 def _check(q, k, v, g, beta, state: GdnState, position: int, chunk: int):
@@ -173,6 +187,12 @@ def _check(q, k, v, g, beta, state: GdnState, position: int, chunk: int):
     require(v.shape[0] == n, "gdn.chunked: q and v hold different token counts")
     require(h_v % h_k == 0, f"gdn.chunked: {h_v} value heads over {h_k} key heads")
     require(g.shape == (n, h_v) and beta.shape == (n, h_v), "gdn.chunked: g and beta [T, Hv]")
+    devices = {str(t.device) for t in (q, k, v, g, beta, *state_tensors(state))}
+    require(
+        len(devices) == 1,
+        f"gdn.chunked: the tokens and the state must be on one device, got {sorted(devices)}: "
+        "a sequence's state lives on the device of its model",
+    )
     require(
         state.chunk == chunk,
         f"gdn.chunked: chunk size mismatch: the state was built with chunk={state.chunk}, "
@@ -220,11 +240,12 @@ def gdn_chunked(q, k, v, g, beta, state: GdnState, *, position: int, chunk: int 
     the state moves only when a chunk is complete. state' is at the chunk start of the next token.
     """
     n, h_k, h_v, d_k, d_v = _check(q, k, v, g, beta, state, position, chunk)
+    dev = q.device
     if scale is None:
-        scale = default_scale(d_k)
+        scale = default_scale(d_k, dev)
     if n == 0:
-        return torch.zeros(0, h_v, d_v, dtype=BF16), state
-    head_map = torch.arange(h_v) // (h_v // h_k)
+        return torch.zeros(0, h_v, d_v, dtype=BF16, device=dev), state
+    head_map = torch.arange(h_v, device=dev) // (h_v // h_k)
     kk = torch.cat([state.k, k], dim=0)
     vv = torch.cat([state.v, v], dim=0)
     gg = torch.cat([state.g, g], dim=0)
@@ -294,21 +315,22 @@ def _chunk(s0, q, k, v, g, beta, first, chunk):
     m = k.shape[0]
     c = chunk
     h = s0.shape[0]
-    zero = torch.zeros((), dtype=F32)
+    dev = s0.device
+    zero = torch.zeros((), dtype=F32, device=dev)
     # Head-major, padded to C rows with zeros (padding never reaches a kept value: masks below).
-    kh = torch.zeros(h, c, k.shape[2], dtype=F32)
+    kh = torch.zeros(h, c, k.shape[2], dtype=F32, device=dev)
     kh[:, :m] = k.transpose(0, 1)
     vh = v.transpose(0, 1)  # [H, m, V]
     bh = beta.transpose(0, 1)  # [H, m]
     # G_i = g_0 + g_1 + ... + g_i, left to right; rows past m stay 0 (always masked).
-    gcum = torch.zeros(h, c, dtype=F32)
+    gcum = torch.zeros(h, c, dtype=F32, device=dev)
     acc = g[0]
     gcum[:, 0] = acc
     for i in range(1, m):
         acc = acc + g[i]
         gcum[:, i] = acc
     gam = exp(gcum)  # [H, C] decay from the chunk start through token i
-    rows = torch.arange(c)
+    rows = torch.arange(c, device=dev)
     le = rows[None, :] <= rows[:, None]  # [i, j]: j <= i
     lt = rows[None, :] < rows[:, None]
     decay = exp(gcum[:, :, None] - gcum[:, None, :])  # [H, i, j] exp(G_i - G_j)
@@ -320,7 +342,7 @@ def _chunk(s0, q, k, v, g, beta, first, chunk):
     sk = tree_sum(s0[:, None, :, :] * kh[:, :m, :, None], dim=2)  # [H, m, V]
     r = bh[:, :, None] * (vh - gam[:, :m, None] * sk)
     # Forward substitution, row by row: u_i = r_i - tree_sum_C(a_ij * u_j), j < i.
-    u = torch.zeros(h, c, vh.shape[2], dtype=F32)
+    u = torch.zeros(h, c, vh.shape[2], dtype=F32, device=dev)
     for i in range(m):
         prod = torch.where(lt[i][None, :, None], a[:, i, :, None] * u, zero)
         u[:, i] = r[:, i] - tree_sum(prod, dim=1)

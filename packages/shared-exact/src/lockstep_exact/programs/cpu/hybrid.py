@@ -1,7 +1,8 @@
 """The other programs of the hybrid lane (Qwen3-Next), cpu backend: the zero-centered RMSNorm,
 the gated RMSNorm before out_proj, the attention output gate and the shared expert's gate.
 
-fp32 inside, one rounding to bf16 at the end of each program.
+fp32 inside, one rounding to bf16 at the end of each program. Device-generic, as gdn.py (its
+docstring has the rules): the cuda backend runs this code on CUDA tensors, same bytes.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ from .gdn import sigmoid
 
 
 def _inv_rms(xf: torch.Tensor, eps: float) -> torch.Tensor:
-    """1 / sqrt(tree_sum_H(x*x) / H + fp32(eps)): IEEE division and sqrt, no rsqrt."""
-    var = tree_sum(xf * xf) / float(xf.shape[-1])
-    return 1.0 / torch.sqrt(var + torch.tensor(eps, dtype=F32))
+    """1 / sqrt(tree_sum_H(x*x) / H + fp32(eps)): IEEE division and sqrt, no rsqrt.
+
+    H is divided as a 0-dim tensor on x's device (never a Python number: CUDA would multiply
+    by its reciprocal instead)."""
+    h = torch.tensor(float(xf.shape[-1]), dtype=F32, device=xf.device)
+    var = tree_sum(xf * xf) / h
+    return 1.0 / torch.sqrt(var + torch.tensor(eps, dtype=F32, device=xf.device))
 
 
 def rmsnorm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

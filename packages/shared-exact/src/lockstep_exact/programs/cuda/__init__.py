@@ -3,7 +3,9 @@
 Imported by the dispatch point only for CUDA tensors (it needs triton). Bytes are comparable
 within this backend (one GPU architecture, one triton version), never with the cpu backend;
 the invariances are the cpu backend's: a row's bytes never depend on the batch, its position
-in the batch, prefill vs decode, or chunking. docs/gpu.md has the H200 figures.
+in the batch, prefill vs decode, or chunking. docs/gpu.md has the H200 figures. The hybrid
+lane's programs other than rope.partial (``hybrid``) are the exception: they are the cpu
+backend's device-generic code run on CUDA tensors, so their bytes are the cpu backend's.
 """
 
 from __future__ import annotations
@@ -15,6 +17,17 @@ from .activation import swiglu
 from .arith import round_bf16
 from .attention import SEGMENT, attention, attention_decode_paged, write_pages
 from .gemm import TILINGS, gemm, pick_tiling
+from .hybrid import (
+    conv1d_causal,
+    gdn_chunked,
+    gdn_gating,
+    l2norm,
+    rmsnorm_gated,
+    rmsnorm_zero_centered,
+    rope_partial,
+    shared_expert_gate,
+    sigmoid_gate,
+)
 from .lora import lora_expand, lora_shrink
 from .moe import moe_fold, moe_fold_fp32, router_topk
 from .norm import residual_add, rmsnorm
@@ -42,8 +55,12 @@ __all__ = [
     "TILINGS",
     "attention",
     "attention_decode_paged",
+    "conv1d_causal",
     "environment",
+    "gdn_chunked",
+    "gdn_gating",
     "gemm",
+    "l2norm",
     "log_softmax",
     "lora_expand",
     "lora_shrink",
@@ -52,10 +69,15 @@ __all__ = [
     "pick_tiling",
     "residual_add",
     "rmsnorm",
+    "rmsnorm_gated",
+    "rmsnorm_zero_centered",
     "rope",
+    "rope_partial",
     "round_bf16",
     "router_topk",
     "sample",
+    "shared_expert_gate",
+    "sigmoid_gate",
     "softmax",
     "swiglu",
     "write_pages",
