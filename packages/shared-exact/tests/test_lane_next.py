@@ -170,7 +170,7 @@ def test_model_dir_gives_the_lane_contract_and_a_forward_runs_exactly_its_sites(
     assert contract.lane == "qwen3-next/bf16/cpu"
     sites = {k: p.ident for k, p in contract.sites.items()}
     assert sites["layers.*.self_attn.q_rope"] == "rope.partial@1{base=1000000.0,rotary=8}"
-    assert sites["layers.*.linear_attn.core"] == "gdn.chunked@1{chunk=64}"
+    assert sites["layers.*.linear_attn.core"] == "gdn.chunked@2{chunk=64}"
     assert sites["layers.*.linear_attn.out_proj"].startswith("gemm.kpart@1")
     assert sites["layers.*.mlp.shared_gate"] == "moe.shared_gate@1{}"
     assert contract.geometry["layer_types"] == ["linear_attention", "full_attention"]

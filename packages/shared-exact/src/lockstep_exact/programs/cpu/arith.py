@@ -5,7 +5,8 @@ Everything here is made of operations whose result IEEE 754 defines to the last 
 element by element, and of reductions whose tree is fixed by the length alone. So the bytes
 of every result are the same on any x86 CPU, at any thread count, and for any batch a row
 sits in. Library transcendentals (torch.exp, torch.log, torch.sin) are not used: their vector
-and scalar paths differ in the last ulp.
+and scalar paths differ in the last ulp. Nor is torch's float32 sqrt, which on CPU is MKL's
+and not IEEE: the square root is ``sqrt_rn``.
 """
 
 from __future__ import annotations
@@ -59,6 +60,37 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     while x.shape[-1] > 1:
         x = x[..., 0::2] + x[..., 1::2]
     return x[..., 0]
+
+
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """IEEE sqrt of float32 (round to nearest, ties to even), whatever torch's sqrt does.
+
+    torch's own float32 sqrt on CPU is not correctly rounded: it goes through MKL's vector
+    math, which on the AVX2 build here is one ulp off in about 19% of random inputs, and gives
+    other bytes on other CPUs (found 2026-12-01: the GPU host's CPU and this one disagreed on
+    gdn.l2norm). So: r = fp32(sqrt(fp64(x))), within an ulp of the answer on any library,
+    then corrected twice against the midpoints m between r and its neighbours, comparing x
+    with m*m in fp64 (m has at most 25 significant bits, m*m at most 50: both exact). The
+    correctly rounded result is the r with m_below**2 < x < m_above**2 (no x is a tie: a
+    midpoint's square is never a float32). sqrt(+-0) = +-0, sqrt(+inf) = +inf, sqrt(x < 0) and
+    sqrt(NaN) are NaN.
+    """
+    require(x.dtype == F32, f"sqrt_rn takes float32, got {x.dtype}")
+    xd = x.to(F64)
+    ok = (x > 0) & torch.isfinite(x)
+    r = torch.where(ok, torch.sqrt(torch.where(ok, xd, torch.ones_like(xd))), torch.ones_like(xd))
+    r = r.to(F32)
+    inf = torch.full_like(r, float("inf"))
+    for _ in range(2):
+        up = torch.nextafter(r, inf)
+        down = torch.nextafter(r, torch.zeros_like(r))
+        rd = r.to(F64)
+        above = (rd + up.to(F64)) * 0.5
+        below = (rd + down.to(F64)) * 0.5
+        r = torch.where(xd > above * above, up, torch.where(xd < below * below, down, r))
+    out = torch.where(ok, r, torch.full_like(r, float("nan")))
+    out = torch.where(x == 0, x, out)
+    return torch.where((x > 0) & torch.isinf(x), x, out)
 
 
 def pow2(n: torch.Tensor, dtype: torch.dtype = F32) -> torch.Tensor:

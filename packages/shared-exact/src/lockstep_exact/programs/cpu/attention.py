@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from .arith import BF16, F32, as_f32, exp, require, round_bf16, tree_sum
+from .arith import BF16, F32, as_f32, exp, require, round_bf16, sqrt_rn, tree_sum
 
 _CHUNK_BYTES = 48 << 20
 
 
 def default_scale(head_dim: int) -> torch.Tensor:
     """1 / sqrt(D) as float32, from IEEE sqrt and division."""
-    return 1.0 / torch.sqrt(torch.tensor(float(head_dim), dtype=F32))
+    return 1.0 / sqrt_rn(torch.tensor(float(head_dim), dtype=F32))
 
 
 def check_inputs(q, k, v, positions) -> tuple[int, int, int, int, int]:

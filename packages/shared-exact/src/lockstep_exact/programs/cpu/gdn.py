@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .activation import silu
-from .arith import BF16, F32, as_f32, exp, log, require, round_bf16, tree_sum
+from .arith import BF16, F32, as_f32, exp, log, require, round_bf16, sqrt_rn, tree_sum
 
 # Head groups are sized so one group's [heads, rows, K, V] products stay near this many bytes;
 # heads never interact, so the grouping changes no byte.
@@ -75,7 +75,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x [..., D] bf16 -> fp32 x * (1 / sqrt(tree_sum_D(x*x) + eps)); no rounding to bf16."""
     require(x.dtype == BF16, f"gdn.l2norm: bf16 input required, got {x.dtype}")
     xf = as_f32(x)
-    inv = 1.0 / torch.sqrt(tree_sum(xf * xf) + torch.tensor(eps, dtype=F32, device=x.device))
+    inv = 1.0 / sqrt_rn(tree_sum(xf * xf) + torch.tensor(eps, dtype=F32, device=x.device))
     return xf * inv[..., None]
 
 
@@ -163,7 +163,7 @@ def state_tensors(state: GdnState) -> tuple[torch.Tensor, ...]:
 
 def default_scale(d_k: int, device=None) -> torch.Tensor:
     """1 / sqrt(K) as float32, from IEEE sqrt and division (a 0-dim tensor on ``device``)."""
-    return 1.0 / torch.sqrt(torch.tensor(float(d_k), dtype=F32, device=device))
+    return 1.0 / sqrt_rn(torch.tensor(float(d_k), dtype=F32, device=device))
 
 
 def _check(q, k, v, g, beta, state: GdnState, position: int, chunk: int):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .activation import silu
-from .arith import BF16, F32, as_f32, require, round_bf16, tree_sum
+from .arith import BF16, F32, as_f32, require, round_bf16, sqrt_rn, tree_sum
 from .gdn import sigmoid
 
 
@@ -21,7 +21,7 @@ def _inv_rms(xf: torch.Tensor, eps: float) -> torch.Tensor:
     by its reciprocal instead)."""
     h = torch.tensor(float(xf.shape[-1]), dtype=F32, device=xf.device)
     var = tree_sum(xf * xf) / h
-    return 1.0 / torch.sqrt(var + torch.tensor(eps, dtype=F32, device=xf.device))
+    return 1.0 / sqrt_rn(var + torch.tensor(eps, dtype=F32, device=xf.device))
 
 
 def rmsnorm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

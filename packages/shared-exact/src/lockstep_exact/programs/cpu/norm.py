@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .arith import BF16, F32, as_f32, require, round_bf16, tree_sum
+from .arith import BF16, F32, as_f32, require, round_bf16, sqrt_rn, tree_sum
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -18,7 +18,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     require(x.shape[-1] == weight.shape[-1], "rmsnorm: weight length differs from hidden size")
     xf = as_f32(x)
     var = tree_sum(xf * xf) / float(x.shape[-1])
-    inv = 1.0 / torch.sqrt(var + torch.tensor(eps, dtype=F32))
+    inv = 1.0 / sqrt_rn(var + torch.tensor(eps, dtype=F32))
     y = round_bf16(xf * inv[..., None])
     return round_bf16(as_f32(y) * as_f32(weight))
 
