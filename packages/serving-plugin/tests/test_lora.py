@@ -177,3 +177,20 @@ def test_the_lora_manager_refuses_an_adapter_of_another_base_model(tiny_models, 
     ad = make_adapter(model_dir, tmp_path / "a", rank=8)
     with pytest.raises(LaneRefused, match="refused adapter lockstep-a: adapter was made for base"):
         manager.add_adapter(lora_request_for(ad))
+
+
+def test_a_sampler_session_checks_adapters_against_its_own_backend(tmp_path, monkeypatch):
+    """``lockstep train``'s long-lived engine hands each adapter to the check of its backend's
+    lane (a cuda session once checked against the cpu lane and refused every cuda export)."""
+    from lockstep_serving import session
+
+    seen = []
+    monkeypatch.setattr(session, "adapter_hash", lambda *a: seen.append(a) or "sha")
+    monkeypatch.setattr(session, "lora_request_for", lambda path, lora_int_id: (path, lora_int_id))
+    sampler = object.__new__(session.VllmSampler)  # no engine: only the adapter bookkeeping
+    sampler.model, sampler.backend = "MODEL", "cuda"
+    sampler._ids, sampler._active, sampler.adapter_id = {}, None, None
+    (tmp_path / "a").mkdir()
+    request, digest = sampler._lora(tmp_path / "a")
+    assert seen == [((tmp_path / "a").resolve(), "MODEL", "cuda")] and digest == "sha"
+    assert request == ((tmp_path / "a").resolve(), 1)

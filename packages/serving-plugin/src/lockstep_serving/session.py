@@ -32,6 +32,7 @@ def _max_rank(rank: int) -> int:
 class VllmSampler:
     def __init__(self, request):
         self.model = check_model(request)
+        self.backend = request.backend  # adapters are checked against this backend's lane
         from vllm import LLM
 
         options = engine_options(self.model, request.options)
@@ -50,7 +51,8 @@ class VllmSampler:
             self.adapter_id = None
             return None, None
         path = Path(adapter_dir).resolve()
-        digest = adapter_hash(path, self.model)  # refuses a damaged or foreign adapter
+        # refuses a damaged or foreign adapter, or one bound to another backend's lane
+        digest = adapter_hash(path, self.model, self.backend)
         key = (str(path), digest)
         if key not in self._ids:
             self._ids[key] = len(self._ids) + 1
