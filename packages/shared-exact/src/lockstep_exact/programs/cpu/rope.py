@@ -55,11 +55,17 @@ def rope_partial(x: torch.Tensor, positions: torch.Tensor, base: float, rotary: 
     dim = ``rotary``), the other D - rotary dims copied unchanged (Qwen3-Next's
     partial_rotary_factor). The rotated part has the bytes of rope.neox on a head of ``rotary``
     dims."""
+    return rotate_first(rope, x, positions, base, rotary)
+
+
+def rotate_first(rope_fn, x: torch.Tensor, positions: torch.Tensor, base: float, rotary: int):
+    """rope.partial on a backend: its ``rope_fn`` on the first ``rotary`` dims, the rest
+    copied (shared by the cpu and cuda backends)."""
     require(x.dtype == BF16, "rope.partial: bf16 input required")
     require(x.dim() == 3, "rope.partial: x [T, H, D]")
     require(
         2 <= rotary <= x.shape[-1] and rotary % 2 == 0,
         f"rope.partial: rotary dims {rotary} must be even and within the head dim {x.shape[-1]}",
     )
-    rot = rope(x[..., :rotary].contiguous(), positions, base)
+    rot = rope_fn(x[..., :rotary].contiguous(), positions, base)
     return torch.cat([rot, x[..., rotary:]], dim=-1)

@@ -24,7 +24,8 @@ import torch
 from ..cpu import gdn as _gdn
 from ..cpu import hybrid as _hybrid
 from ..cpu.gdn import GdnState, state_tensors
-from .arith import BF16, require, require_cuda
+from ..cpu.rope import rotate_first
+from .arith import require_cuda
 from .rope import rope
 
 
@@ -76,14 +77,7 @@ def rope_partial(x: torch.Tensor, positions: torch.Tensor, base: float, rotary: 
     ``rotary`` dims of each head, the other D - rotary dims copied unchanged. Positions are
     read as the cuda rope reads them (on the device under ``programs.position_bound``)."""
     require_cuda(x)
-    require(x.dtype == BF16, "rope.partial: bf16 input required")
-    require(x.dim() == 3, "rope.partial: x [T, H, D]")
-    require(
-        2 <= rotary <= x.shape[-1] and rotary % 2 == 0,
-        f"rope.partial: rotary dims {rotary} must be even and within the head dim {x.shape[-1]}",
-    )
-    rot = rope(x[..., :rotary].contiguous(), positions, base)
-    return torch.cat([rot, x[..., rotary:]], dim=-1)
+    return rotate_first(rope, x, positions, base, rotary)
 
 
 __all__ = [
