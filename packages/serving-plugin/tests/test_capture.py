@@ -169,3 +169,28 @@ def test_a_model_without_a_tokenizer_is_refused_before_the_engine_starts(tiny_mo
         LaneRefused, match=r"bare has no tokenizer \(tokenizer.json, tokenizer.model, vocab.json\)"
     ):
         _hook().lockstep_capture(request=request)
+
+
+def test_a_cuda_capture_sizes_its_kv_cache_for_its_sequences(tmp_path):
+    """On cuda a capture asks vLLM for the blocks its sequences can take (each up to
+    max_model_len tokens, at the smallest block of 16 or the caller's block size), not for the
+    GPU's free memory: a tiny model's blocks are small and millions of them made every capture
+    start for 30-47 s on the H200. A caller's own override is kept; cpu engines are unchanged."""
+    from lockstep_exact.model import ModelDir
+    from lockstep_exact.requests import CaptureRequest
+    from lockstep_exact.tiny import make_tiny
+    from lockstep_serving.capture import capture_options
+
+    model = ModelDir(make_tiny(tmp_path / "m", arch="qwen3"), hybrid=True)
+
+    def opts(backend, n=8, **options):
+        request = CaptureRequest(
+            model_dir=model.path, prompts=("p",) * n, decisions=4, backend=backend, options=options
+        )
+        return capture_options(model, request)
+
+    cuda = opts("cuda", max_model_len=1000)
+    assert cuda["num_gpu_blocks_override"] == 8 * (63 + 1)  # ceil(1000 / 16) + 1 per sequence
+    assert opts("cuda", n=3, max_model_len=64, block_size=32)["num_gpu_blocks_override"] == 9
+    assert opts("cuda", num_gpu_blocks_override=5)["num_gpu_blocks_override"] == 5
+    assert "num_gpu_blocks_override" not in opts("cpu")

@@ -164,11 +164,30 @@ def build_trace(
     )
 
 
+# vLLM's smallest KV block on cuda: a bound on the blocks a sequence of n tokens can take.
+_MIN_BLOCK = 16
+
+
+def capture_options(model: ModelDir, request) -> dict:
+    """The engine options of one capture: ``engine_options``, and on cuda a KV cache sized
+    for this capture's sequences (each up to ``max_model_len`` tokens) unless the caller set
+    ``num_gpu_blocks_override`` itself. Otherwise vLLM fills the GPU's free
+    memory with blocks, and a tiny model's blocks are small: its block pool then holds
+    millions of Python objects and starting it takes tens of seconds (a capture of the tiny
+    model took 30-47 s on the H200). The bytes do not depend on the block count."""
+    options = engine_options(model, request.options, getattr(request, "tp", 1))
+    if request.backend == "cuda" and "num_gpu_blocks_override" not in options:
+        block = int(options.get("block_size") or _MIN_BLOCK)
+        per_sequence = -(-options["max_model_len"] // block) + 1
+        options["num_gpu_blocks_override"] = max(1, len(request.prompts)) * per_sequence
+    return options
+
+
 def capture(request) -> Trace:
     model = check_model(request)  # refuses, naming it, what the lane cannot run
     from vllm import LLM
 
-    options = engine_options(model, request.options, getattr(request, "tp", 1))
+    options = capture_options(model, request)
     lora_request = None
     if request.adapter_dir is not None:
         from .lora import lora_request_for
