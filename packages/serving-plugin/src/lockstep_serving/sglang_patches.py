@@ -320,8 +320,10 @@ def table_for(version: str) -> PatchTable:
 
 
 def installed_version() -> str:
-    import sglang
-
+    try:
+        import sglang
+    except ImportError:  # the default environment: the table refuses, naming the versions
+        return "(not installed)"
     return getattr(sglang, "__version__", "?")
 
 
