@@ -28,6 +28,9 @@ CPU engine with per-request LoRA (``sglang_capture.LORA_ARGS``), loads the adapt
   request's tokens and logprobs;
 - ``lora.json``: what SGLang answered when asked to load each other adapter directory under
   ADAPTERS (the lane's refusal, named), and to serve a request on a refused one.
+
+``--backend cuda`` anywhere in the arguments starts the engines on the GPU instead (SGLang
+0.5.17 there; ``tests/test_sglang_gpu.py``); the default is ``cpu`` (SGLang's CPU engine).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def main(argv: list[str]) -> int:
     from lockstep_exact.tiny import default_prompts
     from lockstep_serving.sglang_capture import SglangLane
 
+    backend = BACKEND[0]
     model, out = ModelDir(argv[0]), Path(argv[1])
     decisions = int(argv[2]) if len(argv) > 2 else 8
     seed = int(argv[3]) if len(argv) > 3 else 3
@@ -51,7 +55,7 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cached, seconds, steps = {}, {}, {}
     t0 = time.monotonic()
-    with SglangLane(model) as lane:
+    with SglangLane(model, backend=backend) as lane:
         seconds["start"] = time.monotonic() - t0
         for name, batch, flush in (
             ("batched", True, False),
@@ -79,7 +83,7 @@ def main(argv: list[str]) -> int:
         after, _ = lane.capture(prompts[:1], 2, seed=seed)
         checks = {"refused": refused, "decisions_after": after.num_decisions}
     if chunk > 0:
-        with SglangLane(model, chunked_prefill_size=chunk) as lane:
+        with SglangLane(model, backend=backend, chunked_prefill_size=chunk) as lane:
             trace, cached["chunked"] = lane.capture(prompts, decisions, seed=seed, batch=True)
             trace.save(out / "chunked")
             steps["chunked"] = json.loads(lane.report.read_text())["steps"]
@@ -95,6 +99,7 @@ def lora_main(argv: list[str]) -> int:
     from lockstep_serving.patches import LaneRefused
     from lockstep_serving.sglang_capture import LORA_ARGS, SglangLane, sampled, tokenize
 
+    backend = BACKEND[0]
     model, out, adapters = ModelDir(argv[0]), Path(argv[1]), Path(argv[2])
     decisions = int(argv[3]) if len(argv) > 3 else 8
     seed = int(argv[4]) if len(argv) > 4 else 3
@@ -102,7 +107,7 @@ def lora_main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     seconds, refused = {}, {}
     t0 = time.monotonic()
-    with SglangLane(model, **LORA_ARGS) as lane:
+    with SglangLane(model, backend=backend, **LORA_ARGS) as lane:
         seconds["start"] = time.monotonic() - t0
         names = {a: lane.load_adapter(adapters / a, a) for a in ("A", "B")}
         for bad in sorted(p.name for p in adapters.iterdir() if p.name not in names):
@@ -146,7 +151,20 @@ def lora_main(argv: list[str]) -> int:
     return 0
 
 
+BACKEND = ["cpu"]  # the engines' backend: --backend cuda runs them on the GPU
+
+
+def _backend(argv: list[str]) -> list[str]:
+    """``argv`` without ``--backend X``; X recorded in BACKEND."""
+    if "--backend" in argv:
+        at = argv.index("--backend")
+        BACKEND[0] = argv[at + 1]
+        argv = argv[:at] + argv[at + 2 :]
+    return argv
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["lora"]:
-        sys.exit(lora_main(sys.argv[2:]))
-    sys.exit(main(sys.argv[1:]))
+    args = _backend(sys.argv[1:])
+    if args[:1] == ["lora"]:
+        sys.exit(lora_main(args[1:]))
+    sys.exit(main(args))

@@ -248,8 +248,8 @@ def _validate(arch="LockstepQwen3ForCausalLM", quant=None, config=None):
 
 
 def test_the_lane_model_starts_on_a_fitting_engine(fake_sglang):
-    geom, model_dir = _validate()
-    assert geom.family == "qwen3" and model_dir == fake_sglang[1]
+    geom, model_dir, backend = _validate()
+    assert geom.family == "qwen3" and model_dir == fake_sglang[1] and backend == "cpu"
 
 
 @pytest.mark.parametrize(
@@ -324,9 +324,100 @@ def test_the_cpu_engine_variable_is_required(fake_sglang, monkeypatch):
     with pytest.raises(LaneRefused) as err:
         _validate()
     assert str(err.value) == (
-        "Lockstep exact lane refused to start: SGLANG_USE_CPU_ENGINE=1 is not set: the lane "
-        "runs on SGLang's CPU engine only"
+        "Lockstep exact lane refused to start: SGLANG_USE_CPU_ENGINE=1 is not set: the lane's "
+        "cpu backend runs on SGLang's CPU engine only"
     )
+
+
+# --- the cuda engine: the lane's backend is the engine's device --------------------------------
+@pytest.fixture()
+def fake_cuda(fake_sglang, monkeypatch):
+    """A cuda engine's settings as SGLang resolves them (disable_cuda_graph=True), on a machine
+    that claims a CUDA device (nothing runs on it here)."""
+    args, model = fake_sglang
+    off = SimpleNamespace(backend="disabled")
+    args.device = "cuda"
+    args.disable_cuda_graph = True
+    args.cuda_graph_config = SimpleNamespace(decode=off, prefill=off)
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    return args, model
+
+
+def test_a_cuda_engine_gets_the_cuda_lane(fake_cuda, monkeypatch):
+    asked = []
+    monkeypatch.setattr(sglang_model, "admit_requested", lambda d, b, r: asked.append((b, r)))
+    geom, model_dir, backend = _validate(config=SimpleNamespace(lockstep_contract="sha256:c"))
+    assert backend == "cuda" and model_dir == fake_cuda[1]
+    # the fingerprint asked for is admitted against the cuda lane's contract
+    assert asked == [("cuda", "sha256:c")]
+
+
+@pytest.mark.parametrize(
+    "over,env,message",
+    [
+        ({"device": "npu"}, None, "device='npu'; the lane needs 'cpu' or 'cuda'"),
+        (
+            {},
+            "1",
+            "SGLANG_USE_CPU_ENGINE=1 with device='cuda': the engine would not run on cuda",
+        ),
+        (
+            {"sampling_backend": "flashinfer"},
+            None,
+            "sampling_backend='flashinfer'; on cuda the lane needs 'pytorch' (the lane's "
+            "sampler is registered under it)",
+        ),
+        (
+            {
+                "cuda_graph_config": SimpleNamespace(
+                    decode=SimpleNamespace(backend="full"),
+                    prefill=SimpleNamespace(backend="disabled"),
+                )
+            },
+            None,
+            "CUDA graphs are on (decode: full): the lane's forward reads the batch on the host "
+            "every step; start the engine with disable_cuda_graph=True",
+        ),
+        (
+            {"cuda_graph_config": None, "disable_cuda_graph": False},
+            None,
+            "CUDA graphs are on (decode, prefill): the lane's forward reads the batch on the "
+            "host every step; start the engine with disable_cuda_graph=True",
+        ),
+    ],
+)
+def test_cuda_engine_settings_outside_the_lane_are_refused_by_name(
+    fake_cuda, monkeypatch, over, env, message
+):
+    for name, value in over.items():
+        setattr(fake_cuda[0], name, value)
+    if env is not None:
+        monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", env)
+    with pytest.raises(LaneRefused) as err:
+        _validate()
+    assert str(err.value) == f"Lockstep exact lane refused to start: {message}"
+
+
+def test_a_cuda_engine_without_a_cuda_device_is_refused(fake_cuda, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(LaneRefused) as err:
+        _validate()
+    assert str(err.value) == (
+        "Lockstep exact lane refused to start: device='cuda' but torch sees no CUDA device in "
+        "the engine's process"
+    )
+
+
+def test_cuda_graph_phases_reads_sglangs_resolved_settings():
+    on, off = SimpleNamespace(backend="breakable"), SimpleNamespace(backend="disabled")
+    cfg = lambda d, p: SimpleNamespace(cuda_graph_config=SimpleNamespace(decode=d, prefill=p))  # noqa: E731
+    assert sglang_model.cuda_graph_phases(cfg(off, off)) == []
+    assert sglang_model.cuda_graph_phases(cfg(on, off)) == ["decode: breakable"]
+    assert sglang_model.cuda_graph_phases(cfg(off, on)) == ["prefill: breakable"]
+    bare = SimpleNamespace(disable_cuda_graph=True)
+    assert sglang_model.cuda_graph_phases(bare) == []
+    assert sglang_model.cuda_graph_phases(SimpleNamespace()) == ["decode", "prefill"]
 
 
 def test_a_model_without_the_lane_sampler_is_refused(fake_sglang, monkeypatch):
@@ -372,6 +463,28 @@ def test_engine_args_select_the_lane_architecture_and_contract(tiny):
     }
     assert args["attention_backend"] == "torch_native" and args["device"] == "cpu"
     assert args["sampling_backend"] == "pytorch" and args["grammar_backend"] == "none"
+    assert args["mem_fraction_static"] == 0.05 and args["disable_cuda_graph"] is True
+
+
+def test_engine_args_on_cuda_put_the_engine_on_the_gpu_eagerly(tiny):
+    args = sglang_capture.engine_args(tiny, backend="cuda", max_total_tokens=512)
+    assert args["device"] == "cuda" and args["attention_backend"] == "torch_native"
+    assert args["sampling_backend"] == "pytorch" and args["disable_cuda_graph"] is True
+    assert args["mem_fraction_static"] == 0.3 and args["max_total_tokens"] == 512
+    with pytest.raises(LaneRefused) as err:
+        sglang_capture.engine_args(tiny, backend="tpu")
+    assert str(err.value) == (
+        "Lockstep exact lane refused to start: backend 'tpu': the SGLang lane serves the "
+        "('cpu', 'cuda') lanes only"
+    )
+
+
+def test_isolate_chooses_sglangs_cpu_engine_for_the_cpu_backend_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "x")
+    sglang_capture.isolate(tmp_path, "cuda")
+    assert sglang_capture.os.environ["SGLANG_USE_CPU_ENGINE"] == "0"
+    sglang_capture.isolate(tmp_path, "cpu")
+    assert sglang_capture.os.environ["SGLANG_USE_CPU_ENGINE"] == "1"
 
 
 def _request(model, **over):
@@ -383,7 +496,11 @@ def _request(model, **over):
     [
         (
             {"backend": "cuda"},
-            "backend 'cuda': the SGLang lane runs on SGLang's CPU engine only",
+            "backend 'cuda': no CUDA device here (SGLang 0.5.17 on a GPU serves the cuda lane)",
+        ),
+        (
+            {"backend": "rocm"},
+            "backend 'rocm': the SGLang lane serves the ('cpu', 'cuda') lanes only",
         ),
         ({"tp": 2}, "--tp 2: the SGLang lane runs on one process (no parallelism yet)"),
     ],

@@ -1,4 +1,8 @@
-"""Capture with SGLang: sample with the real SGLang CPU engine on the exact lane, record a Trace.
+"""Capture with SGLang: sample with a real SGLang engine on the exact lane, record a Trace.
+
+The backend is the engine's device: ``backend="cpu"`` starts SGLang's CPU engine (0.5.21 on
+the CPU machines), ``backend="cuda"`` a CUDA one (0.5.17 on the GPU machine, eager: no CUDA
+graphs); the lane model runs that backend's programs and contract (``sglang_model``).
 
 The same trace as the vLLM capture (``capture.py``): the prompts' token ids, one seed per
 prompt (``seed + i``), exactly ``decisions`` tokens per prompt (EOS ignored), the raw FP32
@@ -33,10 +37,14 @@ def _refuse(msg: str):
     raise LaneRefused(f"Lockstep exact lane refused to start: {msg}")
 
 
-def isolate(root: Path) -> None:
-    """Environment for an SGLang CPU engine whose caches live under ``root`` (set before the
-    engine starts: its processes inherit it)."""
-    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+BACKENDS = ("cpu", "cuda")
+
+
+def isolate(root: Path, backend: str = "cpu") -> None:
+    """Environment for an SGLang engine on ``backend`` whose caches live under ``root`` (set
+    before the engine starts: its processes inherit it). SGLang's CPU engine is chosen by
+    ``SGLANG_USE_CPU_ENGINE=1``; a cuda engine must not see it."""
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1" if backend == "cpu" else "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("HF_HOME", str(root / "hf"))
@@ -56,21 +64,32 @@ LORA_ARGS = {
 }
 
 
-def engine_args(model_dir, *, contract: str | None = None, **overrides) -> dict:
-    """Keyword arguments for ``sglang.Engine`` that serve ``model_dir`` on the exact lane
-    (``**LORA_ARGS`` among the overrides turns SGLang's per-request LoRA on)."""
+# Per backend: the engine's device and how much of its memory SGLang may hold (on cuda the
+# KV pool is bounded by max_total_tokens anyway; 0.3 is what started on the H200).
+DEVICE_ARGS = {
+    "cpu": {"device": "cpu", "mem_fraction_static": 0.05},
+    "cuda": {"device": "cuda", "mem_fraction_static": 0.3},
+}
+
+
+def engine_args(
+    model_dir, *, contract: str | None = None, backend: str = "cpu", **overrides
+) -> dict:
+    """Keyword arguments for ``sglang.Engine`` that serve ``model_dir`` on the exact lane's
+    ``backend`` (``**LORA_ARGS`` among the overrides turns SGLang's per-request LoRA on)."""
+    if backend not in DEVICE_ARGS:
+        _refuse(f"backend {backend!r}: the SGLang lane serves the {BACKENDS} lanes only")
     override = {"architectures": [architecture_for(model_dir)]}
     if contract is not None:
         override[CONTRACT_OVERRIDE] = contract
     args = {
         "model_path": str(model_dir),
         "json_model_override_args": json.dumps(override),
-        "device": "cpu",
-        "attention_backend": "torch_native",
+        "attention_backend": "torch_native",  # the lane attends itself (sglang_model)
         "sampling_backend": "pytorch",  # the lane's sampler is registered under this name
-        "disable_cuda_graph": True,
+        "disable_cuda_graph": True,  # the lane's forward reads the batch on the host
         "dtype": "bfloat16",
-        "mem_fraction_static": 0.05,
+        **DEVICE_ARGS[backend],
         "max_total_tokens": 4096,
         "grammar_backend": "none",
         "skip_server_warmup": True,
@@ -131,10 +150,22 @@ def invoked_contract(report: Path):
     return invoked
 
 
+def check_backend(backend: str) -> None:
+    """cpu runs on SGLang's CPU engine; cuda needs a CUDA device (SGLang 0.5.17 on the GPU)."""
+    if backend not in BACKENDS:
+        _refuse(f"backend {backend!r}: the SGLang lane serves the {BACKENDS} lanes only")
+    if backend == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            _refuse(
+                "backend 'cuda': no CUDA device here (SGLang 0.5.17 on a GPU serves the cuda lane)"
+            )
+
+
 def preflight(request) -> ModelDir:
     """What is refused before any engine starts, naming it."""
-    if request.backend != "cpu":
-        _refuse(f"backend {request.backend!r}: the SGLang lane runs on SGLang's CPU engine only")
+    check_backend(request.backend)
     model = ModelDir(request.model_dir)  # refuses, naming it, what the lane cannot run
     if not any((model.path / f).is_file() for f in TOKENIZERS):
         _refuse(
@@ -154,22 +185,29 @@ def preflight(request) -> ModelDir:
 
 
 class SglangLane:
-    """One SGLang CPU engine serving a model on the exact lane, for several captures (tests
-    compare captures of one engine: a radix-cache hit against a miss, alone against batched).
+    """One SGLang engine serving a model on the exact lane's ``backend`` (cpu: SGLang's CPU
+    engine, cuda: a GPU), for several captures (tests compare captures of one engine: a
+    radix-cache hit against a miss, alone against batched).
     """
 
-    def __init__(self, model: ModelDir, *, contract: str | None = None, **options):
+    def __init__(
+        self, model: ModelDir, *, contract: str | None = None, backend: str = "cpu", **options
+    ):
+        check_backend(backend)
         import sglang
 
         self.model = model
+        self.backend = backend
         self.version = sglang.__version__
         self.work = Path(tempfile.mkdtemp(prefix="lockstep-sglang-"))
-        isolate(self.work)
+        isolate(self.work, backend)
         self.report = self.work / "report.json"
         self.adapters: dict[str, Path] = {}  # loaded adapter name -> directory
         os.environ[REPORT_ENV] = str(self.report)
         try:
-            self.engine = sglang.Engine(**engine_args(model.path, contract=contract, **options))
+            self.engine = sglang.Engine(
+                **engine_args(model.path, contract=contract, backend=backend, **options)
+            )
         finally:
             os.environ.pop(REPORT_ENV, None)  # the engine's processes have their copy
 
@@ -231,9 +269,14 @@ class SglangLane:
         if adapter is not None:
             if adapter not in self.adapters:
                 raise LaneRefused(f"adapter {adapter!r} was not loaded by this lane (load_adapter)")
-            hash_ = adapter_hash(self.adapters[adapter], self.model.path)
+            hash_ = adapter_hash(self.adapters[adapter], self.model.path, self.backend)
         outs = self.generate(ids, params, batch=batch, adapters=[adapter] * len(ids))
         invoked = invoked_contract(self.report)
+        if invoked.backend != self.backend:
+            raise LaneRefused(
+                f"the engine ran the {invoked.backend} lane but backend {self.backend!r} was "
+                "asked for (the lane's backend is the engine's device)"
+            )
         tokens, logprobs = zip(*(sampled(o) for o in outs), strict=True)
         trace = Trace.from_sequences(
             ids,
@@ -272,7 +315,7 @@ def capture(request) -> Trace:
     options = dict(request.options)
     if request.adapter_dir is not None:
         options = {**LORA_ARGS, **options}
-    with SglangLane(model, contract=request.contract, **options) as lane:
+    with SglangLane(model, contract=request.contract, backend=request.backend, **options) as lane:
         adapter = lane.load_adapter(request.adapter_dir) if request.adapter_dir else None
         trace, _ = lane.capture(
             request.prompts,

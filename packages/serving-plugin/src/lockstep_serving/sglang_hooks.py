@@ -25,24 +25,32 @@ def sglang_version() -> str | None:
         return None
 
 
+def _backends() -> tuple[str, ...]:
+    """The lane's backend is the engine's device: cuda where SGLang runs on a GPU (0.5.17 on
+    the GPU machine), cpu on its CPU engine (0.5.21)."""
+    import torch
+
+    return ("cuda",) if torch.cuda.is_available() else ("cpu",)
+
+
 @hookimpl
 def lockstep_engine_info():
     version = sglang_version()
     if version is None:
         return None  # not installed here: the vLLM half speaks for the plugin
     from ._release import problem
-    from .sglang_patches import SUPPORTED_SGLANG
+    from .sglang_patches import SUPPORTED_SGLANG, unsupported
 
     found = [p for p in (problem(),) if p]
     if version not in SUPPORTED_SGLANG:
-        found.append(f"SGLang {version} is not among the supported {SUPPORTED_SGLANG}")
+        found.append(unsupported(version))
     return EngineInfo(
         plugin="lockstep-serving",
         role="sampler",
         engine="sglang",
         engine_version=version,
         plugin_version=__version__,
-        backends=("cpu",),
+        backends=_backends(),
         problem="; ".join(found) if found else None,
     )
 

@@ -7,10 +7,11 @@ Each step's ``ForwardBatch.lora_ids`` names every request's adapter. For a lane 
 runner's ``lora_manager`` is ``SglangLaneLoRAManager`` instead of SGLang's ``LoRAManager``
 (``ModelRunner.init_lora_manager`` is patched, inert for other models): it loads adapters with
 ``lockstep_exact.adapters.load_adapter`` (bf16 factors, the recorded hash, this lane's
-contract, this base model; anything else refused by name) and hands the model the loaded
-adapters; the model applies each request's through ``lora.shrink`` / ``lora.expand`` in the
-shared composition (``sglang_model``). SGLang's LoRA memory pool, backends and kernels are
-never built.
+contract, this base model; anything else refused by name: the lane's contract is its
+backend's, so a cuda engine takes adapters made for the cuda lane) and hands the model the
+loaded adapters, on the engine's device; the model applies each request's through
+``lora.shrink`` / ``lora.expand`` in the shared composition (``sglang_model``). SGLang's
+LoRA memory pool, backends and kernels are never built.
 
 An adapter that fails the checks is never loaded: given at start (``--lora-paths``), the
 engine does not start; loaded later, ``load_lora_adapter`` answers ``success=False`` with the
@@ -38,10 +39,12 @@ class SglangLaneLoRAManager:
     """What SGLang's scheduler, worker and model runner ask of their ``lora_manager``, for a
     lane model. Adapters are keyed by SGLang's ``lora_id``."""
 
-    # Read by SGLang's model runner, scheduler and metrics: no DP attention, no memory pool.
+    # Read by SGLang's model runner, scheduler and metrics: no DP attention, no memory pool,
+    # no prefill CUDA graph (0.5.17 and 0.5.21 ask before capturing one under --enable-lora).
     enable_dp_attention = False
     enable_lora_overlap_loading = False
     memory_pool = None
+    supports_prefill_cuda_graph = False
 
     def __init__(self, model, max_loras_per_batch: int, lora_paths=None):
         self.model = model
@@ -72,7 +75,11 @@ class SglangLaneLoRAManager:
             )
         except AdapterError as err:
             return f"Lockstep exact lane refused adapter {ref.lora_name}: {err}"
-        self.adapters[ref.lora_id] = dict(adapter.modules)
+        dev = getattr(self.model, "device", None)  # the engine's device (cuda on the GPU)
+        self.adapters[ref.lora_id] = {
+            name: (a.to(dev), b.to(dev), scale) if dev is not None else (a, b, scale)
+            for name, (a, b, scale) in adapter.modules.items()
+        }
         self.hashes[ref.lora_id] = adapter.sha256
         self.lora_refs[ref.lora_id] = ref
         self.num_pinned_loras += int(bool(ref.pinned))

@@ -24,6 +24,12 @@ The lane is selected per engine, as in vLLM, by naming its architecture::
 
 (``sglang_capture.engine_args`` builds these). Everything the lane cannot run exactly is
 refused when the model is built, naming the setting.
+
+The lane's backend is the engine's device, as in vLLM: ``device="cpu"`` (SGLang's CPU engine,
+``SGLANG_USE_CPU_ENGINE=1``; SGLang 0.5.21 on the CPU machines) runs the cpu programs and the
+cpu lane's contract, ``device="cuda"`` (SGLang 0.5.17 on the GPU machine, CUDA graphs off)
+the cuda programs and the cuda lane's contract; weights, adapters and every tensor the lane
+makes live on that device, and an adapter must name that lane's contract.
 """
 
 from __future__ import annotations
@@ -63,12 +69,18 @@ LANE_OF_HF = {
     "Qwen3MoeForCausalLM": "LockstepQwen3MoeForCausalLM",
 }
 # The engine settings the lane needs, and the values it accepts (server args name -> values).
+# SGLang's torch_native attention backend on both devices: the lane attends itself (its
+# attention site over the pool, ``pool_attention``); the backend only has to leave the pool's
+# bytes alone, and on cuda it turns SGLang's CUDA graphs off.
 REQUIRED = {
     "attention_backend": ("torch_native",),
     "dtype": ("bfloat16",),
     "kv_cache_dtype": ("auto", "bfloat16", "bf16"),
-    "device": ("cpu",),
+    "device": ("cpu", "cuda"),
 }
+# On cuda SGLang's sampling backend is the caller's (flashinfer by default); the lane's sampler
+# is registered under this one (on cpu SGLang forces it).
+LANE_SAMPLING_BACKEND = "pytorch"
 # Settings that must be off: (server args name, what the lane would not cover).
 MUST_BE_OFF = (
     ("speculative_algorithm", "speculative decoding (its draft/verify path is not exact)"),
@@ -86,8 +98,54 @@ ONE = ("tp_size", "pp_size", "dp_size", "ep_size")
 ACCEPTED_MODES = ("EXTEND", "MIXED", "DECODE", "IDLE")
 
 
-def _validate(config, quant_config, arch: str) -> tuple[qwen3.Geometry, Path]:
-    """Everything the lane cannot cover exactly is refused here, by name."""
+def lane_backend(sa) -> str:
+    """The lane's backend on this engine's device (``ServerArgs.device``), or refuse: cpu on
+    SGLang's CPU engine, cuda on a CUDA one whose steps run eagerly."""
+    device = str(getattr(sa, "device", None)).split(":")[0]
+    cpu_engine = os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
+    if device == "cpu" and not cpu_engine:
+        _refuse(
+            "SGLANG_USE_CPU_ENGINE=1 is not set: the lane's cpu backend runs on SGLang's CPU "
+            "engine only"
+        )
+    if device == "cuda":
+        if cpu_engine:
+            _refuse("SGLANG_USE_CPU_ENGINE=1 with device='cuda': the engine would not run on cuda")
+        if not torch.cuda.is_available():
+            _refuse("device='cuda' but torch sees no CUDA device in the engine's process")
+        backend = getattr(sa, "sampling_backend", None)
+        if backend != LANE_SAMPLING_BACKEND:
+            _refuse(
+                f"sampling_backend={backend!r}; on cuda the lane needs "
+                f"{LANE_SAMPLING_BACKEND!r} (the lane's sampler is registered under it)"
+            )
+        on = cuda_graph_phases(sa)
+        if on:
+            _refuse(
+                f"CUDA graphs are on ({', '.join(on)}): the lane's forward reads the batch on "
+                "the host every step; start the engine with disable_cuda_graph=True"
+            )
+    return device
+
+
+def cuda_graph_phases(sa) -> list[str]:
+    """The phases (decode, prefill) whose CUDA graph backend is not 'disabled' in SGLang's
+    resolved settings (``cuda_graph_config``, 0.5.17 and 0.5.21 alike); with no such
+    settings, both unless ``disable_cuda_graph``."""
+    cfg = getattr(sa, "cuda_graph_config", None)
+    if cfg is None:
+        return [] if getattr(sa, "disable_cuda_graph", False) else ["decode", "prefill"]
+    on = []
+    for phase in ("decode", "prefill"):
+        backend = getattr(getattr(cfg, phase, None), "backend", None)
+        if backend != "disabled":
+            on.append(f"{phase}: {backend}")
+    return on
+
+
+def _validate(config, quant_config, arch: str) -> tuple[qwen3.Geometry, Path, str]:
+    """Everything the lane cannot cover exactly is refused here, by name; the lane's geometry,
+    model directory and backend (the engine's device)."""
     from sglang.srt.runtime_context import get_server_args
 
     from ._release import check as check_release
@@ -98,8 +156,6 @@ def _validate(config, quant_config, arch: str) -> tuple[qwen3.Geometry, Path]:
         check()
     except LaneRefused as err:
         _refuse(str(err))
-    if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
-        _refuse("SGLANG_USE_CPU_ENGINE=1 is not set: the lane runs on SGLang's CPU engine only")
     sa = get_server_args()
     if quant_config is not None or getattr(sa, "quantization", None):
         _refuse(f"quantized weights ({getattr(sa, 'quantization', None)!r}) have no exact lane")
@@ -107,6 +163,7 @@ def _validate(config, quant_config, arch: str) -> tuple[qwen3.Geometry, Path]:
         value = getattr(sa, name, None)
         if str(value) not in accepted:
             _refuse(f"{name}={value!r}; the lane needs {' or '.join(map(repr, accepted))}")
+    backend = lane_backend(sa)
     for name, what in MUST_BE_OFF:
         if getattr(sa, name, None):
             _refuse(f"{name}={getattr(sa, name)!r}: {what} is not part of the lane")
@@ -127,20 +184,28 @@ def _validate(config, quant_config, arch: str) -> tuple[qwen3.Geometry, Path]:
             "SGLANG_PLUGINS)?"
         )
     geom = lane_geometry(arch, model_dir)
-    admit_requested(model_dir, "cpu", getattr(config, CONTRACT_OVERRIDE, None))
-    return geom, model_dir
+    admit_requested(model_dir, backend, getattr(config, CONTRACT_OVERRIDE, None))
+    return geom, model_dir, backend
 
 
 class LockstepQwen3ForCausalLM(nn.Module):
     """Qwen3 on the exact lane, inside SGLang (select with json_model_override_args)."""
 
     lane_arch = "LockstepQwen3ForCausalLM"
+    backend = "cpu"  # each model's is its engine's device (set in __init__)
+    device = torch.device("cpu")
 
     def __init__(self, config, quant_config=None, prefix: str = ""):
         super().__init__()
         self.config = config
-        self.geom, self.model_dir = _validate(config, quant_config, self.lane_arch)
-        self.contract = lane_contract(self.model_dir)
+        self.geom, self.model_dir, self.backend = _validate(config, quant_config, self.lane_arch)
+        # The engine's device: SGLang's model runner made its GPU the current one.
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.backend == "cuda"
+            else torch.device("cpu")
+        )
+        self.contract = lane_contract(self.model_dir, backend=self.backend)
         self.ops = Ops(self.contract)  # every program call reads this contract
         self.weights: dict[str, torch.Tensor] = {}
         self._layer_weights: list[dict[str, torch.Tensor]] = []
@@ -163,7 +228,7 @@ class LockstepQwen3ForCausalLM(nn.Module):
     # --- weights ---------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
         for name, t in lane_weights(weights, _expected_names(self.geom)):
-            self.weights[name] = t.detach().to("cpu").clone()
+            self.weights[name] = t.detach().to(self.device, copy=True)  # the engine's device
         self._layer_weights = qwen3.split_layers(self.weights, self.geom)
 
     def slots(self) -> qwen3.DictSlots:
@@ -182,17 +247,19 @@ class LockstepQwen3ForCausalLM(nn.Module):
         from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 
         fb = forward_batch
+        dev = input_ids.device
         if not self.check_step(fb) or input_ids.shape[0] == 0:
             return LogitsProcessorOutput(
-                next_token_logits=torch.empty(0, self.geom.vocab, dtype=torch.float32)
+                next_token_logits=torch.empty(0, self.geom.vocab, dtype=torch.float32, device=dev)
             )
         reqs = self._requests(fb)
-        h = torch.empty(input_ids.shape[0], self.geom.hidden, dtype=torch.bfloat16)
+        check_positions(positions, reqs)  # once per step (one host read), not per layer
+        h = torch.empty(input_ids.shape[0], self.geom.hidden, dtype=torch.bfloat16, device=dev)
         # Requests sharing an adapter run together (the base model is one more group); rows
         # never mix, so each request's bytes are its solo run's.
         for lora_id, group in self._adapter_groups(fb, reqs).items():
             adapters = self.lora_manager.adapter(lora_id) if lora_id is not None else None
-            rows = torch.cat([torch.arange(start, end) for _, start, end, _ in group])
+            rows = torch.cat([torch.arange(start, end) for _, start, end, _ in group]).to(dev)
             local, at = [], 0
             for b, start, end, seq_len in group:
                 local.append((b, at, at + end - start, seq_len))
@@ -200,7 +267,7 @@ class LockstepQwen3ForCausalLM(nn.Module):
             slots = PoolSlots(self, fb, local, adapters=adapters, loc=fb.out_cache_loc[rows])
             hg = qwen3.embed(self.ops, slots, input_ids[rows])
             h[rows] = qwen3.layers(self.ops, self.geom, slots, hg, positions[rows])
-        last = torch.tensor([end - 1 for _, _, end, _ in reqs], dtype=torch.int64)
+        last = torch.tensor([end - 1 for _, _, end, _ in reqs], dtype=torch.int64, device=dev)
         with paused():  # bisect's final sites come from every row, below
             logits = qwen3.final_logits(self.ops, self.geom, self.slots(), h[last])
         if is_recording():
@@ -327,6 +394,7 @@ class PoolSlots(qwen3.DictSlots):
             get_req_to_token_pool().req_to_token,
             core=core,
             loc=self.loc,
+            checked=True,  # the step's positions were checked once, in forward
         )
 
 
@@ -358,7 +426,24 @@ def pool_buffers(pool, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch
     return kb, vb
 
 
-def pool_attention(layer, q, k, v, positions, fb, reqs, pool, req_to_token, *, core, loc=None):
+def check_positions(positions, reqs) -> None:
+    """Each request's last query position is its cache length - 1, or refuse (one host read
+    of the step's positions: on cuda a sync per step, not per request and layer)."""
+    if not reqs:
+        return
+    last = torch.tensor([end - 1 for _, _, end, _ in reqs], dtype=torch.int64)
+    got = positions.reshape(-1)[last.to(positions.device)].tolist()
+    for (b, _, _, seq_len), pos in zip(reqs, got, strict=True):
+        if int(pos) != seq_len - 1:
+            raise LaneRefused(
+                f"request {b}: last query position {int(pos)} is not seq_len-1 "
+                f"({seq_len - 1}); the lane cannot place its queries in the cache"
+            )
+
+
+def pool_attention(
+    layer, q, k, v, positions, fb, reqs, pool, req_to_token, *, core, loc=None, checked=False
+):
     """Write this step's K/V rows into the pool, then attend each request over its slots.
 
     ``reqs`` = [(b, start, end, seq_len)]: request ``b`` of the batch owns rows start..end-1
@@ -367,7 +452,8 @@ def pool_attention(layer, q, k, v, positions, fb, reqs, pool, req_to_token, *, c
     the first ones in an earlier step, possibly for another request). Every cache access is an
     exact copy; ``core(q_rows, keys, values, positions)`` is the composition's attention site.
     ``loc``: the rows' cache slots when they are a subset of the batch (one adapter group's;
-    their ``reqs`` then index the subset), else the batch's ``out_cache_loc``.
+    their ``reqs`` then index the subset), else the batch's ``out_cache_loc``. ``checked``:
+    the query positions were already checked for this step (``check_positions``).
     """
     kb, vb = pool_buffers(pool, layer, k)
     loc = (fb.out_cache_loc if loc is None else loc).to(torch.int64)
@@ -378,14 +464,11 @@ def pool_attention(layer, q, k, v, positions, fb, reqs, pool, req_to_token, *, c
     kb[loc] = k
     vb[loc] = v
     out = torch.empty_like(q)
+    if not checked:
+        check_positions(positions, reqs)
     pool_rows = fb.req_pool_indices.tolist()
     for b, start, end, seq_len in reqs:
         pos = positions[start:end]
-        if int(pos[-1]) != seq_len - 1:
-            raise LaneRefused(
-                f"request {b}: last query position {int(pos[-1])} is not seq_len-1 "
-                f"({seq_len - 1}); the lane cannot place its queries in the cache"
-            )
         at = req_to_token[pool_rows[b], :seq_len].to(torch.int64)
         out[start:end] = core(q[start:end], kb[at], vb[at], pos)
     return out

@@ -2,8 +2,12 @@
 constructs (the counterpart of ``patches.py`` for vLLM).
 
 SGLang's internals move between releases (the KV pool accessors, the forward context and the
-sampler's signature all did), so the table names the one version it was written and tested
-on; any other version, or a target that is missing or changed shape, makes the lane refuse to
+sampler's signature all did), so there is one table per supported version, as for vLLM:
+0.5.21 (the CPU machines, ``TARGETS``) and 0.5.17 (the newest that runs on the GPU machine's
+torch 2.11, ``TARGETS_0_5_17``; docs/sglang.md, "SGLang 0.5.17 (the GPU)", lists what differs
+between the two). ``TABLE`` is the installed SGLang's table, chosen on first use (importing
+this module imports no SGLang); any other version gets a table whose only problem names both
+supported versions, and a target that is missing or changed shape makes the lane refuse to
 start (``LaneRefused``) naming each problem. Stock SGLang keeps working either way: the
 general plugin (``sglang_plugin.register``) leaves SGLang untouched when the table has
 problems, and only a lane model refuses.
@@ -15,7 +19,8 @@ from lockstep_exact.patching import PatchTable, Target
 
 from .patches import LaneRefused
 
-SUPPORTED_SGLANG = ("0.5.21",)
+SUPPORTED_SGLANG = ("0.5.17", "0.5.21")
+GPU_SGLANG = "0.5.17"  # the newest SGLang whose wheels pin the GPU machine's torch (2.11)
 
 
 def _from_schedule_batch():
@@ -34,6 +39,42 @@ def _create_tokenized_object():
     from .sglang_sampler import create_tokenized_object
 
     return create_tokenized_object
+
+
+# What the lane model reads of SGLang's server arguments (sglang_model._validate).
+SERVER_ARGS = (
+    "model_path",
+    "device",
+    "attention_backend",
+    "sampling_backend",
+    "dtype",
+    "kv_cache_dtype",
+    "quantization",
+    "tp_size",
+    "pp_size",
+    "dp_size",
+    "ep_size",
+    "speculative_algorithm",
+    "enable_lora_overlap_loading",
+    "enable_torch_compile",
+    "enable_dp_attention",
+    "enable_deterministic_inference",
+    "rl_on_policy_target",
+    "disable_cuda_graph",
+    "cuda_graph_config",
+)
+# What SGLang (0.5.17 and 0.5.21 alike) calls on its model runner's lora_manager, outside CUDA
+# graphs and LoRA overlap loading (both refused on the lane).
+LORA_MANAGER_CALLS = (
+    "load_lora_adapter",
+    "load_lora_adapter_from_tensors",
+    "unload_lora_adapter",
+    "validate_lora_batch",
+    "fetch_new_loras",
+    "prepare_lora_batch",
+    "reset_lora_batch",
+    "supports_prefill_cuda_graph",
+)
 
 
 TARGETS: tuple[Target, ...] = (
@@ -206,25 +247,106 @@ TARGETS: tuple[Target, ...] = (
         "read",
         "the engine's settings, checked by the lane model (attention backend, parallelism...)",
     ),
+    Target(
+        "sglang.srt.server_args",
+        "ServerArgs",
+        "read",
+        "the settings the lane model checks (device, backends, dtypes, parallelism, the "
+        "modes it refuses, CUDA graphs) through get_server_args()",
+        attrs=SERVER_ARGS,
+    ),
+    Target(
+        "sglang.srt.lora.lora_registry",
+        "LoRARef",
+        "read",
+        "an adapter SGLang hands the lane's LoRA manager: its id, name, directory, pinning",
+        attrs=("lora_id", "lora_name", "lora_path", "pinned"),
+    ),
+    Target(
+        "sglang.srt.lora.lora_manager",
+        "LoRAManager",
+        "read",
+        "what SGLang's scheduler, worker and model runner call on a lora_manager; the lane's "
+        "SglangLaneLoRAManager stands in for it (sglang_lora)",
+        attrs=LORA_MANAGER_CALLS,
+    ),
 )
 
 
-TABLE = PatchTable(
-    "SGLang",
-    "sglang",
-    SUPPORTED_SGLANG,
-    TARGETS,
+_OPTIONS = dict(
     error=LaneRefused,
     refusal="the Lockstep exact lane does not support this SGLang",
     source="lockstep_serving/sglang_patches.py",
 )
 
+# 0.5.17: every 0.5.21 row holds there unchanged (the same modules, symbols, parameters and
+# fields: checked against the released 0.5.17 source by packages/serving-plugin/tests/
+# test_sglang_patch_table.py); what differs between the two lies behind these rows and is
+# listed in docs/sglang.md. The table is its own tuple so that a row that changes in one
+# version changes in its table only.
+TARGETS_0_5_17: tuple[Target, ...] = tuple(TARGETS)
+
+TABLES: dict[str, PatchTable] = {
+    "0.5.17": PatchTable("SGLang", "sglang", ("0.5.17",), TARGETS_0_5_17, **_OPTIONS),
+    "0.5.21": PatchTable("SGLang", "sglang", ("0.5.21",), TARGETS, **_OPTIONS),
+}
+assert tuple(TABLES) == SUPPORTED_SGLANG
+
+
+def unsupported(version: str) -> str:
+    """The one problem of an SGLang version the plugin has no table for."""
+    return (
+        f"SGLang {version} is not among the supported {SUPPORTED_SGLANG} (the plugin has a "
+        f"patch table for each: {GPU_SGLANG} on the GPU machine, 0.5.21 on CPU machines)"
+    )
+
+
+class _UnsupportedTable(PatchTable):
+    """The table of an SGLang version the plugin has none for: one problem, naming both."""
+
+    found: str = "?"  # the version it was made for
+
+    def problems(self) -> list[str]:
+        return [unsupported(self.found)]
+
+
+def table_for(version: str) -> PatchTable:
+    """The patch table of SGLang ``version``; for another version, a table that refuses."""
+    if version in TABLES:
+        return TABLES[version]
+    table = _UnsupportedTable("SGLang", "sglang", SUPPORTED_SGLANG, TARGETS, **_OPTIONS)
+    table.found = version
+    return table
+
+
+def installed_version() -> str:
+    try:
+        import sglang
+    except ImportError:  # the default environment: the table refuses, naming the versions
+        return "(not installed)"
+    return getattr(sglang, "__version__", "?")
+
+
+def __getattr__(name: str):
+    # TABLE: the installed SGLang's table, chosen on first use (importing this module imports
+    # no SGLang: an engine's environment must be set before SGLang is first imported).
+    if name == "TABLE":
+        table = table_for(installed_version())
+        globals()["TABLE"] = table
+        return table
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _table() -> PatchTable:
+    table = globals().get("TABLE")
+    return table if table is not None else __getattr__("TABLE")
+
 
 def problems() -> list[str]:
     """Every target that is missing or changed shape in the installed SGLang, as sentences."""
-    return TABLE.problems()
+    return _table().problems()
 
 
 def check() -> None:
     """Raise LaneRefused naming every target the installed SGLang lacks."""
-    TABLE.check()
+    _table().check()

@@ -10,7 +10,8 @@ registered and the lane refuses to start, naming each problem.
 
 SGLang's CPU engine also needs ``sgl_kernel`` importable before any plugin runs (SGLang's
 modules import it at their top): that comes from the ``lockstep-sglang-cpu-standins``
-package the ``sglang`` extra installs, not from here.
+package the ``sglang`` extra installs, not from here. On a GPU (SGLang 0.5.17) the real
+``sgl_kernel`` is installed and the stand-ins must not be.
 """
 
 from __future__ import annotations

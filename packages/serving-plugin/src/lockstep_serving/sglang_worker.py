@@ -60,11 +60,14 @@ class Worker:
 
         request = CaptureRequest(**decode(fields))
         model = preflight(request)
-        key = (str(model.path), request.contract, json.dumps(request.options, sort_keys=True))
+        options = json.dumps(request.options, sort_keys=True)
+        key = (str(model.path), request.contract, request.backend, options)
         if key != self.key:
             self.close()
             options = {**LORA_ARGS, **request.options}
-            self.lane = SglangLane(model, contract=request.contract, **options)
+            self.lane = SglangLane(
+                model, contract=request.contract, backend=request.backend, **options
+            )
             self.key = key
         adapter = None
         if request.adapter_dir is not None:
