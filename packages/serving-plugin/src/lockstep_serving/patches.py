@@ -20,7 +20,7 @@ vLLM is left alone.
 
 from __future__ import annotations
 
-from lockstep_exact.patching import PatchTable, Target
+from lockstep_exact.patching import PatchTable, Target, installed_table
 
 SUPPORTED_VLLM = ("0.32.0", "0.26.0")
 
@@ -527,19 +527,8 @@ def installed_version() -> str:
     return getattr(vllm, "__version__", "?")
 
 
-def __getattr__(name: str):
-    # TABLE: the installed vLLM's table, chosen on first use (importing this module imports no
-    # vLLM: an engine's environment must be set before vLLM is first imported).
-    if name == "TABLE":
-        table = table_for(installed_version())
-        globals()["TABLE"] = table
-        return table
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _table() -> PatchTable:
-    table = globals().get("TABLE")
-    return table if table is not None else __getattr__("TABLE")
+# TABLE: the installed vLLM's table, chosen on first use.
+__getattr__, _table = installed_table(globals(), lambda: table_for(installed_version()))
 
 
 def resolve(target: Target):

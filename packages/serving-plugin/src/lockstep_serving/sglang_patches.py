@@ -15,7 +15,7 @@ problems, and only a lane model refuses.
 
 from __future__ import annotations
 
-from lockstep_exact.patching import PatchTable, Target
+from lockstep_exact.patching import PatchTable, Target, installed_table
 
 from .patches import LaneRefused
 
@@ -327,19 +327,8 @@ def installed_version() -> str:
     return getattr(sglang, "__version__", "?")
 
 
-def __getattr__(name: str):
-    # TABLE: the installed SGLang's table, chosen on first use (importing this module imports
-    # no SGLang: an engine's environment must be set before SGLang is first imported).
-    if name == "TABLE":
-        table = table_for(installed_version())
-        globals()["TABLE"] = table
-        return table
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _table() -> PatchTable:
-    table = globals().get("TABLE")
-    return table if table is not None else __getattr__("TABLE")
+# TABLE: the installed SGLang's table, chosen on first use.
+__getattr__, _table = installed_table(globals(), lambda: table_for(installed_version()))
 
 
 def problems() -> list[str]:

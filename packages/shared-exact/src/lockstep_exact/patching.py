@@ -227,3 +227,22 @@ class PatchTable:
                     delattr(parent, attr)
             else:
                 setattr(parent, attr, raw)
+
+
+def installed_table(module_globals: dict, choose: Callable[[], PatchTable]):
+    """``(__getattr__, table)`` for a plugin module whose ``TABLE`` is the installed engine's,
+    chosen on first use by ``choose()``: importing the module imports no engine (an engine's
+    environment must be set before the engine is first imported). Assign the first to the
+    module's ``__getattr__``; ``table()`` returns ``TABLE`` (a test may have replaced it)."""
+
+    def __getattr__(name: str):
+        if name == "TABLE":
+            module_globals["TABLE"] = chosen = choose()
+            return chosen
+        raise AttributeError(f"module {module_globals['__name__']!r} has no attribute {name!r}")
+
+    def table() -> PatchTable:
+        current = module_globals.get("TABLE")
+        return current if current is not None else __getattr__("TABLE")
+
+    return __getattr__, table
