@@ -118,32 +118,29 @@ def test_base_a_and_b_in_one_batch_each_equal_their_solo_runs(runs):
     assert not same_bytes(a, b)
 
 
-@pytest.mark.engine
-def test_an_adapter_request_equals_the_composition_with_that_adapter(runs, model_dir):
+def _equal_the_composition(runs, model_dir, key: str, what: str) -> None:
+    """Each request of ``runs[key]`` (prompt i under adapter k, base for k = 0) has the
+    decisions of one composition forward over its prompt and sampled tokens, byte for byte."""
     weights = load_file(str(model_dir / "model.safetensors"))
     geom = N.Geometry.from_model_dir(model_dir)
     base = ModelDir(model_dir, hybrid=True)
-    for (i, k), out in zip(runs["plan"], runs["batch"], strict=True):
+    for (i, k), out in zip(runs["plan"], runs[key], strict=True):
         tokens, got = _decisions(out)
         prompt = runs["prompts"][i]
         mods = load_adapter(runs["dirs"][k], base).modules if k else None
         ref = N.forward_logprobs(weights, geom, torch.tensor(prompt + tokens), adapters=mods)
         want = torch.stack([ref[len(prompt) - 1 + j, t] for j, t in enumerate(tokens)])
-        _same_and_control(want, got, f"prompt {i}, adapter {k}: vLLM vs composition")
+        _same_and_control(want, got, f"prompt {i}, adapter {k}: {what} vs composition")
+
+
+@pytest.mark.engine
+def test_an_adapter_request_equals_the_composition_with_that_adapter(runs, model_dir):
+    _equal_the_composition(runs, model_dir, "batch", "vLLM")
 
 
 @pytest.mark.engine
 def test_chunked_prefills_with_adapters_equal_the_composition(runs, model_dir):
-    weights = load_file(str(model_dir / "model.safetensors"))
-    geom = N.Geometry.from_model_dir(model_dir)
-    base = ModelDir(model_dir, hybrid=True)
-    for (i, k), out in zip(runs["plan"], runs["chunked"], strict=True):
-        tokens, got = _decisions(out)
-        prompt = runs["prompts"][i]
-        mods = load_adapter(runs["dirs"][k], base).modules if k else None
-        ref = N.forward_logprobs(weights, geom, torch.tensor(prompt + tokens), adapters=mods)
-        want = torch.stack([ref[len(prompt) - 1 + j, t] for j, t in enumerate(tokens)])
-        _same_and_control(want, got, f"prompt {i}, adapter {k}: chunked vLLM vs composition")
+    _equal_the_composition(runs, model_dir, "chunked", "chunked vLLM")
 
 
 @pytest.mark.engine

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from trainer_support import nudge_one_ulp
+from trainer_support import next_composition_trace, nudge_one_ulp
 
 from lockstep_exact.contract import LayoutRefused
 from lockstep_exact.k3 import compare
@@ -72,31 +72,8 @@ def _sequences(vocab: int, lengths) -> list[torch.Tensor]:
 
 
 def composition_trace(model_dir, out):
-    """A trace whose logprobs are the composition's (the sampler's programs, no engine): each
-    sequence's decisions from one ``lanes.qwen3_next`` forward over prompt + sampled tokens."""
-    geom = N.Geometry.from_model_dir(model_dir)
-    weights = load_hf_weights(model_dir)
-    ops = N.default_ops(geom)  # its invoked log is the "sampler's" contract
-    g = torch.Generator().manual_seed(5)
-    prompts, sampled, lps = [], [], []
-    for plen, n in PLAN:
-        seq = torch.randint(0, geom.vocab, (plen + n,), generator=g)
-        lp = N.forward_logprobs(weights, geom, seq[:-1], ops=ops)
-        rows = torch.arange(plen - 1, plen + n - 1)
-        prompts.append(seq[:plen])
-        sampled.append(seq[plen:])
-        lps.append(lp[rows, seq[plen:]].contiguous())
-    invoked = ops.invoked_contract()
-    trace = Trace.from_sequences(
-        prompts,
-        sampled,
-        lps,
-        contract_fingerprint=invoked.fingerprint,
-        contract=invoked.to_json(),
-        model_hash=dir_hash(model_dir),
-        engine={"name": "composition"},
-    )
-    return trace.save(out, overwrite=True)
+    """A trace of ``PLAN`` whose logprobs are the composition's (no engine, no adapter)."""
+    return next_composition_trace(model_dir, out, PLAN)
 
 
 @pytest.fixture(scope="module")

@@ -13,18 +13,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from trainer_support import next_composition_trace
 
 from lockstep_exact.adapters import AdapterError, load_adapter, make_adapter, perturb_adapter
 from lockstep_exact.k3 import compare
-from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.model import ModelDir
-from lockstep_exact.model import model_hash as dir_hash
 from lockstep_exact.parity import assert_same_bytes
 from lockstep_exact.tiny import make_tiny
 from lockstep_exact.trace import Trace
 from lockstep_megatron import adapters as AD
 from lockstep_megatron import export
-from lockstep_megatron.convert import build, load_hf_weights
+from lockstep_megatron.convert import build
 from lockstep_megatron.replay import replay
 
 PLAN = ((70, 4), (5, 62), (3, 5))  # (prompt, sampled): across the 64-token chunk and not
@@ -44,30 +43,7 @@ def setup(tmp_path_factory):
 
 def adapter_trace(model_dir, adapter_dir, out):
     """A trace of ``PLAN`` whose logprobs are the composition's with the adapter."""
-    geom = N.Geometry.from_model_dir(model_dir)
-    weights = load_hf_weights(model_dir)
-    adapter = load_adapter(adapter_dir, ModelDir(model_dir, hybrid=True))
-    ops = N.default_ops(geom)
-    g = torch.Generator().manual_seed(5)
-    prompts, sampled, lps = [], [], []
-    for plen, n in PLAN:
-        seq = torch.randint(0, geom.vocab, (plen + n,), generator=g)
-        lp = N.forward_logprobs(weights, geom, seq[:-1], ops=ops, adapters=adapter.modules)
-        prompts.append(seq[:plen])
-        sampled.append(seq[plen:])
-        lps.append(lp[torch.arange(plen - 1, plen + n - 1), seq[plen:]].contiguous())
-    invoked = ops.invoked_contract()
-    trace = Trace.from_sequences(
-        prompts,
-        sampled,
-        lps,
-        contract_fingerprint=invoked.fingerprint,
-        contract=invoked.to_json(),
-        model_hash=dir_hash(model_dir),
-        adapter_hash=adapter.sha256,
-        engine={"name": "composition"},
-    )
-    return trace.save(out, overwrite=True)
+    return next_composition_trace(model_dir, out, PLAN, adapter_dir)
 
 
 def test_the_adapter_sits_on_every_projection_the_lane_adapts(setup):

@@ -10,11 +10,10 @@ one-ulp change of a factor is caught). Sequences cross the lane's 64-token GDN c
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 from safetensors.torch import load_file
+from trainer_support import next_composition_trace
 
 from lockstep_exact.contract import geometry_contract
 from lockstep_exact.lanes import qwen3_next as N
@@ -80,14 +79,7 @@ def test_the_gradient_wrt_a_gdn_projection_repeats_and_is_the_compositions(next_
 
 
 def composition_trace(model_dir, out):
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    import test_hybrid as TH
-
-    plan, TH.PLAN = TH.PLAN, PLAN
-    try:
-        return TH.composition_trace(model_dir, out)
-    finally:
-        TH.PLAN = plan
+    return next_composition_trace(model_dir, out, PLAN)
 
 
 def adapter(path):

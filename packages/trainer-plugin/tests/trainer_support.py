@@ -54,6 +54,45 @@ def reference_trace(model_dir: Path, out: Path, adapter_dir: Path | None = None,
     return trace.save(out, overwrite=True)
 
 
+def next_composition_trace(model_dir: Path, out: Path, plan, adapter_dir: Path | None = None):
+    """A qwen3-next trace whose logprobs are the composition's (the sampler's programs, no
+    engine): for each (prompt, sampled) length of ``plan``, random tokens and the decisions of
+    one ``lanes.qwen3_next`` forward over prompt + sampled tokens, with the adapter if given."""
+    from lockstep_exact.adapters import load_adapter
+    from lockstep_exact.lanes import qwen3_next as N
+    from lockstep_exact.model import ModelDir
+    from lockstep_exact.model import model_hash as dir_hash
+    from lockstep_exact.trace import Trace
+    from lockstep_megatron.convert import load_hf_weights
+
+    geom = N.Geometry.from_model_dir(model_dir)
+    weights = load_hf_weights(model_dir)
+    adapter = load_adapter(adapter_dir, ModelDir(model_dir, hybrid=True)) if adapter_dir else None
+    ops = N.default_ops(geom)  # its invoked log is the "sampler's" contract
+    g = torch.Generator().manual_seed(5)
+    prompts, sampled, lps = [], [], []
+    for plen, n in plan:
+        seq = torch.randint(0, geom.vocab, (plen + n,), generator=g)
+        lp = N.forward_logprobs(
+            weights, geom, seq[:-1], ops=ops, adapters=adapter.modules if adapter else None
+        )
+        prompts.append(seq[:plen])
+        sampled.append(seq[plen:])
+        lps.append(lp[torch.arange(plen - 1, plen + n - 1), seq[plen:]].contiguous())
+    invoked = ops.invoked_contract()
+    trace = Trace.from_sequences(
+        prompts,
+        sampled,
+        lps,
+        contract_fingerprint=invoked.fingerprint,
+        contract=invoked.to_json(),
+        model_hash=dir_hash(model_dir),
+        adapter_hash=adapter.sha256 if adapter else None,
+        engine={"name": "composition"},
+    )
+    return trace.save(out, overwrite=True)
+
+
 def nudge_one_ulp(model_dir: Path, out: Path, name: str = "lm_head.weight") -> Path:
     """A copy of ``model_dir`` with one element of ``name`` changed by one bf16 ulp."""
     import shutil
