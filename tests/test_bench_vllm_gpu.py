@@ -65,3 +65,26 @@ def test_bench_vllm_gpu_cpu_defaults_are_eager():
     eager = [n for n in bench.ENGINES if not n.endswith("-graphs")]
     assert bench.parse_engines(",".join(eager), "cpu") == ["lane-eager", "stock-eager"]
     assert bench.parse_concurrency(bench.DEFAULT_CONCURRENCY["cuda"]) == [1, 16, 64, 256]
+
+
+def test_a_bench_ended_from_outside_ends_its_engine_child_too():
+    """An engine child has a session of its own (so a per-engine timeout can end all it
+    started); ending the bench itself (``timeout``, Ctrl-C) must end that child as well, or it
+    keeps the GPU busy under the next run's engines."""
+    import signal
+    import subprocess
+    import sys
+
+    bench = _bench()
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True
+    )
+    bench._CHILDREN.append(child)
+    try:
+        with pytest.raises(SystemExit) as ended:
+            bench._end_children(signal.SIGTERM, None)
+        assert ended.value.code == 128 + signal.SIGTERM
+        assert child.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()

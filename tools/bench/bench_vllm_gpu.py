@@ -33,6 +33,7 @@ Qwen3-30B-A3B layer shape; on cpu both are make_tiny's default shapes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -344,6 +345,19 @@ def model_for(args) -> tuple[Path, dict]:
     return path, kwargs
 
 
+# The engine child running now. Its own session keeps it out of the parent's process group,
+# so a parent ended from outside (`timeout`, Ctrl-C) must end it, or it would go on holding
+# the GPU under the next run's engines and skew their figures.
+_CHILDREN: list[subprocess.Popen] = []
+
+
+def _end_children(signum, _frame) -> None:
+    for proc in list(_CHILDREN):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    raise SystemExit(128 + signum)
+
+
 def _run_engine(name: str, args, root: Path, model: Path, log: Path) -> dict:
     out = root / f"{name}.json"
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--root", str(root)]
@@ -361,12 +375,15 @@ def _run_engine(name: str, args, root: Path, model: Path, log: Path) -> dict:
         t0 = time.perf_counter()
         # A session of its own: a timeout ends the child and anything it started.
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        _CHILDREN.append(proc)
         try:
             rc = proc.wait(timeout=args.engine_timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
             os.killpg(proc.pid, signal.SIGKILL)
             rc = proc.wait()
+        finally:
+            _CHILDREN.remove(proc)
         wall = time.perf_counter() - t0
     result = json.loads(out.read_text()) if out.exists() else {"engine": name, "rows": []}
     result["wall_s"] = round(wall, 2)
@@ -476,6 +493,8 @@ def main(argv: list[str] | None = None) -> None:
     except BenchArgumentError as exc:
         ap.error(str(exc))
 
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, _end_children)
     # Both sides on vLLM's V1 model runner; the children inherit this.
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     root = Path(tempfile.mkdtemp(prefix="lockstep-bench-gpu-"))

@@ -302,3 +302,19 @@ def test_default_prompts_are_fixed_english_of_different_lengths():
     assert default_prompts(3) == prompts[:3]
     with pytest.raises(ValueError):
         default_prompts(9)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])
+def test_drawing_tensors_on_threads_gives_the_bytes_of_drawing_them_in_turn(arch, monkeypatch):
+    from lockstep_exact import tiny
+
+    config = tiny.tiny_config(arch, hidden=96, layers=2, heads=3, kv_heads=1, vocab=515)
+    monkeypatch.setattr(tiny, "_PARALLEL_NUMEL", 1 << 62)
+    in_turn = tiny.tiny_state_dict(config, seed=5)
+    monkeypatch.setattr(tiny, "_PARALLEL_NUMEL", 0)
+    monkeypatch.setattr(tiny.os, "cpu_count", lambda: 4)
+    threaded = tiny.tiny_state_dict(config, seed=5)
+    assert list(threaded) == list(in_turn)
+    assert all(
+        torch.equal(threaded[k].view(torch.int16), in_turn[k].view(torch.int16)) for k in in_turn
+    )

@@ -372,6 +372,10 @@ def _next_config(cfg, heads, kv_heads, head_dim, experts, topk, moe_intermediate
 # ----------------------------------------------------------------------------- weights
 
 
+# Above this many weights, tensors are drawn on several threads (same bytes).
+_PARALLEL_NUMEL = 1 << 24
+
+
 def _tensor_seed(seed: int, name: str) -> int:
     digest = hashlib.sha256(f"{_SEED_TAG}:{seed}:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
@@ -463,22 +467,42 @@ def tiny_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Te
     if not config["tie_word_embeddings"]:
         specs.append(("lm_head.weight", (vocab, h), "embed"))
 
-    tensors: dict[str, torch.Tensor] = {}
-    for name, shape, kind in specs:
+    def law(shape: tuple[int, ...], kind: str) -> tuple[float, float]:
+        """(std, mean) of one tensor kind."""
         if kind == "norm":
-            tensors[name] = _random(name, shape, seed, 0.1, mean=1.0)
-        elif kind == "norm0":
-            tensors[name] = _random(name, shape, seed, 0.1)
-        elif kind == "conv":
-            tensors[name] = _random(name, shape, seed, 1.0 / math.sqrt(shape[-1]))
-        elif kind == "a_log":  # A = exp(A_log) around 1: decays exp(-A * softplus(.)) < 1
-            tensors[name] = _random(name, shape, seed, 0.5)
-        elif kind == "embed":
-            tensors[name] = _random(name, shape, seed, 2.0 / math.sqrt(h))
-        elif kind == "in":
-            tensors[name] = _random(name, shape, seed, 1.0 / math.sqrt(shape[1]))
-        else:
-            tensors[name] = _random(name, shape, seed, out_scale / math.sqrt(shape[1]))
+            return 0.1, 1.0
+        if kind == "norm0":
+            return 0.1, 0.0
+        if kind == "conv":
+            return 1.0 / math.sqrt(shape[-1]), 0.0
+        if kind == "a_log":  # A = exp(A_log) around 1: decays exp(-A * softplus(.)) < 1
+            return 0.5, 0.0
+        if kind == "embed":
+            return 2.0 / math.sqrt(h), 0.0
+        if kind == "in":
+            return 1.0 / math.sqrt(shape[1]), 0.0
+        return out_scale / math.sqrt(shape[1]), 0.0
+
+    def one(spec: tuple[str, tuple[int, ...], str]) -> torch.Tensor:
+        name, shape, kind = spec
+        std, mean = law(shape, kind)
+        return _random(name, shape, seed, std, mean=mean)
+
+    # Each tensor has its own generator, so tensors can be drawn in parallel with the same
+    # bytes; torch's ops release the GIL. Only worth it for large models (a benchmark's model
+    # of Qwen3-8B layer shape took 84 s drawn one tensor at a time on the H200's host).
+    numel = sum(math.prod(shape) for _, shape, _ in specs)
+    workers = min(16, os.cpu_count() or 1) if numel >= _PARALLEL_NUMEL else 1
+    if workers > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            drawn = list(pool.map(one, specs))
+    else:
+        drawn = [one(spec) for spec in specs]
+    tensors: dict[str, torch.Tensor] = {
+        name: t for (name, _, _), t in zip(specs, drawn, strict=True)
+    }
     return tensors
 
 
