@@ -139,18 +139,23 @@ def attention_rows(table, block, sweep):
     ks = k.repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0).contiguous()
     vs = v.repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0).contiguous()
     if sweep:  # the segment length is part of the program: time the candidates
-        for seg in (512, 2048):
+        cases = {s_len: paged_case(s_len, 64, block) for s_len in (2048, 8192, 32768)}
+        for seg in (256, 512, 1024, 2048):
             attn_mod.SEGMENT = seg
             tt = bench(lambda: P.attention(q, k, v, pos, block=block))
             msg = f"  sweep attention block={block} segment={seg} prefill {tt * 1e3:8.2f} us"
-            for s_len in (2048, 32768):
+            for s_len in (2048, 8192, 32768):
                 kc = rand(s_len, KV_HEADS, HEAD_DIM)
                 qd = rand(1, HEADS, HEAD_DIM)
                 pd = torch.tensor([s_len - 1], device="cuda", dtype=torch.int32)
-                td = bench(lambda qd=qd, kc=kc, pd=pd: P.attention(qd, kc, kc, pd, block=block))
-                msg += f" decode{s_len} {td * 1e3:8.2f} us"
-            print(msg, flush=True)
+                td = graph_bench(
+                    lambda qd=qd, kc=kc, pd=pd: P.attention(qd, kc, kc, pd, block=block)
+                )
+                tb = graph_bench(cases[s_len]["exact"])
+                msg += f" | S={s_len} decode {td * 1e3:.2f} us, 64 paged {tb * 1e3:.2f} us"
+            print(msg + " (decode: graph replays)", flush=True)
         attn_mod.SEGMENT = default_segment
+        del cases
     flop = 4 * HEADS * HEAD_DIM * t_len * (t_len + 1) / 2
     t = bench(lambda: P.attention(q, k, v, pos, block=block))
     row(
@@ -188,6 +193,53 @@ def attention_rows(table, block, sweep):
             )
 
 
+def paged_case(s_len: int, batch: int, block: int, page: int = 32) -> dict:
+    """A batch of one-token decodes over a paged cache (as the lane's vLLM decode step runs
+    them): the exact program ``attention_decode_paged`` and SDPA over the same keys laid out
+    [batch, kv heads, S, D] (GQA by ``enable_gqa``)."""
+    from lockstep_exact.programs import cuda
+
+    pages = s_len // page
+    kc = rand(batch * pages, KV_HEADS, page, HEAD_DIM)
+    vc = rand(batch * pages, KV_HEADS, page, HEAD_DIM)
+    table = torch.arange(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
+    lens = torch.full((batch,), s_len, device="cuda", dtype=torch.int32)
+    pos = lens - 1
+    q = rand(batch, HEADS, HEAD_DIM)
+
+    def laid(c):
+        return (
+            c.view(batch, pages, KV_HEADS, page, HEAD_DIM)
+            .permute(0, 2, 1, 3, 4)
+            .reshape(batch, KV_HEADS, s_len, HEAD_DIM)
+        )
+
+    ks, vs, qs = laid(kc), laid(vc), q.unsqueeze(2)
+    return {
+        "exact": lambda: cuda.attention_decode_paged(
+            q, kc, vc, table, lens, pos, max_seq_len=s_len, block=block
+        ),
+        "sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True),
+    }
+
+
+def paged_decode_rows(table, block, batch=64):
+    for s_len in (2048, 8192, 32768):
+        case = paged_case(s_len, batch, block)
+        for graph in (False, True):
+            row(
+                table,
+                "attention",
+                f"decode x{batch} paged S={s_len} block={block}" + (" graph" if graph else ""),
+                case["exact"],
+                case["sdpa"],
+                "SDPA (GQA)",
+                0.8,
+                graph=graph,
+            )
+        del case
+
+
 def norm_rows(table):
     for m in (1, 128, 8192):
         x = rand(m, HIDDEN)
@@ -213,7 +265,9 @@ def norm_rows(table):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sweep", action="store_true", help="also time every gemm tiling")
+    ap.add_argument(
+        "--sweep", action="store_true", help="also time every gemm tiling and attention segment"
+    )
     ap.add_argument("--only", default="", help="gemm, attention or norms")
     ap.add_argument("--json", default="", help="write the table here")
     args = ap.parse_args()
@@ -227,10 +281,11 @@ def main() -> None:
     if args.only in ("", "gemm"):
         for bk in (32, 64):
             gemm_rows(table, bk, args.sweep)
-            gemm_rows(table, bk, False, n=12288, ms=(1, 64, 512, 4096))
+            gemm_rows(table, bk, args.sweep, n=12288, ms=(1, 64, 512, 4096))
     if args.only in ("", "attention"):
         for block in (32, 64, 128):
             attention_rows(table, block, args.sweep)
+            paged_decode_rows(table, block)
     if args.only in ("", "norms"):
         norm_rows(table)
     print("\n| op | shape | exact (us) | torch op | torch (us) | speed | target | |")

@@ -120,7 +120,12 @@ def test_gemm_row_bytes_do_not_depend_on_batch(bk):
     rows_invariant(lambda a: P.gemm(a, w, bk=bk), x, what=f"gemm bk={bk}")
 
 
-@pytest.mark.parametrize("shape", [(300, 1000, 4100), (77, 4096, 4096), (1, 96, 33)])
+# (1000, 384, 1000): TMA loads (K % 8 == 0) with a ragged last K block and a partial N tile;
+# (300, 1000, 4100) and (1, 96, 33): K rows TMA cannot address, so the persistent tilings
+# take the pointer kernel.
+@pytest.mark.parametrize(
+    "shape", [(300, 1000, 4100), (77, 4096, 4096), (1, 96, 33), (1000, 384, 1000)]
+)
 @pytest.mark.parametrize("bk", [32, 64])
 @pytest.mark.parametrize("out_dtype", [BF16, F32])
 def test_gemm_every_tiling_gives_the_same_bytes(shape, bk, out_dtype):
@@ -134,6 +139,23 @@ def test_gemm_every_tiling_gives_the_same_bytes(shape, bk, out_dtype):
     for name, out in outs.items():
         assert_same_bytes(out, ref, f"tiling {name} vs {first}")
     assert_detects_one_ulp(ref, outs[name], index=min(11, ref.numel() - 1))
+
+
+def test_gemm_persistent_tilings_load_by_tma_and_a_misaligned_x_gives_the_same_bytes():
+    """The persistent tilings take TMA where it can address the operands and the pointer
+    kernel where it cannot (an x starting off a 16-byte boundary): the same bytes."""
+    cuda = backend()
+    gemm_mod = importlib.import_module("lockstep_exact.programs.cuda.gemm")
+    w = cuda_rand(512, 2048, seed=6, scale=0.05)
+    base = cuda_rand(600 * 2048 + 1, seed=5)
+    shifted = base[1:].view(600, 2048)  # starts 2 bytes past an allocation's start
+    x = shifted.clone()
+    assert gemm_mod.tma_ok(x, w) and not gemm_mod.tma_ok(shifted, w)
+    ref = cuda.gemm(x, w, tiling="m128n128")
+    for name in [n for n, t in cuda.TILINGS.items() if t.persistent]:
+        assert_same_bytes(cuda.gemm(x, w, tiling=name), ref, f"{name} (TMA)")
+        assert_same_bytes(cuda.gemm(shifted, w, tiling=name), ref, f"{name} (pointer kernel)")
+    assert_detects_one_ulp(ref, cuda.gemm(x, w, tiling="p128n256"), index=7)
 
 
 @pytest.mark.parametrize("bk", [16, 32])

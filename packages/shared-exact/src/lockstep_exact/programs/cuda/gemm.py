@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,11 @@ class Tiles:
     num_warps: int
     num_stages: int
     group_m: int = 8
+    # One program per multiprocessor walking the output tiles, operands loaded by TMA (sm_90+,
+    # where K and the operands' starts allow it; the pointer kernel with the same tile
+    # otherwise). The tile order and the loads do not enter an element's sequence.
+    persistent: bool = False
+    flatten: bool = True  # persistent only: one software pipeline across tiles (Triton's flatten)
 
 
 # Every tiling gives the same bytes (each output element's sequence is: acc = 0; for the K
@@ -36,6 +42,13 @@ TILINGS: dict[str, Tiles] = {
     "m64n64s6": Tiles(64, 64, 4, 6),
     "m64n32": Tiles(64, 32, 4, 5),
     "m64n32s8": Tiles(64, 32, 4, 8),
+    # Persistent, TMA-fed (issue 12: M >= 512 ran at 0.63-0.80x cuBLAS with the tilings
+    # above). Not picked by shape until timed on the GPU; gated like every other tiling.
+    "p128n256": Tiles(128, 256, 8, 3, persistent=True),
+    "p128n128": Tiles(128, 128, 8, 4, persistent=True),
+    "p128n128w4": Tiles(128, 128, 4, 4, persistent=True),
+    "p256n128": Tiles(256, 128, 8, 3, persistent=True),
+    "p128n256nf": Tiles(128, 256, 8, 3, persistent=True, flatten=False),
 }
 
 # Multiprocessors of the H200 the small-M choice below was timed on (issue 12, docs/gpu.md).
@@ -62,6 +75,30 @@ def pick_tiling(m: int, n: int, bk: int = 32) -> str:
     if m <= 2048:
         return "m256n128" if wide else "m128n128w4"
     return "m128n256" if wide else "m256n128"
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.cache
+def _properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def _sms(device: torch.device) -> int:
+    return _properties(_index(device)).multi_processor_count
+
+
+def tma_ok(x2: torch.Tensor, w: torch.Tensor) -> bool:
+    """TMA can load both operands: sm_90 or later, rows whose byte stride and starts are
+    multiples of 16 bytes (K % 8 == 0 for bf16)."""
+    return (
+        _properties(_index(x2.device)).major >= 9
+        and x2.shape[1] % 8 == 0
+        and x2.data_ptr() % 16 == 0
+        and w.data_ptr() % 16 == 0
+    )
 
 
 def k_step(bk: int, k: int) -> int:
@@ -130,6 +167,47 @@ def _gemm_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (rn[None, :] < N))
 
 
+@triton.jit
+def _gemm_tma_kernel(
+    x_desc,
+    w_desc,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_ym,
+    num_progs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    FLATTEN: tl.constexpr,
+):
+    """The same output tiles as ``_gemm_kernel``, walked by ``num_progs`` resident programs;
+    each tile's K blocks ascend as there, loaded by TMA. Past an edge TMA fills zeros: a
+    ragged last K block adds +0 products, as the masked loads do, and rows or columns past
+    M or N are never stored."""
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), grid_m * grid_n, num_progs, flatten=FLATTEN):
+        first_m = (tile // width) * GROUP_M
+        size_m = tl.minimum(grid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % width) % size_m
+        pid_n = (tile % width) // size_m
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, k_blocks):
+            a = x_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
+            b = w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+        mask = (rm < M)[:, None] & (rn < N)[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 def gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -180,7 +258,30 @@ def gemm(
         f"K ({k_dim}), got {block_k}",
     )
     t = TILINGS[tiling or pick_tiling(m_dim, n_dim, block_k)]
-    grid = (triton.cdiv(m_dim, t.block_m) * triton.cdiv(n_dim, t.block_n),)
+    tiles = triton.cdiv(m_dim, t.block_m) * triton.cdiv(n_dim, t.block_n)
+    if t.persistent and tma_ok(x2, wc):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        progs = min(tiles, _sms(x.device))
+        _gemm_tma_kernel[(progs,)](
+            TensorDescriptor.from_tensor(x2, [t.block_m, block_k]),
+            TensorDescriptor.from_tensor(wc, [t.block_n, block_k]),
+            y,
+            m_dim,
+            n_dim,
+            k_dim,
+            y.stride(0),
+            progs,
+            BLOCK_M=t.block_m,
+            BLOCK_N=t.block_n,
+            BLOCK_K=block_k,
+            GROUP_M=t.group_m,
+            FLATTEN=t.flatten,
+            num_warps=t.num_warps,
+            num_stages=t.num_stages,
+        )
+        return y.reshape(*lead, n_dim)
+    grid = (tiles,)
     _gemm_kernel[grid](
         x2,
         wc,
