@@ -11,13 +11,13 @@ from lockstep_exact.tiny import default_prompts
 from lockstep_exact.trace import Trace
 
 
-def replay(pm, model, trace_dir, adapter=None, control=False):
+def replay(pm, model, trace_dir, adapter=None, control=False, micro_batch=3):
     return pm.hook.lockstep_replay(
         request=ReplayRequest(
             model_dir=model,
             trace_dir=trace_dir,
             adapter_dir=adapter,
-            micro_batch=3,
+            micro_batch=micro_batch,
             control=control,
         )
     ).logprobs

@@ -10,27 +10,16 @@ micro-batches of 2.
 from __future__ import annotations
 
 import pytest
+from cross_support import replay
 
 from lockstep_exact.adapters import make_adapter, perturb_adapter
 from lockstep_exact.k3 import compare
 from lockstep_exact.plugins import manager
-from lockstep_exact.requests import CaptureRequest, ReplayRequest
+from lockstep_exact.requests import CaptureRequest
 from lockstep_exact.tiny import default_prompts, make_tiny
 from lockstep_exact.trace import Trace
 
 pytestmark = pytest.mark.engine
-
-
-def _replay(pm, model, trace_dir, adapter, control=False):
-    return pm.hook.lockstep_replay(
-        request=ReplayRequest(
-            model_dir=model,
-            trace_dir=trace_dir,
-            adapter_dir=adapter,
-            micro_batch=2,
-            control=control,
-        )
-    ).logprobs
 
 
 def test_megatron_replays_vllm_lora_decisions_on_the_hybrid_lane_byte_for_byte(tmp_path):
@@ -50,10 +39,10 @@ def test_megatron_replays_vllm_lora_decisions_on_the_hybrid_lane_byte_for_byte(t
     trace = Trace.load(tmp_path / "A-trace")
     assert trace.adapter_hash is not None and trace.num_decisions == 3 * 4
     assert any(".lora_shrink" in k for k in trace.contract["sites"])
-    cmp = compare(trace.logprobs, _replay(pm, model, tmp_path / "A-trace", ad))
+    cmp = compare(trace.logprobs, replay(pm, model, tmp_path / "A-trace", ad, micro_batch=2))
     assert cmp.exact and cmp.k3_max == 0.0, str(cmp)
     # control: the trainer on an adapter one GDN factor 2^-9 away sees different bytes
     key = "base_model.model.model.layers.0.linear_attn.in_proj_qkvz.lora_B.weight"
     pert = perturb_adapter(ad, tmp_path / "A-pert", key)
-    moved = _replay(pm, model, tmp_path / "A-trace", pert, control=True)
+    moved = replay(pm, model, tmp_path / "A-trace", pert, control=True, micro_batch=2)
     assert not compare(trace.logprobs, moved).exact

@@ -292,6 +292,12 @@ def child(args) -> None:
         sync()
         result["warmup_s"] = round(time.perf_counter() - t0, 2)
         _write(out, result)
+        if args.child.startswith("lane"):
+            from lockstep_serving.offline import python_decode_steps
+
+            # Counted from here: start-up's graph captures and the warm-up run the lane's
+            # Python forward too.
+            steps_before = llm.apply_model(python_decode_steps)[0]
         for c in concs:
             sync()
             t0 = time.perf_counter()
@@ -310,11 +316,10 @@ def child(args) -> None:
             )
             _write(out, result)
         if args.child.startswith("lane"):
-            from lockstep_serving.offline import python_decode_steps
-
-            # Batched decode steps the lane's Python forward ran (cuda only; with graphs 0:
-            # every decode step was a graph replay).
-            result["python_decode_steps"] = llm.apply_model(python_decode_steps)[0]
+            # Batched decode steps of the timed calls that the lane's Python forward ran
+            # (cuda only; with graphs 0: every decode step was a graph replay).
+            steps = llm.apply_model(python_decode_steps)[0] - steps_before
+            result["python_decode_steps"] = steps
         llm.llm_engine.engine_core.shutdown()
         result["done"] = True
     except BaseException as exc:  # noqa: BLE001 -- reported, then re-raised for the log
