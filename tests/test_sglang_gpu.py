@@ -303,3 +303,35 @@ def test_adapters_the_cuda_lane_refuses_are_named_and_never_served(lora_lane):
             adapter_hash(adapters / name, model, "cuda")
         assert info["refused"][name] == f"Lockstep exact lane refused adapter {name}: {err.value}"
     assert "has never been loaded" in info["served_refused"]
+
+
+def test_the_ladder_qualifies_with_sglang_sampling_on_cuda(tmp_path, capfd):
+    """``lockstep qualify --sampler sglang --backend cuda``: SGLang 0.5.17's GPU engine (a
+    process in its environment) samples every gate, Megatron on the same GPU replays and
+    trains; the report passes, names SGLang and the cuda lane, and both controls differ."""
+    python = _python()
+    probe = subprocess.run(
+        [python, "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
+        capture_output=True,
+        text=True,
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"SGLang does not import for {python} (LOCKSTEP_SGLANG_PYTHON)")
+    from lockstep_exact.cli import main
+
+    out = tmp_path / "q"
+    argv = ["qualify", "--tiny", "qwen3", "--backend", "cuda", "--out", str(out)]
+    rc = main([*argv, "--sampler", "sglang", "--sampler-python", python])
+    printed = capfd.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    failed = [(g["name"], g["error"]) for g in report["gates"] if not g["passed"]]
+    assert rc == 0 and report["passed"], (failed, printed[-3000:])
+    assert report["sampler"] == "sglang" and report["lane"].endswith("/cuda"), report["lane"]
+    engines = {e["role"]: e for e in report["engines"]}
+    assert engines["sampler"]["engine"] == "sglang"
+    assert engines["sampler"]["engine_version"] == "0.5.17"
+    assert "cuda" in engines["sampler"]["backends"], engines["sampler"]
+    promotion = report["gates"][-1]["checks"][0]
+    assert promotion["decisions"] == promotion["byte_equal"] == 64
+    controls = [c for g in report["gates"] for c in g["checks"] if not c["expect_exact"]]
+    assert len(controls) == 2 and all(c["byte_equal"] < c["decisions"] for c in controls)

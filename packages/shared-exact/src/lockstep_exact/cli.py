@@ -335,15 +335,14 @@ def _cmd_qualify(args) -> int:
 
 def _sampler_python(args) -> Path | None:
     """``--sampler sglang``: its environment's python (refused, naming where it looked, when
-    there is none) and the settings its lane cannot run, before anything starts."""
+    there is none) and the settings its lane cannot run, before anything starts. The backend
+    is the ladder's: cpu runs SGLang's CPU engine (0.5.21), cuda its GPU engine (0.5.17)."""
     if args.sampler == "vllm":
         if args.sampler_python:
             raise ValueError("--sampler-python is for a sampler in another environment (sglang)")
         return None
     from .sampler_process import sampler_python
 
-    if args.backend != "cpu":
-        raise ValueError(f"--sampler {args.sampler} runs on SGLang's CPU engine: --backend cpu")
     if args.sampler_tp != 1:
         raise ValueError(f"--sampler {args.sampler} runs on one process: --sampler-tp 1")
     return sampler_python(args.sampler, args.sampler_python)

@@ -96,7 +96,8 @@ def check_backend(backend: str, trainer_tp: int = 1, trainer_ep: int = 1) -> Non
     if not torch.cuda.is_available():
         raise BackendRefused(
             f"--backend cuda: torch {torch.__version__} sees no CUDA device on this machine; "
-            "qualify there on the GPU machine (vLLM 0.26.0), or here with --backend cpu"
+            "qualify there on the GPU machine (vLLM 0.26.0 or SGLang 0.5.17 sampling), or here "
+            "with --backend cpu"
         )
     if trainer_tp * trainer_ep != 1:
         raise BackendRefused(
