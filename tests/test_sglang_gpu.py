@@ -43,8 +43,8 @@ def _python() -> str:
     return os.environ.get("LOCKSTEP_SGLANG_PYTHON") or sys.executable
 
 
-def _sglang(args: list[str], timeout: int = 1500) -> subprocess.CompletedProcess:
-    """The SGLang script (or ``-c`` code) in the SGLang environment; skipped without SGLang."""
+def _sglang_python() -> str:
+    """The SGLang environment's python; the test is skipped where SGLang does not import."""
     python = _python()
     probe = subprocess.run(
         [python, "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
@@ -53,6 +53,12 @@ def _sglang(args: list[str], timeout: int = 1500) -> subprocess.CompletedProcess
     )
     if probe.returncode != 0:
         pytest.skip(f"SGLang does not import for {python} (LOCKSTEP_SGLANG_PYTHON)")
+    return python
+
+
+def _sglang(args: list[str], timeout: int = 1500) -> subprocess.CompletedProcess:
+    """The SGLang script (or ``-c`` code) in the SGLang environment; skipped without SGLang."""
+    python = _sglang_python()
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
     return subprocess.run([python, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -309,14 +315,7 @@ def test_the_ladder_qualifies_with_sglang_sampling_on_cuda(tmp_path, capfd):
     """``lockstep qualify --sampler sglang --backend cuda``: SGLang 0.5.17's GPU engine (a
     process in its environment) samples every gate, Megatron on the same GPU replays and
     trains; the report passes, names SGLang and the cuda lane, and both controls differ."""
-    python = _python()
-    probe = subprocess.run(
-        [python, "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
-        capture_output=True,
-        text=True,
-    )
-    if probe.returncode != 0:
-        pytest.skip(f"SGLang does not import for {python} (LOCKSTEP_SGLANG_PYTHON)")
+    python = _sglang_python()
     from lockstep_exact.cli import main
 
     out = tmp_path / "q"
