@@ -88,3 +88,31 @@ def test_a_bench_ended_from_outside_ends_its_engine_child_too():
     finally:
         if child.poll() is None:
             child.kill()
+
+
+def test_a_profiled_call_names_its_kernels_by_time_with_shares_of_the_busy_time():
+    import torch
+
+    bench = _bench()
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    prof = bench.profile_call(lambda: [torch.mm(a, b) for _ in range(8)], "cpu", top=3)
+    names = [k["kernel"] for k in prof["kernels"]]
+    assert "aten::mm" in names
+    assert len(names) <= 3 and prof["distinct"] >= len(names)
+    assert [k["us"] for k in prof["kernels"]] == sorted(
+        (k["us"] for k in prof["kernels"]), reverse=True
+    )
+    total = sum(k["us"] for k in prof["kernels"]) + prof["rest_us"]
+    assert abs(total / 1e6 - prof["busy_s"]) < 1e-3
+    assert prof["busy_s"] > 0 and prof["wall_s"] > 0
+    mm = next(k for k in prof["kernels"] if k["kernel"] == "aten::mm")
+    assert mm["calls"] == 8
+    text = bench.profile_text("lane-eager", {"requests": 4, "tokens": 2, **prof})
+    assert text.startswith("lane-eager at 4 requests x 2 tokens: wall")
+    assert "| `aten::mm` | 8 |" in text
+
+
+def test_bench_vllm_gpu_refuses_a_profile_longer_than_the_model():
+    with pytest.raises(SystemExit) as exc:
+        _bench().main(["--profile", "4", "--profile-tokens", "2000"])
+    assert exc.value.code == 2

