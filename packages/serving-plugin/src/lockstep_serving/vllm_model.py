@@ -369,9 +369,10 @@ class LockstepQwen3ForCausalLM(nn.Module):
         )
 
     def _decode_step(self, input_ids, positions, md):
-        """Every row at once, with no host read and shapes fixed by the batch: K/V written
-        through the slot mapping, paged attention over each request's pages, experts run on
-        every row. Each row gets the bytes of the per-request path (the same programs)."""
+        """Every row at once, shapes fixed by the batch: K/V written through the slot
+        mapping, paged attention over each request's pages; under graph capture no host read
+        (experts run on every row). Each row gets the bytes of the per-request path (the same
+        programs)."""
         self.decode_steps += 1  # Python runs: a step replayed from a CUDA graph adds none
         slots = DecodeSlots(self, md)
         with P.position_bound(self.max_positions):
@@ -411,8 +412,8 @@ class PagedSlots(qwen3.DictSlots):
 
 class DecodeSlots(qwen3.DictSlots):
     """The composition's slots for a step of one-token decodes on cuda (``_decode_step``):
-    one paged-attention call for all requests and the experts' static dispatch, so the step
-    reads nothing on the host and a CUDA graph can capture it."""
+    one paged-attention call for all requests and, under graph capture, the experts' static
+    dispatch, so the step reads nothing on the host and a CUDA graph can capture it."""
 
     def __init__(self, model: LockstepQwen3ForCausalLM, md):
         super().__init__(model.weights, model.geom, None, per_layer=model._layer_weights)
@@ -448,7 +449,13 @@ class DecodeSlots(qwen3.DictSlots):
         )  # fmt: skip
 
     def dispatch(self, layer, h, ids, expert):
-        return qwen3.static_dispatch(h, ids, expert, self.model.geom.experts)
+        # A graph being captured cannot read the routing on the host: every expert runs on
+        # every row. Run eagerly, the step reads it and runs the chosen experts only: static
+        # dispatch eagerly launched every expert's kernels (128 experts: one decode step took
+        # over 0.6 s on the H200, docs/gpu.md). The bytes are the same either way.
+        if torch.cuda.is_current_stream_capturing():
+            return qwen3.static_dispatch(h, ids, expert, self.model.geom.experts)
+        return qwen3.local_dispatch(h, ids, expert)
 
 
 class LockstepQwen3MoeForCausalLM(LockstepQwen3ForCausalLM):
