@@ -18,11 +18,12 @@ output goes to the log file; both sides get the same ``max_model_len``,
 
 Requests: token-id prompts of ``--prompt-len`` random ids (seeded, fresh ids for every call, so
 no prefix-cache hits), ``--tokens`` sampled tokens each (temperature 1, ``ignore_eos``, request
-``i`` seeded ``1000 + i``, ``logprobs=0``). Per engine: start-up, one warm-up call of the
-largest concurrency with 8 tokens, then per concurrency ``c`` one timed ``generate`` of ``c``
-requests; tokens/s = generated tokens / wall seconds of that call. ``--engine-timeout`` bounds
-each child (start-up included): an engine still starting is reported as "not measured:
-start-up passed N s", the concurrencies it did not reach as "not measured: time limit". Ratios
+``i`` seeded ``1000 + i``, ``logprobs=0``). Per engine: start-up, one warm-up call per
+concurrency with 8 tokens (kernels compiled for a batch size are compiled before it is
+timed), then per concurrency ``c`` one timed ``generate`` of ``c`` requests; tokens/s =
+generated tokens / wall seconds of that call. ``--engine-timeout`` bounds each child (start-up
+included): an engine still starting is reported as "not measured: start-up passed N s", the
+concurrencies it did not reach as "not measured: time limit". Ratios
 lane / stock (eager to eager, graphs to graphs) are printed only where both were measured in
 this run. Timing only: bytes are checked by the tests.
 
@@ -326,7 +327,9 @@ def child(args) -> None:
             return [TokensPrompt(prompt_token_ids=row) for row in ids]
 
         # Every engine draws the same prompts in the same order: warm-up, then each c.
-        warm = prompts(max(concs))
+        # One warm-up call per concurrency: kernels compiled for a batch size (Triton's, the
+        # fused MoE kernel's) are compiled before that size is timed.
+        warm = {c: prompts(c) for c in concs}
         timed = {c: prompts(c) for c in concs}
 
         def params(n: int, tokens: int) -> list:
@@ -357,7 +360,8 @@ def child(args) -> None:
         result["max_num_seqs"] = sched.max_num_seqs
         _write(out, result)
         t0 = time.perf_counter()
-        llm.generate(warm, params(len(warm), WARMUP_TOKENS), use_tqdm=False)
+        for c in concs:
+            llm.generate(warm[c], params(c, WARMUP_TOKENS), use_tqdm=False)
         sync()
         result["warmup_s"] = round(time.perf_counter() - t0, 2)
         _write(out, result)
