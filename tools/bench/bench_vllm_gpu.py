@@ -23,9 +23,9 @@ concurrency with 8 tokens (kernels compiled for a batch size are compiled before
 timed), then per concurrency ``c`` one timed ``generate`` of ``c`` requests; tokens/s =
 generated tokens / wall seconds of that call. ``--engine-timeout`` bounds each child (start-up
 included): an engine still starting is reported as "not measured: start-up passed N s", the
-concurrencies it did not reach as "not measured: time limit". Ratios
-lane / stock (eager to eager, graphs to graphs) are printed only where both were measured in
-this run. Timing only: bytes are checked by the tests.
+concurrencies it did not reach as "not measured: time limit". Ratios lane / stock (eager to
+eager, graphs to graphs) are printed only where both were measured in this run. Timing only:
+bytes are checked by the tests.
 
 ``--profile C``: after its timed calls, each engine serves one more call of ``C`` requests
 (``--profile-tokens`` each) under torch's profiler (CUDA activity only, so the host is not
