@@ -158,6 +158,68 @@ def test_gemm_persistent_tilings_load_by_tma_and_a_misaligned_x_gives_the_same_b
     assert_detects_one_ulp(ref, cuda.gemm(x, w, tiling="p128n256"), index=7)
 
 
+@pytest.mark.parametrize("out_dtype", [BF16, F32])
+def test_gemm_reads_k_slices_in_place_with_the_bytes_of_their_copies(out_dtype):
+    """gemm.kpart hands the cuda gemm K-slices of x and w (views with a row stride): TMA
+    where the slice's start and stride allow it, the pointer kernel where not (an offset of
+    3 columns), each with the bytes of the same slices copied out."""
+    cuda = backend()
+    gemm_mod = importlib.import_module("lockstep_exact.programs.cuda.gemm")
+    x = cuda_rand(1100, 4096, seed=70)
+    w = cuda_rand(768, 4096, seed=71, scale=0.05)
+    for lo, hi in ((0, 512), (1536, 2048), (3, 515)):
+        xs, ws = x[:, lo:hi], w[:, lo:hi]
+        assert not xs.is_contiguous() and not ws.is_contiguous()
+        assert gemm_mod.tma_ok(xs, ws) == (lo % 8 == 0)
+        for m in (1, 64, 300, 1100):
+            ref = cuda.gemm(xs[:m].contiguous(), ws.contiguous(), out_dtype=out_dtype)
+            for tiling in (None, "m64n64", "p128n256nf", "p128n128w4"):
+                out = cuda.gemm(xs[:m], ws, out_dtype=out_dtype, tiling=tiling)
+                assert_same_bytes(out, ref, f"K {lo}:{hi}, {m} rows, tiling {tiling}")
+    lead = x.view(4, 275, 4096)[:, :, 1024:1536]
+    ref = cuda.gemm(lead.contiguous(), w[:, 1024:1536].contiguous(), out_dtype=out_dtype)
+    out = cuda.gemm(lead, w[:, 1024:1536], out_dtype=out_dtype)
+    assert_same_bytes(out, ref, "a 3-D K-slice")
+    assert_detects_one_ulp(ref, out, index=9)
+
+
+def test_kpart_on_cuda_gives_the_bytes_of_its_partitions_copied_out():
+    x = cuda_rand(3, 40, 4096, seed=72)
+    w = cuda_rand(1024, 4096, seed=73, scale=0.05)
+    size = 4096 // 8
+    parts = [
+        P.gemm(
+            x[..., p * size : (p + 1) * size].contiguous(),
+            w[:, p * size : (p + 1) * size].contiguous(),
+            out_dtype=F32,
+        )
+        for p in range(8)
+    ]
+    ref = P.fold_tree(parts)
+    out = P.kpart_partial(x, w, parts=8)
+    assert_same_bytes(out, ref, "gemm.kpart, 8 partitions")
+    assert_detects_one_ulp(ref, out, index=5)
+
+
+def test_the_tiling_above_256_rows_follows_the_h200_sweep_and_keeps_the_bytes():
+    """Where the persistent tilings are picked (and where a narrow N keeps the older ones),
+    and that the pick's bytes are a fixed tiling's at a router, an expert and an odd shape."""
+    cuda = backend()
+    pick = cuda.pick_tiling
+    assert pick(512, 12288, 64) == "p128n128w4"
+    assert pick(1024, 4096, 64) == pick(8192, 4096, 64) == "p128n256nf"
+    assert pick(1024, 128, 64) == "m256n128"  # a router: 8 tiles of 128 x 256 would idle the GPU
+    assert pick(1024, 4096, 32) == "m128n128w4"  # 32-column K steps: unchanged
+    for m, n, k in ((2048, 128, 2048), (2048, 768, 2048), (1500, 2048, 768), (777, 1000, 4096)):
+        x = cuda_rand(m, k, seed=74)
+        w = cuda_rand(n, k, seed=75, scale=0.05)
+        for out_dtype in (BF16, F32):
+            ref = cuda.gemm(x, w, out_dtype=out_dtype, tiling="m64n64")
+            out = cuda.gemm(x, w, out_dtype=out_dtype)
+            assert_same_bytes(out, ref, f"{m}x{n}x{k} {out_dtype}: {pick(m, n, 64)} vs m64n64")
+    assert_detects_one_ulp(ref, out, index=3)
+
+
 @pytest.mark.parametrize("bk", [16, 32])
 @pytest.mark.parametrize("out_dtype", [BF16, F32])
 def test_gemm_wider_k_steps_give_the_same_bytes(bk, out_dtype):

@@ -46,14 +46,14 @@ TILINGS: dict[str, Tiles] = {
     "m64n32": Tiles(64, 32, 4, 5),
     "m64n32s8": Tiles(64, 32, 4, 8),
     # Persistent, TMA-fed (issue 12: M >= 512 ran at 0.63-0.80x cuBLAS with the tilings
-    # above). Not picked by shape until their gate passes on the GPU; gated like every other
-    # tiling.
-    # fp32 out with 3 stages asks for 278,552 B of shared memory (H200: 232,448 B per block).
+    # above; these at 0.85-0.97x in the H200 sweep, docs/gpu.md). Gated like every other tiling.
+    # A 128 x 256 tile with an fp32 output and 3 stages asks for 278,552 B of shared memory
+    # (H200: 232,448 B per block), so those take 2 stages there.
     "p128n256": Tiles(128, 256, 8, 3, persistent=True, fp32_stages=2),
     "p128n128": Tiles(128, 128, 8, 4, persistent=True),
     "p128n128w4": Tiles(128, 128, 4, 4, persistent=True),
     "p256n128": Tiles(256, 128, 8, 3, persistent=True),
-    "p128n256nf": Tiles(128, 256, 8, 3, persistent=True, flatten=False),
+    "p128n256nf": Tiles(128, 256, 8, 3, persistent=True, flatten=False, fp32_stages=2),
 }
 
 # Multiprocessors of the H200 the small-M choice below was timed on (issue 12, docs/gpu.md).
@@ -65,8 +65,16 @@ def pick_tiling(m: int, n: int, bk: int = 32) -> str:
 
     Up to 256 rows the kernel streams the weight: the choice keeps about one to two waves of
     programs in flight, narrow tiles with deep pipelines where N alone gives few programs.
+    Above 256 rows, with 64 columns of K per step, the persistent TMA tilings (128 x 128 up to
+    768 rows, 128 x 256 above) where they give at least half a wave of tiles; a narrow output
+    (a router's N = 128, say) keeps the tilings that give it more programs.
     """
     wide = bk >= 64
+    if wide and m > 256:
+        name = "p128n128w4" if m <= 768 else "p128n256nf"
+        t = TILINGS[name]
+        if triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n) * 2 >= _SMS:
+            return name
     if m <= 256:
         tiles_m = triton.cdiv(m, 64)
         progs64 = tiles_m * triton.cdiv(n, 64)
@@ -96,14 +104,29 @@ def _sms(device: torch.device) -> int:
 
 
 def tma_ok(x2: torch.Tensor, w: torch.Tensor) -> bool:
-    """TMA can load both operands: sm_90 or later, rows whose byte stride and starts are
-    multiples of 16 bytes (K % 8 == 0 for bf16)."""
+    """TMA can load both operands: sm_90 or later, a K that is a multiple of 16 bytes
+    (K % 8 == 0 for bf16), and rows whose starts and byte strides are multiples of 16 (a
+    K-slice of a wider tensor qualifies where its offset and the full row do)."""
     return (
         _properties(_index(x2.device)).major >= 9
         and x2.shape[1] % 8 == 0
-        and x2.data_ptr() % 16 == 0
-        and w.data_ptr() % 16 == 0
+        and all(
+            t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0 and t.stride(0) >= t.shape[1]
+            for t in (x2, w)
+        )
     )
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements from a 2-D operand's first to one past its last (its row stride included)."""
+    return (t.shape[0] - 1) * t.stride(0) + t.shape[1] if t.numel() else 0
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where its last dimension is contiguous (a K-slice of a wider tensor, say:
+    the kernels take a row stride), else a contiguous copy. The loads read the same values
+    either way, so no byte depends on it."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
 def k_step(bk: int, k: int) -> int:
@@ -244,15 +267,15 @@ def gemm(
     k_dim = x.shape[-1]
     n_dim = w.shape[0]
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k_dim).contiguous()
-    wc = w.contiguous()
+    x2 = _rows(x.reshape(-1, k_dim))
+    wc = _rows(w)
     m_dim = x2.shape[0]
     y = torch.empty(m_dim, n_dim, dtype=out_dtype, device=x.device)
     if m_dim == 0 or n_dim == 0:
         return y.reshape(*lead, n_dim)
     if k_dim == 0:
         return y.zero_().reshape(*lead, n_dim)
-    require(max(x2.numel(), wc.numel(), y.numel()) < 2**31, "gemm (cuda): tensor too large")
+    require(max(_extent(x2), _extent(wc), y.numel()) < 2**31, "gemm (cuda): tensor too large")
     if block_k is None:
         block_k = k_step(bk, k_dim)
     require(
