@@ -81,3 +81,37 @@ def test_static_dispatch_gives_the_bytes_of_the_per_expert_dispatch():
     assert_same_bytes(got, want)
     nudged = qwen3.static_dispatch(h, ids, lambda e, x: expert(e, x, nudge=e == 2), experts)
     assert not same_bytes(nudged, want)
+
+
+@pytest.mark.parametrize("owned", [None, {0, 3, 5}])
+def test_local_dispatch_hands_each_expert_the_rows_that_chose_it_in_row_order(owned):
+    """The routed dispatch reads the routing once: each chosen expert, ascending, gets the
+    rows that chose it in ascending (row, slot) order, exactly as a per-expert search of the
+    ids finds them, and its results land at their (row, slot). Experts outside ``owned``
+    run nothing and leave zeros."""
+    g = torch.Generator().manual_seed(4)
+    experts, hidden, rows, k = 7, 16, 29, 3
+    h = torch.randn(rows, hidden, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(rows)])
+    ids[ids == 6] = 5  # expert 6 is chosen by no row; 5 twice by some
+    weights = [torch.randn(hidden, hidden, generator=g).to(torch.bfloat16) for _ in range(7)]
+    seen = []
+
+    def expert(e, x):
+        seen.append((e, x))
+        return x @ weights[e]
+
+    got = qwen3.local_dispatch(h, ids, expert, owned=owned)
+    want = torch.zeros(rows, k, hidden, dtype=torch.bfloat16)
+    order = []
+    for e in range(experts):
+        r, s = (ids == e).nonzero(as_tuple=True)
+        if not len(r) or (owned is not None and e not in owned):
+            continue
+        order.append(e)
+        want[r, s] = h[r] @ weights[e]
+        assert torch.equal(dict(seen)[e], h[r]), f"expert {e} got other rows or another order"
+    assert [e for e, _ in seen] == order
+    assert_same_bytes(got, want)
+    empty = qwen3.local_dispatch(h[:0], ids[:0], expert)
+    assert empty.shape == (0, k, hidden)

@@ -186,14 +186,23 @@ def local_dispatch(h, ids, expert, owned=None):
     results land at (row, slot) of a [T, k, H] tensor (out of place: autograd sees it).
     ``owned`` (a container of expert ids): only those run, other slots stay zero (expert
     parallelism: the other ranks fill them)."""
+    # One host read per call: a stable sort of the (row, slot) pairs by expert keeps each
+    # expert's pairs in ascending (row, slot) order, the order a per-expert nonzero gives.
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    chosen, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    rows_of, slots_of = order // ids.shape[1], order % ids.shape[1]
     rows_all, slots_all, outs = [], [], []
-    for e in torch.unique(ids).tolist():
+    start = 0
+    for e, count in zip(*torch.stack([chosen, counts]).tolist(), strict=True):
+        seg = slice(start, start + count)
+        start += count
         if owned is not None and e not in owned:
             continue
-        rows, slot = (ids == e).nonzero(as_tuple=True)
+        rows = rows_of[seg]
         outs.append(expert(e, h[rows]))
         rows_all.append(rows)
-        slots_all.append(slot)
+        slots_all.append(slots_of[seg])
     out = h.new_zeros(h.shape[0], ids.shape[1], h.shape[1])
     if not outs:
         return out
