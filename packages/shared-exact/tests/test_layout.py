@@ -13,7 +13,7 @@ from lockstep_exact.contract import LayoutRefused, check_layout
 from lockstep_exact.lanes.qwen3 import forward_logprobs, k_parts
 from lockstep_exact.layout import Layout, reference_logprobs
 from lockstep_exact.model import ModelDir
-from lockstep_exact.parity import same_bytes
+from lockstep_exact.parity import nudge_ulp, same_bytes
 from lockstep_exact.tiny import make_tiny
 
 TOKENS = [5, 17, 200, 3, 999, 42, 7, 7, 610, 12, 88, 300, 1, 2, 450, 9, 77, 31]
@@ -84,6 +84,28 @@ def test_the_partitions_fold_as_one_tree_whatever_the_rank_count():
         ]
         assert same_bytes(P.fold_tree(shards), one), ranks
     assert not same_bytes(P.gemm(x, w, out_dtype=torch.float32), one)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kpart_hands_the_gemm_k_slices_with_the_bytes_of_their_copies(dtype):
+    """gemm.kpart passes each partition to the gemm as a view of x and w (no copy): the
+    bytes are the fold of gemms over the same partitions copied out; one ulp is caught."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 7, 1024, generator=g).to(dtype)
+    w = (torch.randn(96, 1024, generator=g) * 0.05).to(dtype)
+    size = 1024 // 8
+    copies = [
+        P.gemm(
+            x[..., p * size : (p + 1) * size].contiguous(),
+            w[:, p * size : (p + 1) * size].contiguous(),
+            out_dtype=torch.float32,
+        )
+        for p in range(8)
+    ]
+    want = P.fold_tree(copies)
+    got = P.kpart_partial(x, w, parts=8)
+    assert same_bytes(got, want)
+    assert not same_bytes(nudge_ulp(got, 5), want)
 
 
 @pytest.mark.parametrize(("k", "parts"), [(128, 8), (96, 8), (100, 4), (36, 4), (99, 1)])

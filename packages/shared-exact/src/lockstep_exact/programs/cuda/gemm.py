@@ -118,15 +118,16 @@ def tma_ok(x2: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def _extent(t: torch.Tensor) -> int:
-    """Elements from a 2-D operand's first to one past its last (its row stride included)."""
-    return (t.shape[0] - 1) * t.stride(0) + t.shape[1] if t.numel() else 0
+    """Elements from a non-empty 2-D operand's first to one past its last (its row stride
+    included)."""
+    return (t.shape[0] - 1) * t.stride(0) + t.shape[1]
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself where its last dimension is contiguous (a K-slice of a wider tensor, say:
     the kernels take a row stride), else a contiguous copy. The loads read the same values
     either way, so no byte depends on it."""
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def k_step(bk: int, k: int) -> int:
