@@ -123,7 +123,7 @@ def test_qualify_refuses_halves_whose_contracts_differ(tmp_path):
         @hookimpl(tryfirst=True)
         def lockstep_trainer_contract(self, model_dir, adapter_dir, backend):
             data = lane_contract(model_dir).to_json()
-            data["sites"]["layers.*.self_attn.core"] = "attention.blocked@2{block=64}"
+            data["sites"]["layers.*.self_attn.core"] = "attention.blocked@3{block=64,segment=512}"
             return contract_from_json(data)
 
     pm = manager()

@@ -124,12 +124,7 @@ def gemm_rows(table, bk, sweep, n=4096, ms=(1, 16, 128, 1024, 8192)):
         )
 
 
-def attention_rows(table, block, sweep):
-    # the module, not the function of the same name that the package exports
-    attn_mod = importlib.import_module("lockstep_exact.programs.cuda.attention")
-
-    default_segment = attn_mod.SEGMENT
-    t_len = 2048
+def attention_rows(table, block, sweep, t_len=2048, decode=True):
     q = rand(t_len, HEADS, HEAD_DIM)
     k = rand(t_len, KV_HEADS, HEAD_DIM)
     v = rand(t_len, KV_HEADS, HEAD_DIM)
@@ -138,24 +133,22 @@ def attention_rows(table, block, sweep):
     qs = q.transpose(0, 1).unsqueeze(0).contiguous()
     ks = k.repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0).contiguous()
     vs = v.repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0).contiguous()
-    if sweep:  # the segment length is part of the program: time the candidates
-        cases = {s_len: paged_case(s_len, 64, block) for s_len in (2048, 8192, 32768)}
+    if sweep:  # the segment length is a program parameter: time the candidates
         for seg in (256, 512, 1024, 2048):
-            attn_mod.SEGMENT = seg
-            tt = bench(lambda: P.attention(q, k, v, pos, block=block))
+            tt = bench(lambda seg=seg: P.attention(q, k, v, pos, block=block, segment=seg))
             msg = f"  sweep attention block={block} segment={seg} prefill {tt * 1e3:8.2f} us"
             for s_len in (2048, 8192, 32768):
                 kc = rand(s_len, KV_HEADS, HEAD_DIM)
                 qd = rand(1, HEADS, HEAD_DIM)
                 pd = torch.tensor([s_len - 1], device="cuda", dtype=torch.int32)
                 td = graph_bench(
-                    lambda qd=qd, kc=kc, pd=pd: P.attention(qd, kc, kc, pd, block=block)
+                    lambda qd=qd, kc=kc, pd=pd, seg=seg: P.attention(
+                        qd, kc, kc, pd, block=block, segment=seg
+                    )
                 )
-                tb = graph_bench(cases[s_len]["exact"])
+                tb = graph_bench(paged_case(s_len, 64, block, segment=seg)["exact"])
                 msg += f" | S={s_len} decode {td * 1e3:.2f} us, 64 paged {tb * 1e3:.2f} us"
             print(msg + " (decode: graph replays)", flush=True)
-        attn_mod.SEGMENT = default_segment
-        del cases
     flop = 4 * HEADS * HEAD_DIM * t_len * (t_len + 1) / 2
     t = bench(lambda: P.attention(q, k, v, pos, block=block))
     row(
@@ -168,7 +161,7 @@ def attention_rows(table, block, sweep):
         0.8,
         f"{flop / (t * 1e-3) / 1e12:.0f} TFLOP/s",
     )
-    for s_len in (2048, 8192, 32768):
+    for s_len in (2048, 8192, 32768) if decode else ():
         kc = rand(s_len, KV_HEADS, HEAD_DIM)
         vc = rand(s_len, KV_HEADS, HEAD_DIM)
         qd = rand(1, HEADS, HEAD_DIM)
@@ -193,7 +186,7 @@ def attention_rows(table, block, sweep):
             )
 
 
-def paged_case(s_len: int, batch: int, block: int, page: int = 32) -> dict:
+def paged_case(s_len: int, batch: int, block: int, page: int = 32, segment: int = 512) -> dict:
     """A batch of one-token decodes over a paged cache (as the lane's vLLM decode step runs
     them): the exact program ``attention_decode_paged`` and SDPA over the same keys laid out
     [batch, kv heads, S, D] (GQA by ``enable_gqa``)."""
@@ -217,13 +210,13 @@ def paged_case(s_len: int, batch: int, block: int, page: int = 32) -> dict:
     ks, vs, qs = laid(kc), laid(vc), q.unsqueeze(2)
     return {
         "exact": lambda: cuda.attention_decode_paged(
-            q, kc, vc, table, lens, pos, max_seq_len=s_len, block=block
+            q, kc, vc, table, lens, pos, max_seq_len=s_len, block=block, segment=segment
         ),
         "sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True),
     }
 
 
-def paged_decode_rows(table, block, batch=64):
+def paged_decode_rows(table, block, batch):
     for s_len in (2048, 8192, 32768):
         case = paged_case(s_len, batch, block)
         for graph in (False, True):
@@ -285,7 +278,10 @@ def main() -> None:
     if args.only in ("", "attention"):
         for block in (32, 64, 128):
             attention_rows(table, block, args.sweep)
-            paged_decode_rows(table, block)
+            if block == 32:  # the lanes' block
+                attention_rows(table, block, False, t_len=8192, decode=False)
+            for batch in (1, 64):  # the lane's decode step (vLLM, SGLang) is the paged one
+                paged_decode_rows(table, block, batch)
     if args.only in ("", "norms"):
         norm_rows(table)
     print("\n| op | shape | exact (us) | torch op | torch (us) | speed | target | |")

@@ -45,7 +45,7 @@ def test_contract_show_lists_every_op_site(tmp_path, capsys):
     capsys.readouterr()
     assert main(["contract", "show", "--model", str(out), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["sites"]["layers.*.self_attn.core"] == "attention.blocked@2{block=32}"
+    assert data["sites"]["layers.*.self_attn.core"] == "attention.blocked@3{block=32,segment=512}"
     assert data["sites"]["lm_head"] == "gemm.kblock@1{bk=32,out=fp32}"
 
 

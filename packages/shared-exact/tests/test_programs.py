@@ -228,21 +228,26 @@ def _qkv(t, hq=4, hkv=2, d=32, seed=20):
     return rand(t, hq, d, seed=seed), rand(t, hkv, d, seed=seed + 1), rand(t, hkv, d, seed=seed + 2)
 
 
-@pytest.mark.parametrize("t", [1, 31, 32, 33, 100])
-def test_attention_prefill_chunked_and_decode_give_the_same_bytes(t):
+@pytest.mark.parametrize("t,segment", [(1, 512), (31, 512), (32, 512), (33, 512), (100, 512),
+                                       (100, 32), (70, 64)])  # fmt: skip
+def test_attention_prefill_chunked_and_decode_give_the_same_bytes(t, segment):
     q, k, v = _qkv(t)
     pos = torch.arange(t)
-    prefill = P.attention(q, k, v, pos)
+
+    def attn(qq, kk, vv, pp):
+        return P.attention(qq, kk, vv, pp, segment=segment)
+
+    prefill = attn(q, k, v, pos)
     decode = torch.cat(
-        [P.attention(q[i : i + 1], k[: i + 1], v[: i + 1], pos[i : i + 1]) for i in range(t)]
+        [attn(q[i : i + 1], k[: i + 1], v[: i + 1], pos[i : i + 1]) for i in range(t)]
     )
     assert_same_bytes(decode, prefill, "decode vs prefill")
     cut = t // 3
     chunked = torch.cat(
-        [P.attention(q[:cut], k[:cut], v[:cut], pos[:cut]), P.attention(q[cut:], k, v, pos[cut:])]
+        [attn(q[:cut], k[:cut], v[:cut], pos[:cut]), attn(q[cut:], k, v, pos[cut:])]
     )
     assert_same_bytes(chunked, prefill, "chunked prefill vs prefill")
-    assert not same_bytes(P.attention(q, k, nudge_ulp(v, 0), pos), prefill)
+    assert not same_bytes(attn(q, k, nudge_ulp(v, 0), pos), prefill)
 
 
 def test_attention_ignores_cache_contents_past_the_query():
@@ -281,6 +286,22 @@ def test_attention_block_is_a_bit_relevant_parameter():
     q, k, v = _qkv(512, hq=8, hkv=2, d=64)
     pos = torch.arange(512)
     assert not same_bytes(P.attention(q, k, v, pos, block=16), P.attention(q, k, v, pos, block=32))
+
+
+def test_attention_segment_moves_only_the_rows_that_cross_it():
+    q, k, v = _qkv(512, hq=8, hkv=2, d=64, seed=24)
+    pos = torch.arange(512)
+    short = P.attention(q, k, v, pos, block=16, segment=16)
+    long = P.attention(q, k, v, pos, block=16, segment=512)
+    assert_same_bytes(short[:16], long[:16], "rows inside the first segment")
+    assert not same_bytes(short[16:], long[16:]), "the merges past the segment moved no byte"
+
+
+@pytest.mark.parametrize("block,segment", [(32, 48), (32, 16), (32, 0)])
+def test_attention_refuses_a_segment_that_is_not_a_multiple_of_the_block(block, segment):
+    q, k, v = _qkv(8)
+    with pytest.raises(ValueError, match=rf"segment \({segment}\) must be a positive multiple"):
+        P.attention(q, k, v, torch.arange(8), block=block, segment=segment)
 
 
 # --- MoE ----------------------------------------------------------------------------------------

@@ -460,39 +460,38 @@ def attention_f64(q, k, v):
     return (torch.softmax(s, -1) @ vf).transpose(0, 1)
 
 
-@pytest.mark.parametrize("segment", [None, 512])
+@pytest.mark.parametrize("segment", [512, 2048, 96])
 @pytest.mark.parametrize("block", [32, 64])
-def test_attention_prefill_chunked_and_decode_give_the_same_row_bytes(block, segment, monkeypatch):
-    if segment is not None:  # the other segment length the H200 sweep timed
-        module = importlib.import_module("lockstep_exact.programs.cuda.attention")
-        monkeypatch.setattr(module, "SEGMENT", segment)
-        assert backend().attention.__globals__["SEGMENT"] == segment
+def test_attention_prefill_chunked_and_decode_give_the_same_row_bytes(block, segment):
+    if segment % block:
+        pytest.skip("the segment is not a multiple of the block")
     n = 4096
     q, k, v = attn_inputs(n)
     pos = torch.arange(n, device="cuda")
     cuda = backend()
-    full = P.attention(q, k, v, pos, block=block)
-    assert_same_bytes(cuda.attention(q, k, v, pos, block=block, split=True), full, "split prefill")
+    kw = {"block": block, "segment": segment}
+    full = P.attention(q, k, v, pos, **kw)
+    assert_same_bytes(cuda.attention(q, k, v, pos, split=True, **kw), full, "split prefill")
     # chunked prefill: chunk sizes that straddle blocks and segments
     start = 0
     for size in (1, 31, 100, 1, 892, 1024, 1047, 1000):
         end = start + size
-        out = P.attention(q[start:end], k[:end], v[:end], pos[start:end], block=block)
+        out = P.attention(q[start:end], k[:end], v[:end], pos[start:end], **kw)
         assert_same_bytes(out, full[start:end], f"chunk {start}:{end}")
         start = end
     assert start == n
     # decode: one token over the cache; the cache may be longer than the token's position
     garbage_k = k.clone()
     garbage_v = v.clone()
-    for t in (0, 1, 31, 32, 63, 64, 1023, 1024, 2047, 2048, 2049, 3000, 4095):
+    for t in (0, 1, 31, 32, 63, 64, 511, 512, 1023, 1024, 2047, 2048, 2049, 3000, 4095):
         for split in (None, True, False):
             out = cuda.attention(
-                q[t : t + 1], k[: t + 1], v[: t + 1], pos[t : t + 1], block=block, split=split
+                q[t : t + 1], k[: t + 1], v[: t + 1], pos[t : t + 1], split=split, **kw
             )
             assert_same_bytes(out, full[t : t + 1], f"decode t={t} split={split}")
         garbage_k[t + 1 :] = float("nan")
         garbage_v[t + 1 :] = float("inf")
-        out = P.attention(q[t : t + 1], garbage_k, garbage_v, pos[t : t + 1], block=block)
+        out = P.attention(q[t : t + 1], garbage_k, garbage_v, pos[t : t + 1], **kw)
         assert_same_bytes(out, full[t : t + 1], f"decode t={t} over a longer cache")
         garbage_k.copy_(k)
         garbage_v.copy_(v)
@@ -550,12 +549,15 @@ def _paged_batch(lens, page, seed, h_kv=2, d=128, spare=3):
 DECODE_LENS = (1, 31, 32, 33, 100, 2047, 2048, 2049, 3000, 4100)
 
 
-@pytest.mark.parametrize("page,block", [(16, 32), (32, 32), (64, 32), (16, 64)])
-def test_paged_decode_gives_each_request_the_contiguous_bytes(page, block):
+@pytest.mark.parametrize(
+    "page,block,g", [(16, 32, 4), (32, 32, 4), (64, 32, 4), (16, 64, 4), (32, 32, 16), (16, 32, 64)]
+)
+def test_paged_decode_gives_each_request_the_contiguous_bytes(page, block, g):
     """A batch of one-token decodes over a paged cache (pages shuffled, NaN/inf elsewhere,
     two padding requests of seq_len 0): each row is the bytes of attention.blocked on the
-    request's contiguous keys, decoded alone; one ulp in one query row is caught."""
-    h_kv, g, d = 2, 4, 128
+    request's contiguous keys, decoded alone; one ulp in one query row is caught. Up to 16
+    query heads per kv head a program is one warp, beyond it a 64-row warpgroup."""
+    h_kv, d = 2, 128
     ks, vs, key_cache, value_cache, table = _paged_batch(DECODE_LENS, page, seed=page + block)
     n = len(DECODE_LENS)
     q = cuda_rand(n + 2, h_kv * g, d, seed=99)
@@ -573,6 +575,15 @@ def test_paged_decode_gives_each_request_the_contiguous_bytes(page, block):
         moved, key_cache, value_cache, table, seq, pos, max_seq_len=4200, block=block
     )
     assert not same_bytes(other[3], got[3]) and same_bytes(other[:3], got[:3])
+
+
+def test_paged_decode_refuses_more_query_heads_per_kv_head_than_a_program_holds():
+    _, _, key_cache, value_cache, table = _paged_batch((40,), 16, seed=5, h_kv=1)
+    q = cuda_rand(1, 65, 128, seed=6)
+    one = torch.ones(1, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="65 query heads per kv head unsupported"):
+        P.attention_decode_paged(q, key_cache, value_cache, table, one * 40, one * 39,
+                                 max_seq_len=64)  # fmt: skip
 
 
 def test_the_paged_decode_step_replays_from_a_cuda_graph_with_the_eager_bytes():

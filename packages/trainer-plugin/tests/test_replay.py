@@ -155,7 +155,10 @@ def test_a_trace_whose_sampler_ran_another_program_is_refused_naming_the_site(
 
     original = Trace.load(dense_trace)
     data = dict(original.contract)
-    data["sites"] = {**data["sites"], "layers.*.self_attn.core": "attention.blocked@2{block=64}"}
+    data["sites"] = {
+        **data["sites"],
+        "layers.*.self_attn.core": "attention.blocked@3{block=64,segment=512}",
+    }
     skewed = contract_from_json(data)
     forged = Trace.from_sequences(
         [original.prompt(i) for i in range(original.num_sequences)],

@@ -193,6 +193,15 @@ def _cases() -> dict[str, list[tuple[str, Callable[[str], torch.Tensor]]]]:
                     pos(45, d),
                 ),
             ),
+            (  # crosses the 512-key segment: the merge of two segments
+                "t600_hq2_hkv1_d32",
+                lambda d: P.attention(
+                    g((600, 2, 32), 34, device=d),
+                    g((600, 1, 32), 35, device=d),
+                    g((600, 1, 32), 36, device=d),
+                    pos(600, d),
+                ),
+            ),
         ],
         "softmax.tree": [
             ("t3_v1000", lambda d: P.softmax(g((3, 1000), 17, 4.0, torch.float32, d)))

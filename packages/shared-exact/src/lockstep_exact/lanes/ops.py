@@ -141,11 +141,11 @@ class Ops:
     def attention(self, path: str, q, k, v, positions):
         """One sequence: q [T, Hq, D] at ``positions``, k/v [S, Hkv, D] from position 0."""
         prog = self.program(path, "attention.blocked")
-        block = prog.param("block")
+        block, segment = prog.param("block"), prog.param("segment")
         return self._call(
             path,
             prog,
-            lambda a, b, c: P.attention(a, b, c, positions, block=block),
+            lambda a, b, c: P.attention(a, b, c, positions, block=block, segment=segment),
             V.attention(positions),
             q,
             k,
@@ -164,7 +164,7 @@ class Ops:
         self._ran(path, prog)
         out = P.attention_decode_paged(
             q, key_cache, value_cache, block_table, seq_lens, positions,
-            max_seq_len=max_seq_len, block=prog.param("block"),
+            max_seq_len=max_seq_len, block=prog.param("block"), segment=prog.param("segment"),
         )  # fmt: skip
         return record(path, out)
 

@@ -64,7 +64,9 @@ CATALOG: dict[str, tuple[int, dict[str, object]]] = {
     "residual.add": (1, {}),
     "swiglu": (1, {}),
     "rope.neox": (1, {"base": 1000000.0}),
-    "attention.blocked": (2, {"block": 32}),
+    # Version 3: merges at segments of ``segment`` keys (the cuda decode's parallel unit); v2's
+    # cuda program merged at a fixed 2048 and the cpu program not at all.
+    "attention.blocked": (3, {"block": 32, "segment": 512}),
     "softmax.tree": (1, {}),
     "log_softmax.tree": (1, {}),
     "router.softmax_topk": (1, {"k": 2, "normalize": True}),
@@ -246,19 +248,21 @@ def rope_partial(x, positions, base: float, rotary: int):
     return _impl("rope_partial", x)(x, positions, base, rotary)
 
 
-def attention(q, k, v, positions, *, scale=None, block: int = 32):
-    return _impl("attention", q, k, v)(q, k, v, positions, scale=scale, block=block)
+def attention(q, k, v, positions, *, scale=None, block: int = 32, segment: int = 512):
+    return _impl("attention", q, k, v)(
+        q, k, v, positions, scale=scale, block=block, segment=segment
+    )
 
 
 def attention_decode_paged(
     q, key_cache, value_cache, block_table, seq_lens, positions, *, max_seq_len: int,
-    block: int = 32,
+    block: int = 32, segment: int = 512,
 ):  # fmt: skip
     """attention.blocked for a batch of one-token decodes over a paged KV cache (the cuda
     backend; each row has the bytes ``attention`` gives on its request's contiguous keys)."""
     return _impl("attention_decode_paged", q, key_cache, value_cache)(
         q, key_cache, value_cache, block_table, seq_lens, positions, max_seq_len=max_seq_len,
-        block=block,
+        block=block, segment=segment,
     )  # fmt: skip
 
 

@@ -28,6 +28,15 @@ def check_inputs(q, k, v, positions) -> tuple[int, int, int, int, int]:
     return n_q, h_q, d, s_len, h_kv
 
 
+def check_tiling(block: int, segment: int) -> None:
+    """The parameter rules of attention.blocked on every backend."""
+    require(block >= 1 and block & (block - 1) == 0, "attention: block must be a power of two")
+    require(
+        segment >= block and segment % block == 0,
+        f"attention: segment ({segment}) must be a positive multiple of block ({block})",
+    )
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -36,25 +45,31 @@ def attention(
     *,
     scale: torch.Tensor | None = None,
     block: int = 32,
+    segment: int = 512,
 ) -> torch.Tensor:
     """Causal attention of the queries of ONE sequence.
 
     q [T, Hq, D] bf16 at absolute ``positions`` [T]; k, v [S, Hkv, D] bf16 hold that
     sequence's keys and values for positions 0..S-1 (S > max(positions)). Query t attends to
-    keys 0..t. Keys are visited in blocks [jB, (j+1)B) aligned to absolute positions, in
-    ascending j, with an online-softmax merge:
+    keys 0..t. Keys are cut into segments of ``segment`` positions and blocks of ``block``,
+    both aligned to absolute position 0. Per row, for each segment in ascending order, a fresh
+    state (m=-inf, l=0, acc=0) and for each block of the segment, ascending:
 
       s = tree_sum_D(q*k) * scale           masked (key > t) -> -inf
       m' = max(m, max_block(s)); a = exp(m - m'); p = exp(s - m')
       l' = l*a + tree_sum_B(p);  acc' = acc*a + tree_sum_B(p*v)   (masked p*v -> +0)
-      out = bf16(acc / l)
+
+    then the segment is merged into the running state (Mg=-inf, Lg=0, Ag=0 at the start):
+      M = max(Mg, m); a = exp(Mg - M); b = exp(m - M); Lg = Lg*a + l*b; Ag = Ag*a + acc*b
+    out = bf16(Ag / Lg).
 
     A row's operation sequence depends on t and the key/value bytes only, so the output for
     position t is the same in a prefill of T tokens, in any chunk of a chunked prefill, and as
-    one decode step over a cache.
+    one decode step over a cache. The segments are the cuda program's unit of parallel work
+    (a decode computes them side by side); here they only fix where the merges happen.
     """
     n_q, h_q, d, s_len, h_kv = check_inputs(q, k, v, positions)
-    require(block >= 1 and block & (block - 1) == 0, "attention: block must be a power of two")
+    check_tiling(block, segment)
     if n_q == 0:
         return q.clone()
     require(int(positions.min()) >= 0, "attention: negative position")
@@ -74,18 +89,33 @@ def attention(
     out = torch.empty(n_q, h_kv, g, d, dtype=F32)
     rows = max(1, _CHUNK_BYTES // max(1, h_q * block * d * 4))
     for r0 in range(0, n_q, rows):
-        out[r0 : r0 + rows] = _rows(qf[r0 : r0 + rows], kf, vf, pos[r0 : r0 + rows], scale, block)
+        out[r0 : r0 + rows] = _rows(
+            qf[r0 : r0 + rows], kf, vf, pos[r0 : r0 + rows], scale, block, segment
+        )
     return round_bf16(out.reshape(n_q, h_q, d))
 
 
-def _rows(qf, kf, vf, pos, scale, block):
+def _rows(qf, kf, vf, pos, scale, block, segment):
+    n_q, h_kv, g, d = qf.shape
+    m_g = torch.full((n_q, h_kv, g), float("-inf"), dtype=F32)
+    l_g = torch.zeros(n_q, h_kv, g, dtype=F32)
+    a_g = torch.zeros(n_q, h_kv, g, d, dtype=F32)
+    seg_blocks = segment // block
+    last = int(pos.max()) // block
+    for j0 in range(0, last + 1, seg_blocks):
+        m, l_s, acc = _segment(qf, kf, vf, pos, scale, block, j0, min(j0 + seg_blocks, last + 1))
+        m_g, l_g, a_g = _merge(m_g, l_g, a_g, m, l_s, acc, pos >= j0 * block)
+    return a_g / l_g[..., None]
+
+
+def _segment(qf, kf, vf, pos, scale, block, j_lo, j_hi):
+    """The online-softmax state of the rows over key blocks [j_lo, j_hi), from a fresh state."""
     n_q, h_kv, g, d = qf.shape
     neg_inf = torch.tensor(float("-inf"), dtype=F32)
     m = torch.full((n_q, h_kv, g), float("-inf"), dtype=F32)
     l_sum = torch.zeros(n_q, h_kv, g, dtype=F32)
     acc = torch.zeros(n_q, h_kv, g, d, dtype=F32)
-    last = int(pos.max()) // block
-    for j in range(last + 1):
+    for j in range(j_lo, j_hi):
         kb = kf[j * block : (j + 1) * block].permute(1, 0, 2)  # [Hkv, B, D]
         vb = vf[j * block : (j + 1) * block].permute(1, 0, 2)
         key_pos = torch.arange(j * block, (j + 1) * block)
@@ -105,4 +135,20 @@ def _rows(qf, kf, vf, pos, scale, block):
         m = torch.where(keep, m_new, m)
         l_sum = torch.where(keep, l_new, l_sum)
         acc = torch.where(keep[..., None], acc_new, acc)
-    return acc / l_sum[..., None]
+    return m, l_sum, acc
+
+
+def _merge(m_g, l_g, a_g, m, l_s, acc, active):
+    """Fold one segment's state into the running one, for the rows where ``active``."""
+    m_new = torch.maximum(m_g, m)
+    keep = active[:, None, None]
+    m_safe = torch.where(keep, m_new, torch.zeros_like(m_new))
+    alpha = exp(m_g - m_safe)
+    beta = exp(m - m_safe)
+    l_new = l_g * alpha + l_s * beta
+    a_new = a_g * alpha[..., None] + acc * beta[..., None]
+    return (
+        torch.where(keep, m_new, m_g),
+        torch.where(keep, l_new, l_g),
+        torch.where(keep[..., None], a_new, a_g),
+    )

@@ -15,7 +15,7 @@ import triton
 
 from .activation import swiglu
 from .arith import round_bf16
-from .attention import SEGMENT, attention, attention_decode_paged, write_pages
+from .attention import attention, attention_decode_paged, write_pages
 from .gemm import TILINGS, gemm, pick_tiling
 from .hybrid import (
     conv1d_causal,
@@ -51,7 +51,6 @@ def environment(device: torch.device | int | None = None) -> dict[str, str]:
 
 
 __all__ = [
-    "SEGMENT",
     "TILINGS",
     "attention",
     "attention_decode_paged",

@@ -1,10 +1,11 @@
 """attention.blocked on the GPU: causal GQA over absolute-position-aligned KV blocks.
 
 The keys of a sequence are cut into blocks of ``block`` positions and the blocks into
-segments of SEGMENT positions, both aligned to absolute position 0. A query row's state is
-built segment by segment; segments are merged in ascending order. A prefill does this inside
-one kernel; a decode (few rows) computes the segments in parallel and merges them in a second
-kernel with the same merge code, so the operation sequence of a row is the same either way.
+segments of ``segment`` positions (both program parameters), aligned to absolute position 0.
+A query row's state is built segment by segment; segments are merged in ascending order. A
+prefill does this inside one kernel; a decode (few rows) computes the segments in parallel and
+merges them in a second kernel with the same merge code, so the operation sequence of a row is
+the same either way.
 """
 
 from __future__ import annotations
@@ -15,15 +16,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ..cpu.attention import check_inputs, default_scale
+from ..cpu.attention import check_inputs, check_tiling, default_scale
 from .arith import BF16, EXACT, F32, next_pow2, require, require_cuda
 
-SEGMENT = 2048  # keys per segment: part of the cuda program (moving it moves bytes)
-# (query rows per tile, warps): 16 rows per warp either way, so each row sees the same MMA
-# instruction shape and the same reduction layout; the decode tiling is gated bitwise against
-# the prefill one (test_attention_prefill_chunked_and_decode_give_the_same_row_bytes).
-_PREFILL_TILE = (128, 8)
-_DECODE_TILE = (64, 4)
+# (query rows per tile, warps): 16 rows per warp in every tiling, so each row sees the same
+# MMA instruction shape and the same reduction layout. One 64-row warpgroup per program (two
+# programs fit on a multiprocessor, where one 128-row program of 8 warps did: 1.2-1.3x faster
+# prefill on the H200, docs/gpu.md); the one-warp tile serves the paged decode, whose programs
+# hold one token's query heads. Both are gated bitwise against each other
+# (test_attention_prefill_chunked_and_decode_give_the_same_row_bytes,
+# test_paged_decode_gives_each_request_the_contiguous_bytes). Two-warp tiles are not: a
+# 32-row tile gave other bytes for a 100-row chunk on the H200.
+_TILE = (64, 4)
+_ONE_WARP_TILE = (16, 1)
 _NUM_STAGES = 3
 _COMBINE_ROWS = 16
 
@@ -305,6 +310,7 @@ def attention(
     *,
     scale: torch.Tensor | float | None = None,
     block: int = 32,
+    segment: int = 512,
     split: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of the queries of ONE sequence (the cpu program's interface).
@@ -313,7 +319,7 @@ def attention(
     values of positions 0..S-1 (S > max(positions); keys past the largest query position are
     never read, so a cache may hold anything there). Query t attends to keys 0..t. Per row:
 
-      for each segment of SEGMENT keys, ascending, a fresh state (m=-inf, l=0, acc=0) and for
+      for each segment of ``segment`` keys, ascending, a fresh state (m=-inf, l=0, acc=0) and for
       each block of ``block`` keys in it, ascending:
         s = mma_D(q, k) * scale                masked (key > t) -> -inf
         m' = max(m, max_block(s)); a = exp(m - m'); p = exp(s - m')
@@ -330,11 +336,7 @@ def attention(
     """
     require_cuda(q, k, v)
     n_q, h_q, d, s_len, h_kv = check_inputs(q, k, v, positions)
-    require(d == next_pow2(d) and 16 <= d <= 256, f"attention (cuda): head dim {d} unsupported")
-    require(
-        block == next_pow2(block) and 16 <= block <= 128,
-        f"attention (cuda): block must be a power of two in [16, 128], got {block}",
-    )
+    _tiling_ok(d, block, segment)
     if n_q == 0:
         return q.clone()
     if positions.is_cuda:
@@ -355,18 +357,13 @@ def attention(
     vc = v.contiguous()
     out = torch.empty_like(qc)
     n_rows = n_q * g
-    n_seg = triton.cdiv(s_len, SEGMENT)
+    n_seg = triton.cdiv(s_len, segment)
     if split is None:
         sms = _sm_count(
             q.device.index if q.device.index is not None else torch.cuda.current_device()
         )
-        few = triton.cdiv(n_rows, _PREFILL_TILE[0]) * h_kv < sms
-        split = n_seg > 1 and few
-    else:
-        few = False
-    # Few rows (decode, short chunks) take the smaller tile, split or not: fewer idle rows
-    # per program. Gated bitwise like the split (decode and chunks against the prefill).
-    block_m, num_warps = _DECODE_TILE if split or few else _PREFILL_TILE
+        split = n_seg > 1 and triton.cdiv(n_rows, _TILE[0]) * h_kv < sms
+    block_m, num_warps = _TILE
     n_tiles = triton.cdiv(n_rows, block_m)
     if split:
         m_buf = torch.empty(n_seg, h_kv, n_rows, dtype=F32, device=q.device)
@@ -381,16 +378,25 @@ def attention(
         n_rows, h_kv, s_len, scale_f,
         qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1),
         vc.stride(0), vc.stride(1), out.stride(0), out.stride(1),
-        G=g, D=d, BLOCK_M=block_m, BLOCK_N=block, SEG_BLOCKS=SEGMENT // block, SEG=SEGMENT,
+        G=g, D=d, BLOCK_M=block_m, BLOCK_N=block, SEG_BLOCKS=segment // block, SEG=segment,
         SPLIT=bool(split), ONE_SEG=n_seg == 1,
         num_warps=num_warps, num_stages=_NUM_STAGES, **EXACT,
     )  # fmt: skip
     if split:
         _combine_kernel[(triton.cdiv(n_rows, _COMBINE_ROWS), h_kv)](
             out, pos, m_buf, l_buf, a_buf, n_rows, h_kv, out.stride(0), out.stride(1),
-            G=g, D=d, ROWS=_COMBINE_ROWS, SEG=SEGMENT, num_warps=4, **EXACT,
+            G=g, D=d, ROWS=_COMBINE_ROWS, SEG=segment, num_warps=4, **EXACT,
         )  # fmt: skip
     return out
+
+
+def _tiling_ok(d: int, block: int, segment: int) -> None:
+    check_tiling(block, segment)
+    require(d == next_pow2(d) and 16 <= d <= 256, f"attention (cuda): head dim {d} unsupported")
+    require(
+        block == next_pow2(block) and 16 <= block <= 128,
+        f"attention (cuda): block must be a power of two in [16, 128], got {block}",
+    )
 
 
 def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -418,6 +424,7 @@ def attention_paged(
     *,
     scale: torch.Tensor | float | None = None,
     block: int = 32,
+    segment: int = 512,
 ) -> torch.Tensor:
     """attention.blocked for ONE sequence whose keys and values sit in a paged cache.
 
@@ -428,7 +435,7 @@ def attention_paged(
     kernel reading the pages in place is issue 12's work."""
     k = gather_pages(key_cache, block_table, seq_len)
     v = gather_pages(value_cache, block_table, seq_len)
-    return attention(q, k, v, positions, scale=scale, block=block)
+    return attention(q, k, v, positions, scale=scale, block=block, segment=segment)
 
 
 @triton.jit
@@ -495,6 +502,7 @@ def attention_decode_paged(
     max_seq_len: int,
     scale: torch.Tensor | float | None = None,
     block: int = 32,
+    segment: int = 512,
 ) -> torch.Tensor:
     """attention.blocked for a batch of one-token decodes whose keys sit in a paged cache.
 
@@ -518,11 +526,14 @@ def attention_decode_paged(
     )
     _, h_kv, page, _ = key_cache.shape
     require(h_q % h_kv == 0, f"paged attention: {h_q} query heads over {h_kv} kv heads")
-    require(d == next_pow2(d) and 16 <= d <= 256, f"attention (cuda): head dim {d} unsupported")
+    _tiling_ok(d, block, segment)
+    g = h_q // h_kv
+    # A program holds one token's g query heads of one kv head: one warp up to 16 of them.
     require(
-        block == next_pow2(block) and 16 <= block <= 128,
-        f"attention (cuda): block must be a power of two in [16, 128], got {block}",
+        g <= _TILE[0],
+        f"paged attention (cuda): {g} query heads per kv head unsupported (at most {_TILE[0]})",
     )
+    block_m, num_warps = _ONE_WARP_TILE if g <= _ONE_WARP_TILE[0] else _TILE
     require(
         block_table.dim() == 2 and block_table.shape[0] >= n and block_table.stride(1) == 1,
         "paged attention (cuda): block_table [>= R, width] with contiguous rows",
@@ -539,9 +550,8 @@ def attention_decode_paged(
     else:
         scale_f = float(scale.item() if isinstance(scale, torch.Tensor) else scale)
         require(torch.tensor(scale_f, dtype=F32).item() == scale_f, "attention: scale must be fp32")
-    g = h_q // h_kv
-    n_seg = triton.cdiv(max_seq_len, SEGMENT)
-    reach = min(block_table.shape[1] * page, n_seg * SEGMENT)
+    n_seg = triton.cdiv(max_seq_len, segment)
+    reach = min(block_table.shape[1] * page, n_seg * segment)
     lens = seq_lens[:n].to(torch.int32)
     kv_len = torch.clamp(lens, max=reach)
     pos = positions.to(torch.int32)
@@ -552,19 +562,18 @@ def attention_decode_paged(
     m_buf = torch.empty(n_seg, h_kv, n_rows, dtype=F32, device=q.device)
     l_buf = torch.empty_like(m_buf)
     a_buf = torch.empty(n_seg, h_kv, n_rows, d, dtype=F32, device=q.device)
-    block_m, num_warps = _DECODE_TILE
     _decode_paged_kernel[(n, h_kv, n_seg)](
         qc, key_cache, value_cache, block_table, pos, kv_len, m_buf, l_buf, a_buf,
         h_kv, scale_f,
         qc.stride(0), qc.stride(1), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0),
-        G=g, D=d, BLOCK_M=block_m, BLOCK_N=block, SEG_BLOCKS=SEGMENT // block, SEG=SEGMENT,
+        G=g, D=d, BLOCK_M=block_m, BLOCK_N=block, SEG_BLOCKS=segment // block, SEG=segment,
         PAGE=page, num_warps=num_warps, num_stages=_NUM_STAGES, **EXACT,
     )  # fmt: skip
     _combine_kernel[(triton.cdiv(n_rows, _COMBINE_ROWS), h_kv)](
         out, pos, m_buf, l_buf, a_buf, n_rows, h_kv, out.stride(0), out.stride(1),
-        G=g, D=d, ROWS=_COMBINE_ROWS, SEG=SEGMENT, num_warps=4, **EXACT,
+        G=g, D=d, ROWS=_COMBINE_ROWS, SEG=segment, num_warps=4, **EXACT,
     )  # fmt: skip
     return out
 
