@@ -510,8 +510,9 @@ def attention_decode_paged(
     0..seq_lens[r]-1 of ``key_cache``/``value_cache`` [num_blocks, Hkv, page, D] through its
     row of ``block_table`` [>= R, width] (key p in page ``block_table[r, p // page]``, row
     p % page). Every row's bytes are those of ``attention`` on the request's contiguous keys:
-    the same segment and block walk, the same decode tile and merge code; only the key
-    addresses differ. No host read and a launch grid fixed by (R, Hkv, ``max_seq_len``): the
+    the same segment and block walk, 16 query rows a warp, the same merge code; only the key
+    addresses and the tile differ (one warp for up to 16 query heads per kv head, 4 up to 64;
+    more are refused). No host read and a launch grid fixed by (R, Hkv, ``max_seq_len``): the
     call can be captured in a CUDA graph. ``max_seq_len`` (a host bound on every seq_len)
     fixes the number of segments. A request with seq_len 0, or whose position is not below
     its seq_len (and the table's reach), attends nothing: its output rows are unspecified.
