@@ -79,7 +79,9 @@ def _segment(
     loop computes the same values for such a block, so the split point moves no byte.
     ``PAGE`` > 0: the keys sit in a paged cache, key position p in page ``bt_ptr[p // PAGE]``
     (pages ``stride_kp``/``stride_vp`` apart), row p % PAGE; only the addresses differ, the
-    arithmetic is the contiguous one's.
+    arithmetic is the contiguous one's. The unmasked loop looks the next block's pages up one
+    step early, so the table load does not stand before each block's key loads (a one-request
+    decode ran 1.16-1.20x faster on the H200 at 2048 and 8192 keys).
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
@@ -87,11 +89,19 @@ def _segment(
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     j_mid = tl.maximum(j_lo, tl.minimum(j_hi, j_full))
+    k_next = offs_n.to(tl.int64)  # the paged rows of the next block (a placeholder unpaged)
+    v_next = k_next
+    if PAGE > 0:
+        k_next, v_next = _page_rows(
+            j_lo * BLOCK_N + offs_n, bt_ptr, stride_ks, stride_vs, stride_kp, stride_vp, PAGE
+        )  # fmt: skip
     for j in range(j_lo, j_mid):
         kpos = j * BLOCK_N + offs_n
         if PAGE > 0:
-            k_row, v_row = _page_rows(
-                kpos, bt_ptr, stride_ks, stride_vs, stride_kp, stride_vp, PAGE
+            k_row, v_row = k_next, v_next
+            k_next, v_next = _page_rows(
+                tl.minimum(j + 1, j_mid - 1) * BLOCK_N + offs_n, bt_ptr, stride_ks, stride_vs,
+                stride_kp, stride_vp, PAGE,
             )  # fmt: skip
             k = tl.load(k_base + k_row[:, None] + offs_d[None, :])
             v = tl.load(v_base + v_row[:, None] + offs_d[None, :])
