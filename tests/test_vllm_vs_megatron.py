@@ -15,6 +15,7 @@ from lockstep_exact.adapters import make_adapter
 from lockstep_exact.k3 import compare
 from lockstep_exact.model import model_hash as dir_hash
 from lockstep_exact.plugins import manager
+from lockstep_exact.programs import Program
 from lockstep_exact.requests import CaptureRequest
 from lockstep_exact.tiny import default_prompts, make_tiny
 from lockstep_exact.trace import Trace
@@ -86,3 +87,42 @@ def test_megatron_replays_vllm_lora_decisions_byte_for_byte(pm, lane):
     assert not compare(
         trace.logprobs, replay(pm, model, root / "A-trace", adapter=pert, control=True)
     ).exact
+
+
+def _prompt_of_at_least(model, n_tokens: int) -> str:
+    """English words appended one at a time until the model's tokenizer gives ``n_tokens`` or
+    more (a word is 1-3 tokens here: count, never assume)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    words = " ".join(default_prompts(8)).split()
+    text, i = words[0], 1
+    while len(tok.encode(text).ids) < n_tokens:
+        text += " " + words[i % len(words)]
+        i += 1
+    return text
+
+
+def test_megatron_replays_decisions_that_cross_an_attention_segment(pm, tmp_path):
+    """Around attention.blocked's segment (512 keys): one prompt's prefill crosses it, another's
+    decode steps do (vLLM decodes those rows one by one, Megatron takes them in one prefill);
+    every decision's bytes are equal, and a one-ulp model copy is caught."""
+    segment = Program.of("attention.blocked").param("segment")
+    model = make_tiny(tmp_path / "model", arch="qwen3", seed=12)
+    prompts = (
+        _prompt_of_at_least(model, segment + 20),
+        _prompt_of_at_least(model, segment - 12),
+        default_prompts(1)[0],
+    )
+    out = tmp_path / "trace"
+    pm.hook.lockstep_capture(
+        request=CaptureRequest(model_dir=model, prompts=prompts, decisions=16, out_dir=out, seed=5)
+    )
+    trace = Trace.load(out)
+    lens = [len(trace.prompt(i)) for i in range(3)]
+    assert lens[0] > segment and lens[1] < segment < lens[1] + 16, lens
+    cmp = compare(trace.logprobs, replay(pm, model, out))
+    assert cmp.exact and cmp.k3_max == 0.0, str(cmp)
+    copy = nudged_copy(model, tmp_path / "nudged", "model.norm.weight")
+    forged = forge(trace, tmp_path / "forged", keep_rule=False, model_hash=dir_hash(copy))
+    assert not compare(trace.logprobs, replay(pm, copy, forged)).exact
