@@ -547,13 +547,29 @@ DECODE_LENS = (1, 31, 32, 33, 100, 2047, 2048, 2049, 3000, 4100)
 
 
 @pytest.mark.parametrize(
-    "page,block,g", [(16, 32, 4), (32, 32, 4), (64, 32, 4), (16, 64, 4), (32, 32, 16), (16, 32, 64)]
+    "page,block,g,tile",
+    [
+        (16, 32, 4, "one_warp"),
+        (16, 32, 4, "warpgroup"),
+        (32, 32, 4, None),
+        (64, 32, 4, "warpgroup"),
+        (16, 64, 4, "one_warp"),
+        (16, 64, 4, "warpgroup"),
+        (32, 32, 16, "one_warp"),
+        (32, 32, 16, "warpgroup"),
+        (16, 32, 64, None),
+    ],
 )
-def test_paged_decode_gives_each_request_the_contiguous_bytes(page, block, g):
+def test_paged_decode_gives_each_request_the_contiguous_bytes(page, block, g, tile, monkeypatch):
     """A batch of one-token decodes over a paged cache (pages shuffled, NaN/inf elsewhere,
     two padding requests of seq_len 0): each row is the bytes of attention.blocked on the
     request's contiguous keys, decoded alone; one ulp in one query row is caught. Up to 16
-    query heads per kv head a program is one warp, beyond it a 64-row warpgroup."""
+    query heads per kv head a program is one warp when the grid fills the GPU, else (and
+    beyond 16 heads) a 64-row warpgroup: ``tile`` forces one of them (None: by shape)."""
+    mod = importlib.import_module("lockstep_exact.programs.cuda.attention")
+    if tile is not None:
+        forced = mod._ONE_WARP_TILE if tile == "one_warp" else mod._TILE
+        monkeypatch.setattr(mod, "_paged_tile", lambda *_: forced)
     h_kv, d = 2, 128
     ks, vs, key_cache, value_cache, table = _paged_batch(DECODE_LENS, page, seed=page + block)
     n = len(DECODE_LENS)
@@ -572,6 +588,87 @@ def test_paged_decode_gives_each_request_the_contiguous_bytes(page, block, g):
         moved, key_cache, value_cache, table, seq, pos, max_seq_len=4200, block=block
     )
     assert not same_bytes(other[3], got[3]) and same_bytes(other[:3], got[:3])
+
+
+def test_paged_decode_reads_any_index_dtype_and_strides_and_skips_bad_positions():
+    """seq_lens and positions as int64 or int32, strided, read in the kernel: the same bytes;
+    a request whose position is not below its seq_len (or is negative) attends nothing and
+    moves no other row's bytes; a float index is refused."""
+    h_kv, g, d, page = 2, 4, 128, 16
+    lens = (7, 600, 1500)
+    ks, vs, key_cache, value_cache, table = _paged_batch(lens, page, seed=21)
+    q = cuda_rand(4, h_kv * g, d, seed=22)
+    seq = torch.tensor([*lens, 9], dtype=torch.int32, device="cuda")
+    pos = torch.tensor([m - 1 for m in lens] + [9], device="cuda")  # row 3: position == seq_len
+    want = P.attention_decode_paged(q, key_cache, value_cache, table, seq, pos, max_seq_len=2048)
+    for i, m in enumerate(lens):
+        alone = P.attention(q[i : i + 1], ks[i], vs[i], pos[i : i + 1])
+        assert_same_bytes(want[i : i + 1], alone, f"request {i} ({m} keys)")
+    wide = torch.stack([seq.long(), seq.long()], 1)[:, 0]  # int64, stride 2
+    spaced = torch.stack([pos.int(), pos.int()], 1)[:, 1]  # int32, stride 2
+    assert wide.stride(0) == 2 and spaced.stride(0) == 2
+    got = P.attention_decode_paged(q, key_cache, value_cache, table, wide, spaced, max_seq_len=2048)
+    assert_same_bytes(got[:3], want[:3], "int64 / strided indices")
+    neg = pos.clone()
+    neg[3] = -5
+    got = P.attention_decode_paged(q, key_cache, value_cache, table, seq, neg, max_seq_len=2048)
+    assert_same_bytes(got[:3], want[:3], "a negative position beside them")
+    assert_detects_one_ulp(want[:3], got[:3], index=5)
+    with pytest.raises(
+        ValueError, match="must be int32 or int64, got torch.int32 and torch.float32"
+    ):
+        P.attention_decode_paged(
+            q, key_cache, value_cache, table, seq, pos.float(), max_seq_len=2048
+        )
+
+
+def test_attention_reads_positions_of_any_index_dtype_in_place():
+    """The kernel reads int32 or int64 positions, strided, and checks them itself: the same
+    bytes as the int32 contiguous positions; float positions are refused."""
+    n = 700
+    q, k, v = attn_inputs(n, h_q=8, h_kv=2, seed=31)
+    pos32 = torch.arange(n, device="cuda", dtype=torch.int32)
+    want = P.attention(q, k, v, pos32)
+    strided = torch.stack([pos32.long(), pos32.long()], 1)[:, 1]
+    assert strided.stride(0) == 2
+    for positions in (pos32.long(), strided, pos32.cpu()):
+        assert_same_bytes(P.attention(q, k, v, positions), want, f"{positions.dtype}")
+    assert_same_bytes(
+        backend().attention(q[5:6], k, v, strided[5:6], split=True), want[5:6], "split"
+    )
+    with pytest.raises(ValueError, match="integer positions required, got torch.float32"):
+        P.attention(q, k, v, pos32.float())
+
+
+@pytest.mark.parametrize("bad", ["negative", "past the keys", "past the keys, split"])
+def test_attention_stops_on_a_position_without_keys(bad, tmp_path):
+    """A position outside the keys stops the kernel (checked on the device, no host read):
+    the call fails with a CUDA error instead of reading outside k/v. Run in a child process,
+    since a stopped kernel leaves the CUDA context unusable."""
+    import subprocess
+    import sys
+    import textwrap
+
+    split = "split=True" if "split" in bad else "split=False"
+    value = -1 if bad == "negative" else 64
+    script = textwrap.dedent(f"""
+        import torch
+        from lockstep_exact.programs import cuda
+        q = torch.randn(3, 8, 128, device="cuda").bfloat16()
+        k = torch.randn(64, 2, 128, device="cuda").bfloat16()
+        pos = torch.tensor([0, 5, {value}], device="cuda")
+        good = cuda.attention(q[:2], k, k, pos[:2], {split})
+        torch.cuda.synchronize()
+        print("good call ran", flush=True)
+        out = cuda.attention(q, k, k, pos, {split})
+        torch.cuda.synchronize()
+        print("bad call returned", flush=True)
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert "good call ran" in run.stdout, run.stderr[-2000:]
+    assert run.returncode != 0 and "bad call returned" not in run.stdout
+    assert "CUDA error" in run.stderr or "illegal instruction" in run.stderr, run.stderr[-2000:]
 
 
 def test_paged_decode_refuses_more_query_heads_per_kv_head_than_a_program_holds():

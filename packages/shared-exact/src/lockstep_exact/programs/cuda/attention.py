@@ -31,6 +31,7 @@ _TILE = (64, 4)
 _ONE_WARP_TILE = (16, 1)
 _NUM_STAGES = 3
 _COMBINE_ROWS = 16
+_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @functools.cache
@@ -50,6 +51,35 @@ def _page_rows(kpos, bt_ptr, stride_ks, stride_vs, stride_kp, stride_vp, PAGE: t
     page = tl.load(bt_ptr + kpos // PAGE).to(tl.int64)
     row = (kpos % PAGE).to(tl.int64)
     return page * stride_kp + row * stride_ks, page * stride_vp + row * stride_vs
+
+
+@triton.jit
+def _trap_if(bad):
+    """Stop the kernel (a CUDA error on the host, as a failed device assertion) on any lane
+    where ``bad``: the device-side check of positions, without the several small kernels a
+    torch-side check launches before every call. Returns zeros to be folded into a value the
+    kernel uses, so the check cannot be dropped as dead code."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred %lsbad; setp.ne.s32 %lsbad, $1, 0; @%lsbad trap; mov.u32 $0, 0; }",
+        "=r,r",
+        [bad.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _decode_pos(positions_ptr, stride_p, seq_lens_ptr, stride_sl, r, reach):
+    """Request r's query position and key count in a paged decode, read in the kernel (no
+    host-side preparation kernels): keys past ``reach`` (the table's and the segments' reach)
+    are never read, and a request with no keys, or whose position is not below its key count,
+    attends nothing (position -1)."""
+    lens = tl.load(seq_lens_ptr + r * stride_sl).to(tl.int64)
+    p = tl.load(positions_ptr + r * stride_p).to(tl.int64)
+    kv_len = tl.minimum(lens, reach)
+    p = tl.where((lens > 0) & (p >= 0) & (p < kv_len), p, -1)
+    return p.to(tl.int32), kv_len.to(tl.int32)
 
 
 @triton.jit
@@ -194,6 +224,7 @@ def _attn_kernel(
     v_ptr,
     o_ptr,
     pos_ptr,
+    stride_p,
     m_buf,
     l_buf,
     a_buf,
@@ -225,7 +256,8 @@ def _attn_kernel(
     row_ok = rows < n_rows
     t = rows // G  # row = token * G + query head within the kv head's group
     head = h * G + rows % G
-    pos = tl.load(pos_ptr + t, mask=row_ok, other=-1)
+    pos = tl.load(pos_ptr + t * stride_p, mask=row_ok, other=-1)
+    pos = (pos + _trap_if(row_ok & ((pos < 0) | (pos >= kv_len)))).to(tl.int32)
     offs_d = tl.arange(0, D)
     q_src = q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_src, mask=row_ok[:, None], other=0.0)
@@ -280,6 +312,10 @@ def _attn_kernel(
 def _combine_kernel(
     o_ptr,
     pos_ptr,
+    stride_p,
+    seq_lens_ptr,
+    stride_sl,
+    reach,
     m_buf,
     l_buf,
     a_buf,
@@ -291,13 +327,23 @@ def _combine_kernel(
     D: tl.constexpr,
     ROWS: tl.constexpr,
     SEG: tl.constexpr,
+    PAGED: tl.constexpr,
 ):
+    """Merge the segments' states of each row in ascending order and write the output.
+    ``PAGED``: the positions are the paged decode's raw ones, checked as its kernel checks
+    them (``_decode_pos``); else ``pos_ptr`` holds the prepared int32 positions."""
     h = tl.program_id(1)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     t = rows // G
     head = h * G + rows % G
-    pos = tl.load(pos_ptr + t, mask=row_ok, other=-1)
+    if PAGED:
+        pos, _ = _decode_pos(
+            pos_ptr, stride_p, seq_lens_ptr, stride_sl, tl.where(row_ok, t, 0), reach
+        )
+        pos = tl.where(row_ok, pos, -1)
+    else:
+        pos = tl.load(pos_ptr + t * stride_p, mask=row_ok, other=-1).to(tl.int32)
     offs_d = tl.arange(0, D)
     m_g = tl.full([ROWS], float("-inf"), tl.float32)
     l_g = tl.zeros([ROWS], tl.float32)
@@ -349,11 +395,20 @@ def attention(
     _tiling_ok(d, block, segment)
     if n_q == 0:
         return q.clone()
+    require(
+        not (
+            positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool
+        ),
+        f"attention: integer positions required, got {positions.dtype}",
+    )
     if positions.is_cuda:
-        torch._assert_async(((positions >= 0) & (positions < s_len)).all())
+        pos = positions.to(device=q.device)  # checked in the kernel (_trap_if)
+        if pos.dtype not in _INDEX_DTYPES:
+            pos = pos.to(torch.int64)
     else:
         require(int(positions.min()) >= 0, "attention: negative position")
         require(int(positions.max()) < s_len, "attention: a query position has no key in k/v")
+        pos = positions.to(device=q.device, dtype=torch.int32)
     if scale is None:
         scale_f = _default_scale(d)
     else:
@@ -361,7 +416,6 @@ def attention(
         require(torch.tensor(scale_f, dtype=F32).item() == scale_f, "attention: scale must be fp32")
     require(max(q.numel(), k.numel()) < 2**31, "attention (cuda): tensor too large")
     g = h_q // h_kv
-    pos = positions.to(device=q.device, dtype=torch.int32).contiguous()
     qc = q.contiguous()
     kc = k.contiguous()
     vc = v.contiguous()
@@ -384,7 +438,7 @@ def attention(
         m_buf = l_buf = a_buf = out  # unused
         grid = (n_tiles, h_kv)
     _attn_kernel[grid](
-        qc, kc, vc, out, pos, m_buf, l_buf, a_buf,
+        qc, kc, vc, out, pos, pos.stride(0), m_buf, l_buf, a_buf,
         n_rows, h_kv, s_len, scale_f,
         qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1),
         vc.stride(0), vc.stride(1), out.stride(0), out.stride(1),
@@ -394,8 +448,9 @@ def attention(
     )  # fmt: skip
     if split:
         _combine_kernel[(triton.cdiv(n_rows, _COMBINE_ROWS), h_kv)](
-            out, pos, m_buf, l_buf, a_buf, n_rows, h_kv, out.stride(0), out.stride(1),
-            G=g, D=d, ROWS=_COMBINE_ROWS, SEG=segment, num_warps=4, **EXACT,
+            out, pos, pos.stride(0), pos, 0, 0, m_buf, l_buf, a_buf, n_rows, h_kv, out.stride(0),
+            out.stride(1), G=g, D=d, ROWS=_COMBINE_ROWS, SEG=segment, PAGED=False,
+            num_warps=4, **EXACT,
         )  # fmt: skip
     return out
 
@@ -450,8 +505,8 @@ def attention_paged(
 
 @triton.jit
 def _decode_paged_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, pos_ptr, kv_len_ptr, m_buf, l_buf, a_buf,
-    n_kv_heads, scale,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, pos_ptr, stride_p, seq_lens_ptr, stride_sl, reach,
+    m_buf, l_buf, a_buf, n_kv_heads, scale,
     stride_qt, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
     stride_bt,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -462,8 +517,8 @@ def _decode_paged_kernel(
     r = tl.program_id(0)
     h = tl.program_id(1)
     s_idx = tl.program_id(2)
-    p = tl.load(pos_ptr + r)  # -1: the request attends nothing (padding)
-    if s_idx * SEG <= p:
+    p, kv_len = _decode_pos(pos_ptr, stride_p, seq_lens_ptr, stride_sl, r, reach)
+    if s_idx * SEG <= p:  # p = -1: the request attends nothing (padding)
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < G
         head = h * G + rows
@@ -471,7 +526,7 @@ def _decode_paged_kernel(
         offs_d = tl.arange(0, D)
         q_src = q_ptr + r * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(q_src, mask=row_ok[:, None], other=0.0)
-        kv_lim = tl.minimum(tl.load(kv_len_ptr + r), p + 1)
+        kv_lim = tl.minimum(kv_len, p + 1)
         j_last = p // BLOCK_N
         j_full = (p + 1) // BLOCK_N
         j_lo = s_idx * SEG_BLOCKS
@@ -501,6 +556,18 @@ def _paged_halves_ok(key_cache: torch.Tensor, value_cache: torch.Tensor, d: int)
     )
 
 
+def _paged_tile(programs: int, g: int, device: torch.device) -> tuple[int, int]:
+    """The paged decode's tile: one warp for up to 16 query heads per kv head when the grid
+    fills the GPU, the 64-row tile of 4 warps (more loads in flight per program) when it does
+    not, and above 16 heads. H200, 4 heads per kv head, graph replays: 64 requests 1.04-1.06x
+    faster on one warp, one request 1.30x faster on four at 2048 keys, 1.12x at 8192 (docs/
+    gpu.md). Both tiles give the same bytes (gated on the GPU)."""
+    if g > _ONE_WARP_TILE[0]:
+        return _TILE
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _ONE_WARP_TILE if programs >= _sm_count(index) else _TILE
+
+
 def attention_decode_paged(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -521,11 +588,13 @@ def attention_decode_paged(
     row of ``block_table`` [>= R, width] (key p in page ``block_table[r, p // page]``, row
     p % page). Every row's bytes are those of ``attention`` on the request's contiguous keys:
     the same segment and block walk, 16 query rows a warp, the same merge code; only the key
-    addresses and the tile differ (one warp for up to 16 query heads per kv head, 4 up to 64;
-    more are refused). No host read and a launch grid fixed by (R, Hkv, ``max_seq_len``): the
-    call can be captured in a CUDA graph. ``max_seq_len`` (a host bound on every seq_len)
-    fixes the number of segments. A request with seq_len 0, or whose position is not below
-    its seq_len (and the table's reach), attends nothing: its output rows are unspecified.
+    addresses and the tile differ (``_paged_tile``: one warp or four for up to 16 query heads
+    per kv head, four up to 64; more are refused). The positions and lengths (int32 or int64)
+    are read and checked in the kernels, so no preparation kernel runs. No host read and a
+    launch grid fixed by (R, Hkv, ``max_seq_len``): the call can be captured in a CUDA graph.
+    ``max_seq_len`` (a host bound on every seq_len) fixes the number of segments. A request
+    with seq_len 0, or whose position is negative or not below its seq_len (and the table's
+    reach), attends nothing: its output rows are unspecified.
     """
     require_cuda(q, block_table, seq_lens, positions)
     require(q.dtype == BF16 and q.dim() == 3, "paged attention (cuda): q [R, Hq, D] bf16")
@@ -544,7 +613,6 @@ def attention_decode_paged(
         g <= _TILE[0],
         f"paged attention (cuda): {g} query heads per kv head unsupported (at most {_TILE[0]})",
     )
-    block_m, num_warps = _ONE_WARP_TILE if g <= _ONE_WARP_TILE[0] else _TILE
     require(
         block_table.dim() == 2 and block_table.shape[0] >= n and block_table.stride(1) == 1,
         "paged attention (cuda): block_table [>= R, width] with contiguous rows",
@@ -552,6 +620,11 @@ def attention_decode_paged(
     require(
         seq_lens.dim() == 1 and seq_lens.shape[0] >= n and positions.shape == (n,),
         "paged attention (cuda): seq_lens [>= R] and positions [R]",
+    )
+    require(
+        seq_lens.dtype in _INDEX_DTYPES and positions.dtype in _INDEX_DTYPES,
+        f"paged attention (cuda): seq_lens and positions must be int32 or int64, got "
+        f"{seq_lens.dtype} and {positions.dtype}",
     )
     require(max_seq_len >= 1, "paged attention (cuda): max_seq_len must be positive")
     if n == 0:
@@ -563,10 +636,8 @@ def attention_decode_paged(
         require(torch.tensor(scale_f, dtype=F32).item() == scale_f, "attention: scale must be fp32")
     n_seg = triton.cdiv(max_seq_len, segment)
     reach = min(block_table.shape[1] * page, n_seg * segment)
-    lens = seq_lens[:n].to(torch.int32)
-    kv_len = torch.clamp(lens, max=reach)
-    pos = positions.to(torch.int32)
-    pos = torch.where((lens > 0) & (pos >= 0) & (pos < kv_len), pos, -1).contiguous()
+    require(reach < 2**31, "paged attention (cuda): the table reaches past 2**31 keys")
+    block_m, num_warps = _paged_tile(n * h_kv * n_seg, g, q.device)
     qc = q.contiguous()
     out = torch.empty_like(qc)
     n_rows = n * g
@@ -574,8 +645,8 @@ def attention_decode_paged(
     l_buf = torch.empty_like(m_buf)
     a_buf = torch.empty(n_seg, h_kv, n_rows, d, dtype=F32, device=q.device)
     _decode_paged_kernel[(n, h_kv, n_seg)](
-        qc, key_cache, value_cache, block_table, pos, kv_len, m_buf, l_buf, a_buf,
-        h_kv, scale_f,
+        qc, key_cache, value_cache, block_table, positions, positions.stride(0), seq_lens,
+        seq_lens.stride(0), reach, m_buf, l_buf, a_buf, h_kv, scale_f,
         qc.stride(0), qc.stride(1), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0),
@@ -583,8 +654,9 @@ def attention_decode_paged(
         PAGE=page, num_warps=num_warps, num_stages=_NUM_STAGES, **EXACT,
     )  # fmt: skip
     _combine_kernel[(triton.cdiv(n_rows, _COMBINE_ROWS), h_kv)](
-        out, pos, m_buf, l_buf, a_buf, n_rows, h_kv, out.stride(0), out.stride(1),
-        G=g, D=d, ROWS=_COMBINE_ROWS, SEG=segment, num_warps=4, **EXACT,
+        out, positions, positions.stride(0), seq_lens, seq_lens.stride(0), reach,
+        m_buf, l_buf, a_buf, n_rows, h_kv, out.stride(0), out.stride(1),
+        G=g, D=d, ROWS=_COMBINE_ROWS, SEG=segment, PAGED=True, num_warps=4, **EXACT,
     )  # fmt: skip
     return out
 
