@@ -640,27 +640,41 @@ def test_attention_reads_positions_of_any_index_dtype_in_place():
         P.attention(q, k, v, pos32.float())
 
 
-@pytest.mark.parametrize("bad", ["negative", "past the keys", "past the keys, split"])
-def test_attention_stops_on_a_position_without_keys(bad, tmp_path):
-    """A position outside the keys stops the kernel (checked on the device, no host read):
-    the call fails with a CUDA error instead of reading outside k/v. Run in a child process,
-    since a stopped kernel leaves the CUDA context unusable."""
+_STOP_CALLS = {
+    "attention, negative": ("cuda.attention(q, k, k, pos, split=False)", -1),
+    "attention, past the keys": ("cuda.attention(q, k, k, pos, split=False)", 64),
+    "attention split, past the keys": ("cuda.attention(q, k, k, pos, split=True)", 64),
+    "rope, past the bound": ("rope_bounded(q, pos)", 4096),
+    "rope, negative": ("rope_bounded(q, pos)", -3),
+}
+
+
+@pytest.mark.parametrize("case", list(_STOP_CALLS))
+def test_a_position_outside_its_range_stops_the_kernel(case):
+    """Positions checked on the device (no host read): attention's against the keys, rope's
+    against programs.position_bound. A bad one stops the kernel, so the call fails with a
+    CUDA error instead of reading outside k/v or the table. Run in a child process, since a
+    stopped kernel leaves the CUDA context unusable; the same call on good positions runs."""
     import subprocess
     import sys
     import textwrap
 
-    split = "split=True" if "split" in bad else "split=False"
-    value = -1 if bad == "negative" else 64
+    call, value = _STOP_CALLS[case]
     script = textwrap.dedent(f"""
         import torch
+        from lockstep_exact import programs as P
         from lockstep_exact.programs import cuda
+        def rope_bounded(x, pos):
+            with P.position_bound(4096):
+                return cuda.rope(x, pos, 1e6)
         q = torch.randn(3, 8, 128, device="cuda").bfloat16()
         k = torch.randn(64, 2, 128, device="cuda").bfloat16()
-        pos = torch.tensor([0, 5, {value}], device="cuda")
-        good = cuda.attention(q[:2], k, k, pos[:2], {split})
+        pos = torch.tensor([0, 5, 63], device="cuda")
+        {call}
         torch.cuda.synchronize()
         print("good call ran", flush=True)
-        out = cuda.attention(q, k, k, pos, {split})
+        pos[2] = {value}
+        {call}
         torch.cuda.synchronize()
         print("bad call returned", flush=True)
     """)
@@ -740,6 +754,9 @@ def test_rope_under_a_position_bound_reads_no_position_on_the_host():
     x = cuda_rand(5, 4, 128, seed=3)
     pos = torch.tensor([0, 7, 1000, 4095, 3], device="cuda")
     want = P.rope(x, pos, 1e6)
+    spaced = torch.stack([pos.int(), pos.int()], 1)[:, 0]  # int32, stride 2: read in place
+    with P.position_bound(4096):
+        assert_same_bytes(P.rope(x, spaced, 1e6), want, "int32 strided positions")
     out = torch.empty_like(x)
     with P.position_bound(4096):
         out.copy_(P.rope(x, pos, 1e6))

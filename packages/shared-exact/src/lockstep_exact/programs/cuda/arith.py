@@ -3,12 +3,45 @@
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from ..cpu.arith import BF16, F32, require
 
 # Every kernel except the matrix products is compiled with floating-point contraction off, so
 # each * and + rounds on its own, as the programs' docstrings say (no fused multiply-add).
 EXACT = {"enable_fp_fusion": False}
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit
+def trap_if(bad):
+    """Stop the kernel (a CUDA error on the host, as a failed device assertion) on any lane
+    where ``bad``: a device-side check of indices (positions) without the several small
+    kernels a torch-side check launches before every call. Returns zeros to be added to a value
+    the kernel uses, so the check cannot be dropped as dead code."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred %lsbad; setp.ne.s32 %lsbad, $1, 0; @%lsbad trap; mov.u32 $0, 0; }",
+        "=r,r",
+        [bad.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+def index_tensor(positions: torch.Tensor, device: torch.device, what: str) -> torch.Tensor:
+    """``positions`` on ``device`` as int32 or int64, read in place when it already is one of
+    them (a kernel takes its stride); float, complex or bool indices are refused."""
+    require(
+        not (
+            positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool
+        ),
+        f"{what}: integer positions required, got {positions.dtype}",
+    )
+    pos = positions.to(device=device)
+    return pos if pos.dtype in INDEX_DTYPES else pos.to(torch.int64)
+
 
 _NAN_BF16 = 0x7FC0
 
@@ -40,4 +73,16 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-__all__ = ["BF16", "EXACT", "F32", "as_f32", "next_pow2", "require", "require_cuda", "round_bf16"]
+__all__ = [
+    "BF16",
+    "EXACT",
+    "F32",
+    "INDEX_DTYPES",
+    "index_tensor",
+    "trap_if",
+    "as_f32",
+    "next_pow2",
+    "require",
+    "require_cuda",
+    "round_bf16",
+]

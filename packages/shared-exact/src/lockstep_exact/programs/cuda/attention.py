@@ -17,7 +17,17 @@ import triton
 import triton.language as tl
 
 from ..cpu.attention import check_inputs, check_tiling, default_scale
-from .arith import BF16, EXACT, F32, next_pow2, require, require_cuda
+from .arith import (
+    BF16,
+    EXACT,
+    F32,
+    INDEX_DTYPES,
+    index_tensor,
+    next_pow2,
+    require,
+    require_cuda,
+    trap_if,
+)
 
 # (query rows per tile, warps): 16 rows per warp in every tiling, so each row sees the same
 # MMA instruction shape and the same reduction layout. One 64-row warpgroup per program (two
@@ -31,7 +41,6 @@ _TILE = (64, 4)
 _ONE_WARP_TILE = (16, 1)
 _NUM_STAGES = 3
 _COMBINE_ROWS = 16
-_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @functools.cache
@@ -51,22 +60,6 @@ def _page_rows(kpos, bt_ptr, stride_ks, stride_vs, stride_kp, stride_vp, PAGE: t
     page = tl.load(bt_ptr + kpos // PAGE).to(tl.int64)
     row = (kpos % PAGE).to(tl.int64)
     return page * stride_kp + row * stride_ks, page * stride_vp + row * stride_vs
-
-
-@triton.jit
-def _trap_if(bad):
-    """Stop the kernel (a CUDA error on the host, as a failed device assertion) on any lane
-    where ``bad``: the device-side check of positions, without the several small kernels a
-    torch-side check launches before every call. Returns zeros to be folded into a value the
-    kernel uses, so the check cannot be dropped as dead code."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred %lsbad; setp.ne.s32 %lsbad, $1, 0; @%lsbad trap; mov.u32 $0, 0; }",
-        "=r,r",
-        [bad.to(tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
 
 
 @triton.jit
@@ -257,7 +250,7 @@ def _attn_kernel(
     t = rows // G  # row = token * G + query head within the kv head's group
     head = h * G + rows % G
     pos = tl.load(pos_ptr + t * stride_p, mask=row_ok, other=-1)
-    pos = (pos + _trap_if(row_ok & ((pos < 0) | (pos >= kv_len)))).to(tl.int32)
+    pos = (pos + trap_if(row_ok & ((pos < 0) | (pos >= kv_len)))).to(tl.int32)
     offs_d = tl.arange(0, D)
     q_src = q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_src, mask=row_ok[:, None], other=0.0)
@@ -395,20 +388,10 @@ def attention(
     _tiling_ok(d, block, segment)
     if n_q == 0:
         return q.clone()
-    require(
-        not (
-            positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool
-        ),
-        f"attention: integer positions required, got {positions.dtype}",
-    )
-    if positions.is_cuda:
-        pos = positions.to(device=q.device)  # checked in the kernel (_trap_if)
-        if pos.dtype not in _INDEX_DTYPES:
-            pos = pos.to(torch.int64)
-    else:
+    pos = index_tensor(positions, q.device, "attention")  # checked in the kernel (trap_if)
+    if not positions.is_cuda:  # a host tensor is checked here, with the cpu program's words
         require(int(positions.min()) >= 0, "attention: negative position")
         require(int(positions.max()) < s_len, "attention: a query position has no key in k/v")
-        pos = positions.to(device=q.device, dtype=torch.int32)
     if scale is None:
         scale_f = _default_scale(d)
     else:
@@ -622,7 +605,7 @@ def attention_decode_paged(
         "paged attention (cuda): seq_lens [>= R] and positions [R]",
     )
     require(
-        seq_lens.dtype in _INDEX_DTYPES and positions.dtype in _INDEX_DTYPES,
+        seq_lens.dtype in INDEX_DTYPES and positions.dtype in INDEX_DTYPES,
         f"paged attention (cuda): seq_lens and positions must be int32 or int64, got "
         f"{seq_lens.dtype} and {positions.dtype}",
     )

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from .. import position_bound_now
 from ..cpu.rope import rope_tables
-from .arith import BF16, EXACT, next_pow2, require, require_cuda
+from .arith import BF16, EXACT, index_tensor, next_pow2, require, require_cuda, trap_if
 
 _TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -28,6 +28,8 @@ def _rope_kernel(
     cos_ptr,
     sin_ptr,
     pos_ptr,
+    stride_p,
+    n_pos,
     y_ptr,
     H,
     stride_xt,
@@ -36,12 +38,15 @@ def _rope_kernel(
     stride_yh,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, HALF)
     ok = (heads < H)[:, None]
-    p = tl.load(pos_ptr + t).to(tl.int64)
+    p = tl.load(pos_ptr + t * stride_p).to(tl.int64)
+    if CHECK:  # the position bound, promised by the caller, checked here (no host read)
+        p += trap_if((p < 0) | (p >= n_pos))
     c = tl.load(cos_ptr + p * HALF + d)[None, :]
     s = tl.load(sin_ptr + p * HALF + d)[None, :]
     src = x_ptr + t * stride_xt + heads[:, None] * stride_xh + d[None, :]
@@ -69,7 +74,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
     if n_tok == 0:
         return x.clone()
     bound = position_bound_now()
-    pos = positions.to(device=x.device, dtype=torch.int32).contiguous()
+    pos = index_tensor(positions, x.device, "rope")
     if bound is None:
         require(
             not torch.cuda.is_current_stream_capturing(),
@@ -79,8 +84,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
         n_pos = int(positions.max()) + 1  # a host read: the table must cover every position
         require(int(positions.min()) >= 0, "rope: negative position")
     else:
-        n_pos = bound  # the promise, checked on the device: no host read
-        torch._assert_async(((pos >= 0) & (pos < bound)).all())
+        n_pos = bound  # the promise, checked in the kernel (trap_if): no host read
     cos, sin = gpu_tables(base, dim, n_pos, x.device)
     xc = x.contiguous()
     y = torch.empty_like(xc)
@@ -91,6 +95,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
         cos,
         sin,
         pos,
+        pos.stride(0),
+        n_pos,
         y,
         heads,
         xc.stride(0),
@@ -99,6 +105,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
         y.stride(1),
         HALF=half,
         BLOCK_H=block_h,
+        CHECK=bound is not None,
         num_warps=4,
         **EXACT,
     )
