@@ -125,6 +125,7 @@ def gemm_rows(table, bk, sweep, n=4096, ms=(1, 16, 128, 1024, 8192)):
 
 
 def attention_rows(table, block, sweep, t_len=2048, decode=True):
+    sdpa = F.scaled_dot_product_attention
     q = rand(t_len, HEADS, HEAD_DIM)
     k = rand(t_len, KV_HEADS, HEAD_DIM)
     v = rand(t_len, KV_HEADS, HEAD_DIM)
@@ -169,21 +170,30 @@ def attention_rows(table, block, sweep, t_len=2048, decode=True):
         qds = qd.transpose(0, 1).unsqueeze(0).contiguous()
         kcs = kc.repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0).contiguous()
         vcs = vc.repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0).contiguous()
+        kgs = kc.transpose(0, 1).unsqueeze(0).contiguous()
+        vgs = vc.transpose(0, 1).unsqueeze(0).contiguous()
+        # Two references: SDPA over K/V repeated to the query heads (the older row), and SDPA
+        # reading the kv heads once (enable_gqa), as the paged rows do; the second is faster.
+        refs = (
+            ("SDPA", lambda qds=qds, kcs=kcs, vcs=vcs: sdpa(qds, kcs, vcs)),
+            ("SDPA (GQA)", lambda qds=qds, kgs=kgs, vgs=vgs: sdpa(qds, kgs, vgs, enable_gqa=True)),
+        )
         for graph in (False, True):
             timer = graph_bench if graph else bench
             t = timer(lambda qd=qd, kc=kc, vc=vc, pd=pd: P.attention(qd, kc, vc, pd, block=block))
             gbs = 2 * kc.numel() * 2 / (t * 1e-3) / 1e9
-            row(
-                table,
-                "attention",
-                f"decode S={s_len} block={block}" + (" graph" if graph else ""),
-                lambda qd=qd, kc=kc, vc=vc, pd=pd: P.attention(qd, kc, vc, pd, block=block),
-                lambda qds=qds, kcs=kcs, vcs=vcs: F.scaled_dot_product_attention(qds, kcs, vcs),
-                "SDPA",
-                0.8,
-                f"{gbs:.0f} GB/s of KV",
-                graph=graph,
-            )
+            for name, ref in refs:
+                row(
+                    table,
+                    "attention",
+                    f"decode S={s_len} block={block}" + (" graph" if graph else ""),
+                    lambda qd=qd, kc=kc, vc=vc, pd=pd: P.attention(qd, kc, vc, pd, block=block),
+                    ref,
+                    name,
+                    0.8,
+                    f"{gbs:.0f} GB/s of KV",
+                    graph=graph,
+                )
 
 
 def paged_case(s_len: int, batch: int, block: int, page: int = 32, segment: int = 512) -> dict:
