@@ -48,8 +48,13 @@ def _default_scale(d: int) -> float:
     return float(default_scale(d).item())  # fp32 by construction (IEEE sqrt and division)
 
 
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (the current device when it names no index)."""
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.cache
-def _sm_count(index: int) -> int:
+def _sm_count_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -66,8 +71,8 @@ def _page_rows(kpos, bt_ptr, stride_ks, stride_vs, stride_kp, stride_vp, PAGE: t
 def _decode_pos(positions_ptr, stride_p, seq_lens_ptr, stride_sl, r, reach):
     """Request r's query position and key count in a paged decode, read in the kernel (no
     host-side preparation kernels): keys past ``reach`` (the table's and the segments' reach)
-    are never read, and a request with no keys, or whose position is not below its key count,
-    attends nothing (position -1)."""
+    are never read, and a request with no keys, or whose position is negative or not below its
+    key count, attends nothing (position -1)."""
     lens = tl.load(seq_lens_ptr + r * stride_sl).to(tl.int64)
     p = tl.load(positions_ptr + r * stride_p).to(tl.int64)
     kv_len = tl.minimum(lens, reach)
@@ -324,7 +329,8 @@ def _combine_kernel(
 ):
     """Merge the segments' states of each row in ascending order and write the output.
     ``PAGED``: the positions are the paged decode's raw ones, checked as its kernel checks
-    them (``_decode_pos``); else ``pos_ptr`` holds the prepared int32 positions."""
+    them (``_decode_pos``); else ``pos_ptr`` holds the int32 or int64 positions that the
+    attention kernel before it checked."""
     h = tl.program_id(1)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
@@ -406,10 +412,7 @@ def attention(
     n_rows = n_q * g
     n_seg = triton.cdiv(s_len, segment)
     if split is None:
-        sms = _sm_count(
-            q.device.index if q.device.index is not None else torch.cuda.current_device()
-        )
-        split = n_seg > 1 and triton.cdiv(n_rows, _TILE[0]) * h_kv < sms
+        split = n_seg > 1 and triton.cdiv(n_rows, _TILE[0]) * h_kv < _sm_count(q.device)
     block_m, num_warps = _TILE
     n_tiles = triton.cdiv(n_rows, block_m)
     if split:
@@ -547,8 +550,7 @@ def _paged_tile(programs: int, g: int, device: torch.device) -> tuple[int, int]:
     gpu.md). Both tiles give the same bytes (gated on the GPU)."""
     if g > _ONE_WARP_TILE[0]:
         return _TILE
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _ONE_WARP_TILE if programs >= _sm_count(index) else _TILE
+    return _ONE_WARP_TILE if programs >= _sm_count(device) else _TILE
 
 
 def attention_decode_paged(
