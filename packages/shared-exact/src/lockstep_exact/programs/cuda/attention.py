@@ -40,7 +40,13 @@ from .arith import (
 _TILE = (64, 4)
 _ONE_WARP_TILE = (16, 1)
 _NUM_STAGES = 3
-_COMBINE_ROWS = 16
+# The combine kernel's program: 4 rows (one token's query heads of a kv head, at 4 per group)
+# by 32 columns of the head. Its merges run in sequence, so a long row's time is the chain of
+# one program: few elements a thread keep each step short. Against 16 rows by the whole head,
+# one request on the H200: 1.12-1.18x faster replayed among twenty calls, 64 requests the
+# same (docs/gpu.md, ninth session). Each column merges on its own: every cut, the same bytes.
+_COMBINE_ROWS = 4
+_COMBINE_COLS = 32
 
 
 @functools.cache
@@ -187,11 +193,11 @@ def _merge(m_g, l_g, a_g, m_s, l_s, a_s, active):
 
 
 @triton.jit
-def _finish(o_ptr, t, head, stride_ot, stride_oh, l_g, a_g, row_ok, D: tl.constexpr):
+def _finish(o_ptr, t, head, stride_ot, stride_oh, l_g, a_g, row_ok, offs_d):
+    """Write out = bf16(a_g / l_g) (IEEE division) at the rows' heads, columns ``offs_d``."""
     num, den = tl.broadcast(a_g, l_g[:, None])
     out = tl.math.div_rn(num, den)
     out = tl.where(out == 0.0, 0.0, out)  # +0 for every zero: signs of zero terms move no byte
-    offs_d = tl.arange(0, D)
     dst = o_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     tl.store(dst, out.to(tl.bfloat16), mask=row_ok[:, None])
 
@@ -212,7 +218,7 @@ def _one_segment(
     l_g = tl.zeros([BLOCK_M], tl.float32)
     a_g = tl.zeros([BLOCK_M, D], tl.float32)
     m_g, l_g, a_g = _merge(m_g, l_g, a_g, m, l_s, acc, pos >= 0)
-    _finish(o_ptr, t, head, stride_ot, stride_oh, l_g, a_g, row_ok, D)
+    _finish(o_ptr, t, head, stride_ot, stride_oh, l_g, a_g, row_ok, tl.arange(0, D))
 
 
 @triton.jit
@@ -303,7 +309,7 @@ def _attn_kernel(
                 scale, BLOCK_M, BLOCK_N, D, pos_ptr, 0, 0, 0,
             )  # fmt: skip
             m_g, l_g, a_g = _merge(m_g, l_g, a_g, m, l_s, acc, pos >= s_idx * SEG)
-        _finish(o_ptr, t, head, stride_ot, stride_oh, l_g, a_g, row_ok, D)
+        _finish(o_ptr, t, head, stride_ot, stride_oh, l_g, a_g, row_ok, tl.arange(0, D))
 
 
 @triton.jit
@@ -326,8 +332,10 @@ def _combine_kernel(
     ROWS: tl.constexpr,
     SEG: tl.constexpr,
     PAGED: tl.constexpr,
+    COLS: tl.constexpr,
 ):
-    """Merge the segments' states of each row in ascending order and write the output.
+    """Merge the segments' states of each row in ascending order and write the output, for
+    ``ROWS`` rows and ``COLS`` columns of the head (program axis 2).
     ``PAGED``: the positions are the paged decode's raw ones, checked as its kernel checks
     them (``_decode_pos``); else ``pos_ptr`` holds the int32 or int64 positions that the
     attention kernel before it checked."""
@@ -343,10 +351,10 @@ def _combine_kernel(
         pos = tl.where(row_ok, pos, -1)
     else:
         pos = tl.load(pos_ptr + t * stride_p, mask=row_ok, other=-1).to(tl.int32)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.program_id(2) * COLS + tl.arange(0, COLS)
     m_g = tl.full([ROWS], float("-inf"), tl.float32)
     l_g = tl.zeros([ROWS], tl.float32)
-    a_g = tl.zeros([ROWS, D], tl.float32)
+    a_g = tl.zeros([ROWS, COLS], tl.float32)
     for s_idx in range(0, tl.max(pos, 0) // SEG + 1):
         active = pos >= s_idx * SEG
         at = (s_idx * n_kv_heads + h) * n_rows + rows
@@ -354,7 +362,7 @@ def _combine_kernel(
         l_s = tl.load(l_buf + at, mask=active, other=0.0)
         acc = tl.load(a_buf + at[:, None] * D + offs_d[None, :], mask=active[:, None], other=0.0)
         m_g, l_g, a_g = _merge(m_g, l_g, a_g, m, l_s, acc, active)
-    _finish(o_ptr, t, head, stride_ot, stride_oh, l_g, a_g, row_ok, D)
+    _finish(o_ptr, t, head, stride_ot, stride_oh, l_g, a_g, row_ok, offs_d)
 
 
 def attention(
@@ -433,12 +441,18 @@ def attention(
         num_warps=num_warps, num_stages=_NUM_STAGES, **EXACT,
     )  # fmt: skip
     if split:
-        _combine_kernel[(triton.cdiv(n_rows, _COMBINE_ROWS), h_kv)](
+        _combine_kernel[_combine_grid(n_rows, h_kv, d)](
             out, pos, pos.stride(0), pos, 0, 0, m_buf, l_buf, a_buf, n_rows, h_kv, out.stride(0),
             out.stride(1), G=g, D=d, ROWS=_COMBINE_ROWS, SEG=segment, PAGED=False,
+            COLS=min(_COMBINE_COLS, d),
             num_warps=4, **EXACT,
         )  # fmt: skip
     return out
+
+
+def _combine_grid(n_rows: int, h_kv: int, d: int) -> tuple[int, int, int]:
+    """Programs of the combine kernel: row groups, kv heads, column groups of the head."""
+    return (triton.cdiv(n_rows, _COMBINE_ROWS), h_kv, d // min(_COMBINE_COLS, d))
 
 
 def _tiling_ok(d: int, block: int, segment: int) -> None:
@@ -638,10 +652,11 @@ def attention_decode_paged(
         G=g, D=d, BLOCK_M=block_m, BLOCK_N=block, SEG_BLOCKS=segment // block, SEG=segment,
         PAGE=page, num_warps=num_warps, num_stages=_NUM_STAGES, **EXACT,
     )  # fmt: skip
-    _combine_kernel[(triton.cdiv(n_rows, _COMBINE_ROWS), h_kv)](
+    _combine_kernel[_combine_grid(n_rows, h_kv, d)](
         out, positions, positions.stride(0), seq_lens, seq_lens.stride(0), reach,
         m_buf, l_buf, a_buf, n_rows, h_kv, out.stride(0), out.stride(1),
-        G=g, D=d, ROWS=_COMBINE_ROWS, SEG=segment, PAGED=True, num_warps=4, **EXACT,
+        G=g, D=d, ROWS=_COMBINE_ROWS, SEG=segment, PAGED=True,
+        COLS=min(_COMBINE_COLS, d), num_warps=4, **EXACT,
     )  # fmt: skip
     return out
 
