@@ -441,18 +441,26 @@ def attention(
         num_warps=num_warps, num_stages=_NUM_STAGES, **EXACT,
     )  # fmt: skip
     if split:
-        _combine_kernel[_combine_grid(n_rows, h_kv, d)](
-            out, pos, pos.stride(0), pos, 0, 0, m_buf, l_buf, a_buf, n_rows, h_kv, out.stride(0),
-            out.stride(1), G=g, D=d, ROWS=_COMBINE_ROWS, SEG=segment, PAGED=False,
-            COLS=min(_COMBINE_COLS, d),
-            num_warps=4, **EXACT,
-        )  # fmt: skip
+        _combine(out, pos, m_buf, l_buf, a_buf, g, segment)
     return out
 
 
-def _combine_grid(n_rows: int, h_kv: int, d: int) -> tuple[int, int, int]:
-    """Programs of the combine kernel: row groups, kv heads, column groups of the head."""
-    return (triton.cdiv(n_rows, _COMBINE_ROWS), h_kv, d // min(_COMBINE_COLS, d))
+def _combine(out, positions, m_buf, l_buf, a_buf, g, segment, seq_lens=None, reach=0):
+    """Launch the combine kernel over the segments' states ``m_buf``/``l_buf``/``a_buf``
+    [n_seg, Hkv, rows(, D)] into ``out`` [T, Hq, D]: programs of ``_COMBINE_ROWS`` rows by
+    ``_COMBINE_COLS`` columns of the head, per kv head. ``seq_lens`` (and the table's
+    ``reach``): the paged decode's raw positions, checked in the kernel; None: positions
+    the attention kernel before it checked."""
+    _, h_kv, n_rows = m_buf.shape
+    d = out.shape[-1]
+    cols = min(_COMBINE_COLS, d)
+    paged = seq_lens is not None
+    lens = seq_lens if paged else positions
+    _combine_kernel[(triton.cdiv(n_rows, _COMBINE_ROWS), h_kv, d // cols)](
+        out, positions, positions.stride(0), lens, lens.stride(0) if paged else 0, reach,
+        m_buf, l_buf, a_buf, n_rows, h_kv, out.stride(0), out.stride(1),
+        G=g, D=d, ROWS=_COMBINE_ROWS, SEG=segment, PAGED=paged, COLS=cols, num_warps=4, **EXACT,
+    )  # fmt: skip
 
 
 def _tiling_ok(d: int, block: int, segment: int) -> None:
@@ -652,12 +660,7 @@ def attention_decode_paged(
         G=g, D=d, BLOCK_M=block_m, BLOCK_N=block, SEG_BLOCKS=segment // block, SEG=segment,
         PAGE=page, num_warps=num_warps, num_stages=_NUM_STAGES, **EXACT,
     )  # fmt: skip
-    _combine_kernel[_combine_grid(n_rows, h_kv, d)](
-        out, positions, positions.stride(0), seq_lens, seq_lens.stride(0), reach,
-        m_buf, l_buf, a_buf, n_rows, h_kv, out.stride(0), out.stride(1),
-        G=g, D=d, ROWS=_COMBINE_ROWS, SEG=segment, PAGED=True,
-        COLS=min(_COMBINE_COLS, d), num_warps=4, **EXACT,
-    )  # fmt: skip
+    _combine(out, positions, m_buf, l_buf, a_buf, g, segment, seq_lens, reach)
     return out
 
 
