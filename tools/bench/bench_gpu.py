@@ -71,20 +71,21 @@ def mode_label(graph: int) -> str:
     return "" if not graph else " graph" if graph == 1 else f" graph x{graph}"
 
 
+def timed(fn: Callable[[], object], graph: int) -> float:
+    """``graph``: 0 eager, else that many calls captured in one CUDA graph (time per call)."""
+    return graph_bench(fn, int(graph)) if graph else bench(fn)
+
+
 def rand(*shape, dtype=BF16, scale=1.0):
     return (torch.randn(*shape, device="cuda") * scale).to(dtype)
 
 
 def row(table, op, shape, exact, base, base_name, target=None, extra="", graph=0, reps=3):
-    """``graph``: 0 eager, else that many calls captured in one CUDA graph (time per call)."""
-
-    def timer(fn):
-        return graph_bench(fn, int(graph)) if graph else bench(fn)
-
+    """``graph``: as ``timed``."""
     t_exact = t_base = float("inf")
     for _ in range(reps):  # interleaved; the smallest median of each side is kept
-        t_exact = min(t_exact, timer(exact))
-        t_base = min(t_base, timer(base))
+        t_exact = min(t_exact, timed(exact, graph))
+        t_base = min(t_base, timed(base, graph))
     speed = t_base / t_exact
     met = "" if target is None else ("met" if speed >= target else "MISSED")
     table.append(
@@ -201,7 +202,7 @@ def attention_rows(table, block, sweep, t_len=2048, decode=True):
             return P.attention(qd, kc, vc, pd, block=block)
 
         for graph in DECODE_MODES:
-            t = graph_bench(exact, graph) if graph else bench(exact)
+            t = timed(exact, graph)
             gbs = 2 * kc.numel() * 2 / (t * 1e-3) / 1e9
             for name, ref in refs:
                 row(
