@@ -313,6 +313,59 @@ def _attn_kernel(
 
 
 @triton.jit
+def _take8(x):
+    """The slices x[..., 0], ..., x[..., 7] of x [R, C, 8], in order: copies, no arithmetic."""
+    e, o = tl.split(tl.reshape(x, [x.shape[0], x.shape[1], 2, 2, 2]))  # index 4a + 2b + c
+    e0, e1 = tl.split(e)
+    o0, o1 = tl.split(o)
+    s0, s4 = tl.split(e0)
+    s2, s6 = tl.split(e1)
+    s1, s5 = tl.split(o0)
+    s3, s7 = tl.split(o1)
+    return s0, s1, s2, s3, s4, s5, s6, s7
+
+
+@triton.jit
+def _merge_cols(m_g, l_g, a_g, m_s, l_s, a_s, active):
+    """``_merge`` with every operand [ROWS, COLS]: a row's max and sum repeated along its
+    columns, each computed as ``_merge`` computes it once for the row (the same bytes)."""
+    m_new = tl.maximum(m_g, m_s)
+    m_safe = tl.where(active, m_new, 0.0)
+    alpha = tl.exp(m_g - m_safe)
+    beta = tl.exp(m_s - m_safe)
+    l_new = l_g * alpha + l_s * beta
+    a_new = a_g * alpha + a_s * beta
+    m_g = tl.where(active, m_new, m_g)
+    l_g = tl.where(active, l_new, l_g)
+    a_g = tl.where(active, a_new, a_g)
+    return m_g, l_g, a_g
+
+
+@triton.jit
+def _load_chunk(
+    m_buf, l_buf, a_buf, pos, chunk, h, n_kv_heads, n_rows, rows, offs_d,
+    SEG: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+):  # fmt: skip
+    """The states of segments 8 * chunk .. 8 * chunk + 7 of ``ROWS`` rows, ``COLS`` columns:
+    m, l, acc and the active flags, [ROWS, COLS, 8] each; a segment past a row's position
+    is not read (-inf, 0, 0, inactive)."""
+    s_idx = chunk * 8 + tl.arange(0, 8)
+    active = pos[:, None] >= s_idx[None, :] * SEG
+    at = (s_idx[None, :] * n_kv_heads + h) * n_rows + rows[:, None]
+    shape: tl.constexpr = [ROWS, COLS, 8]
+    flags = tl.broadcast_to(active[:, None, :], shape)
+    m = tl.load(m_buf + at, mask=active, other=float("-inf"))
+    l_s = tl.load(l_buf + at, mask=active, other=0.0)
+    acc = tl.load(a_buf + at[:, None, :] * D + offs_d[None, :, None], mask=flags, other=0.0)
+    return (
+        tl.broadcast_to(m[:, None, :], shape),
+        tl.broadcast_to(l_s[:, None, :], shape),
+        acc,
+        flags.to(tl.int8),
+    )
+
+
+@triton.jit
 def _combine_kernel(
     o_ptr,
     pos_ptr,
@@ -338,7 +391,12 @@ def _combine_kernel(
     ``ROWS`` rows and ``COLS`` columns of the head (program axis 2).
     ``PAGED``: the positions are the paged decode's raw ones, checked as its kernel checks
     them (``_decode_pos``); else ``pos_ptr`` holds the int32 or int64 positions that the
-    attention kernel before it checked."""
+    attention kernel before it checked.
+
+    The merges of a row run in sequence; each waited on its own loads when they were issued
+    one segment at a time. The states are read eight segments to a load, the next eight
+    while these merge, and taken apart by copies (``_take8``): the merges and their order
+    are ``_merge``'s, so the bytes are too."""
     h = tl.program_id(1)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
@@ -352,17 +410,28 @@ def _combine_kernel(
     else:
         pos = tl.load(pos_ptr + t * stride_p, mask=row_ok, other=-1).to(tl.int32)
     offs_d = tl.program_id(2) * COLS + tl.arange(0, COLS)
-    m_g = tl.full([ROWS], float("-inf"), tl.float32)
-    l_g = tl.zeros([ROWS], tl.float32)
+    m_g = tl.full([ROWS, COLS], float("-inf"), tl.float32)
+    l_g = tl.zeros([ROWS, COLS], tl.float32)
     a_g = tl.zeros([ROWS, COLS], tl.float32)
-    for s_idx in range(0, tl.max(pos, 0) // SEG + 1):
-        active = pos >= s_idx * SEG
-        at = (s_idx * n_kv_heads + h) * n_rows + rows
-        m = tl.load(m_buf + at, mask=active, other=float("-inf"))
-        l_s = tl.load(l_buf + at, mask=active, other=0.0)
-        acc = tl.load(a_buf + at[:, None] * D + offs_d[None, :], mask=active[:, None], other=0.0)
-        m_g, l_g, a_g = _merge(m_g, l_g, a_g, m, l_s, acc, active)
-    _finish(o_ptr, t, head, stride_ot, stride_oh, l_g, a_g, row_ok, offs_d)
+    m8, l8, a8, f8 = _load_chunk(
+        m_buf, l_buf, a_buf, pos, 0, h, n_kv_heads, n_rows, rows, offs_d, SEG, D, ROWS, COLS
+    )
+    for c in range(0, tl.cdiv(tl.max(pos, 0) // SEG + 1, 8)):
+        m_n, l_n, a_n, f_n = _load_chunk(
+            m_buf, l_buf, a_buf, pos, c + 1, h, n_kv_heads, n_rows, rows, offs_d, SEG, D, ROWS,
+            COLS,
+        )  # fmt: skip
+        ms = _take8(m8)
+        ls = _take8(l8)
+        accs = _take8(a8)
+        fs = _take8(f8)
+        for i in tl.static_range(8):
+            m_g, l_g, a_g = _merge_cols(m_g, l_g, a_g, ms[i], ls[i], accs[i], fs[i] != 0)
+        m8, l8, a8, f8 = m_n, l_n, a_n, f_n
+    out = tl.math.div_rn(a_g, l_g)
+    out = tl.where(out == 0.0, 0.0, out)  # +0 for every zero, as _finish
+    dst = o_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(dst, out.to(tl.bfloat16), mask=row_ok[:, None])
 
 
 def attention(
