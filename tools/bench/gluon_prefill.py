@@ -183,19 +183,8 @@ def _gl_attn(
                 alpha_o = gl.convert_layout(alpha, row_o)
                 acc_in = acc_t * alpha_o[:, None]
                 gl.thread_barrier()
-                _load_kv(
-                    k_desc,
-                    v_desc,
-                    k_smem,
-                    v_smem,
-                    bars,
-                    j + STAGES - 1,
-                    j_last,
-                    h,
-                    BLOCK_N,
-                    D,
-                    STAGES,
-                )
+                nxt = j + STAGES - 1  # into the stage of block j - 1, whose products are done
+                _load_kv(k_desc, v_desc, k_smem, v_smem, bars, nxt, j_last, h, BLOCK_N, D, STAGES)
                 if j + 1 < j_hi:
                     st1 = (j + 1) % STAGES
                     mbarrier.wait(bars.index(st1), ((j + 1) // STAGES) & 1)
@@ -229,19 +218,8 @@ def _gl_attn(
             for j in range(j_lo, j_hi):
                 st = j % STAGES
                 gl.thread_barrier()
-                _load_kv(
-                    k_desc,
-                    v_desc,
-                    k_smem,
-                    v_smem,
-                    bars,
-                    j + STAGES - 1,
-                    j_last,
-                    h,
-                    BLOCK_N,
-                    D,
-                    STAGES,
-                )
+                nxt = j + STAGES - 1  # into the stage of block j - 1, whose products are done
+                _load_kv(k_desc, v_desc, k_smem, v_smem, bars, nxt, j_last, h, BLOCK_N, D, STAGES)
                 mbarrier.wait(bars.index(st), (j // STAGES) & 1)
                 s = warpgroup_mma(
                     q_smem, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True
