@@ -194,8 +194,9 @@ def _merge(m_g, l_g, a_g, m_s, l_s, a_s, active):
 
 @triton.jit
 def _finish(o_ptr, t, head, stride_ot, stride_oh, l_g, a_g, row_ok, offs_d):
-    """Write out = bf16(a_g / l_g) (IEEE division) at the rows' heads, columns ``offs_d``."""
-    num, den = tl.broadcast(a_g, l_g[:, None])
+    """Write out = bf16(a_g / l_g) (IEEE division) at the rows' heads, columns ``offs_d``;
+    ``l_g`` [ROWS, 1] or [ROWS, COLS] (broadcast against ``a_g``)."""
+    num, den = tl.broadcast(a_g, l_g)
     out = tl.math.div_rn(num, den)
     out = tl.where(out == 0.0, 0.0, out)  # +0 for every zero: signs of zero terms move no byte
     dst = o_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -218,7 +219,7 @@ def _one_segment(
     l_g = tl.zeros([BLOCK_M], tl.float32)
     a_g = tl.zeros([BLOCK_M, D], tl.float32)
     m_g, l_g, a_g = _merge(m_g, l_g, a_g, m, l_s, acc, pos >= 0)
-    _finish(o_ptr, t, head, stride_ot, stride_oh, l_g, a_g, row_ok, tl.arange(0, D))
+    _finish(o_ptr, t, head, stride_ot, stride_oh, l_g[:, None], a_g, row_ok, tl.arange(0, D))
 
 
 @triton.jit
@@ -309,7 +310,7 @@ def _attn_kernel(
                 scale, BLOCK_M, BLOCK_N, D, pos_ptr, 0, 0, 0,
             )  # fmt: skip
             m_g, l_g, a_g = _merge(m_g, l_g, a_g, m, l_s, acc, pos >= s_idx * SEG)
-        _finish(o_ptr, t, head, stride_ot, stride_oh, l_g, a_g, row_ok, tl.arange(0, D))
+        _finish(o_ptr, t, head, stride_ot, stride_oh, l_g[:, None], a_g, row_ok, tl.arange(0, D))
 
 
 @triton.jit
@@ -428,10 +429,7 @@ def _combine_kernel(
         for i in tl.static_range(8):
             m_g, l_g, a_g = _merge_cols(m_g, l_g, a_g, ms[i], ls[i], accs[i], fs[i] != 0)
         m8, l8, a8, f8 = m_n, l_n, a_n, f_n
-    out = tl.math.div_rn(a_g, l_g)
-    out = tl.where(out == 0.0, 0.0, out)  # +0 for every zero, as _finish
-    dst = o_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(dst, out.to(tl.bfloat16), mask=row_ok[:, None])
+    _finish(o_ptr, t, head, stride_ot, stride_oh, l_g, a_g, row_ok, offs_d)
 
 
 def attention(
