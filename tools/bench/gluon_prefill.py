@@ -11,7 +11,7 @@ buffers. On the H200 it gave the Triton program's bytes in every case tried (doc
 (producer/consumer warps, asynchronous products) without leaving the program's bytes.
 
 Not covered (a program would need them): the device-side position check (trap), head sizes
-other than 128 and blocks other than 32 are untested, and keys in [pos_max + 1, kv_len) are
+other than 128 and blocks other than 32 are untested, and keys in [pos_max + 1, S) are
 read where the Triton program reads zeros (the same bytes unless such a V is inf or NaN).
 
     PYTHONPATH=packages/shared-exact/src python3 tools/bench/gluon_prefill.py [--json F]
@@ -89,7 +89,6 @@ def _gl_attn(
     o_ptr,
     pos_ptr,
     n_rows,
-    kv_len,
     scale,
     stride_qt,
     stride_qh,
@@ -297,7 +296,7 @@ def gl_attention(q, k, v, positions, *, block=32, segment=512, stages=3, overlap
     vd = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [block, d], lay)
     n_rows = n_q * g
     _gl_attn[(triton.cdiv(n_rows, 64), h_kv)](
-        q, kd, vd, out, positions, n_rows, s_len, _default_scale(d),
+        q, kd, vd, out, positions, n_rows, _default_scale(d),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         G=g, D=d, BLOCK_M=64, BLOCK_N=block, SEG_BLOCKS=segment // block, STAGES=stages,
         OVERLAP=overlap, PV_ASYNC=pv_async, num_warps=4, enable_fp_fusion=False,
