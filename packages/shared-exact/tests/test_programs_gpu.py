@@ -553,6 +553,8 @@ DECODE_LENS = (1, 31, 32, 33, 100, 2047, 2048, 2049, 3000, 4100)
         (16, 32, 4, "warpgroup"),
         (32, 32, 4, None),
         (64, 32, 4, "warpgroup"),
+        (48, 32, 4, "warpgroup"),  # pages that do not divide the segment: a table entry held
+        (8, 32, 4, "warpgroup"),  # more pages a segment than the tile holds: looked up
         (16, 64, 4, "one_warp"),
         (16, 64, 4, "warpgroup"),
         (32, 32, 16, "one_warp"),
@@ -565,7 +567,9 @@ def test_paged_decode_gives_each_request_the_contiguous_bytes(page, block, g, ti
     two padding requests of seq_len 0): each row is the bytes of attention.blocked on the
     request's contiguous keys, decoded alone; one ulp in one query row is caught. Up to 16
     query heads per kv head a program is one warp when the grid fills the GPU, else (and
-    beyond 16 heads) a 64-row warpgroup: ``tile`` forces one of them (None: by shape)."""
+    beyond 16 heads) a 64-row warpgroup: ``tile`` forces one of them (None: by shape). The
+    warpgroup takes a block's pages from the segment's table entries, loaded once, where
+    they fit its registers (pages of 16 and more at segment 512), else looks them up."""
     mod = importlib.import_module("lockstep_exact.programs.cuda.attention")
     if tile is not None:
         forced = mod._ONE_WARP_TILE if tile == "one_warp" else mod._TILE
