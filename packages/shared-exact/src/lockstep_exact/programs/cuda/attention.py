@@ -137,10 +137,9 @@ def _segment(
     j_mid = tl.maximum(j_lo, tl.minimum(j_hi, j_full))
     k_next = offs_n.to(tl.int64)  # the paged rows of the next block (a placeholder unpaged)
     v_next = k_next
-    first = (j_lo * BLOCK_N) // PAGE if PAGE > 0 else 0  # the segment's first page
-    held = tl.zeros([NP if NP > 0 else 1], tl.int32)  # its table entries (NP > 0)
     if PAGE > 0:
         if NP > 0:
+            first = (j_lo * BLOCK_N) // PAGE  # the segment's first page, and its entries:
             at = first + tl.arange(0, NP)
             held = tl.load(bt_ptr + at, mask=at <= (j_mid * BLOCK_N - 1) // PAGE, other=0)
         else:
@@ -666,12 +665,15 @@ def _paged_tile(programs: int, g: int, device: torch.device) -> tuple[int, int]:
     return _ONE_WARP_TILE if programs >= _sm_count(device) else _TILE
 
 
-def _table_held(segment: int, page: int) -> int:
-    """How many table entries the 64-row tile holds for a segment: a power of two covering
-    the pages one segment's keys can span, or 0 (look pages up block by block) past
-    ``_TABLE_HELD_MAX``. The one-warp tile always looks up: compiled for sm_90a, holding the
-    entries took it to 255 registers with spills (it serves batches, whose programs fill the
-    GPU, where the lookups' latency hides)."""
+def _table_held(segment: int, page: int, block_m: int) -> int:
+    """How many table entries a paged decode program of ``block_m`` rows holds for a
+    segment: for the 64-row tile a power of two covering the pages one segment's keys can
+    span, or 0 (look pages up block by block) past ``_TABLE_HELD_MAX``. The one-warp tile
+    always looks up: compiled for sm_90a, holding the entries took it to 255 registers with
+    spills (it serves batches, whose programs fill the GPU, where the lookups' latency
+    hides)."""
+    if block_m != _TILE[0]:
+        return 0
     held = triton.next_power_of_2(triton.cdiv(segment, page) + 1)
     return held if held <= _TABLE_HELD_MAX else 0
 
@@ -759,8 +761,8 @@ def attention_decode_paged(
         key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0),
         G=g, D=d, BLOCK_M=block_m, BLOCK_N=block, SEG_BLOCKS=segment // block, SEG=segment,
-        PAGE=page, NP=_table_held(segment, page) if block_m == _TILE[0] else 0,
-        num_warps=num_warps, num_stages=_NUM_STAGES, **EXACT,
+        PAGE=page, NP=_table_held(segment, page, block_m), num_warps=num_warps,
+        num_stages=_NUM_STAGES, **EXACT,
     )  # fmt: skip
     _combine(out, positions, m_buf, l_buf, a_buf, g, segment, seq_lens, reach)
     return out
