@@ -1,30 +1,39 @@
 """A measurement probe, not a program: attention.blocked's prefill as a Gluon kernel (Hopper).
 
-Issue 12, tenth session. The committed cuda program (programs/cuda/attention.py) is Triton:
-its layouts, its waits on the tensor cores and its register use are the compiler's. This
-kernel computes the same arithmetic with each of them written out: the 64-row tile of one
-warpgroup (wgmma m64n32k16 for QK, m64n128k16 for PV, the P operand from registers), the
-32-key block and 512-key segment of the lanes' contract, the masked block's ``where``s, the
-in-order segment merges, ``div_rn`` at the end; K and V come by TMA into a ring of shared
-buffers. On the H200 it gave the Triton program's bytes in every case tried (docs/gpu.md,
-"A Gluon prefill"), so it is a base for the Hopper-specific work the prefill target needs
-(producer/consumer warps, asynchronous products) without leaving the program's bytes.
+Issue 12. The committed cuda program (programs/cuda/attention.py) is Triton: its layouts, its
+waits on the tensor cores and its register use are the compiler's. This kernel computes the
+same arithmetic with each of them written out: the 64-row tile of one warpgroup (wgmma
+m64n{block}k16 for QK from shared Q, m64n{D}k16 for PV with P in registers), the key block and
+segment of the lanes' contract, the masked block's ``where``s, the in-order segment merges,
+``div_rn`` at the end; K and V come by TMA into a ring of shared buffers (each block is
+requested two blocks ahead). On the H200 it gives the Triton program's bytes (docs/gpu.md,
+"A Gluon prefill" and the twelfth session), so it measures what a schedule buys before any
+program carries it.
+
+Variants (each a constexpr of the one kernel):
+- ``pair``: the unmasked blocks two at a time, both QK products issued before the first
+  block's softmax, so the second product's latency hides behind it (4 stages).
+- ``ag_global``: the running segment state's accumulator kept in global scratch between
+  segments (read and written only by tiles with more than one segment), and the masked block
+  split into an all-rows-see-a-key path (no ``where``) and a path that parks the old
+  accumulator in scratch: fewer registers (181 against 246).
+- ``block``: 64 or 128 keys a block (other lane contracts; compared with the program at the
+  same block).
+- ``fast_exp``: NOT the contract, timing only: ``ex2.approx.ftz`` of scores pre-scaled by
+  scale * log2(e) (what FlashAttention-3 computes), to show what the contract's exp costs.
 
 Not covered (a program would need them): the device-side position check (trap), head sizes
-other than 128 and blocks other than 32 are untested, and keys in [pos_max + 1, S) are
-read where the Triton program reads zeros (the same bytes unless such a V is inf or NaN).
+other than 128 are untested, and keys in [pos_max + 1, S) are read where the Triton program
+reads zeros (the same bytes unless such a V is inf or NaN).
 
     PYTHONPATH=packages/shared-exact/src python3 tools/bench/gluon_prefill.py [--json F]
-
-``OVERLAP`` issues the next block's QK product before this block's softmax; ``PV_ASYNC``
-also leaves the PV product in flight across the loop (ptxas then serializes the products:
-its warning C7515). Both were slower on the H200 (docs/gpu.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import torch
 import triton
@@ -35,41 +44,25 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
 
 @gluon.jit
-def _merge(m_g, l_g, a_g, m_s, l_s, a_s, active, row_o: gl.constexpr):
-    m_new = gl.maximum(m_g, m_s)
-    m_safe = gl.where(active, m_new, 0.0)
-    alpha = gl.exp(m_g - m_safe)
-    beta = gl.exp(m_s - m_safe)
-    l_new = l_g * alpha + l_s * beta
-    alpha_o = gl.convert_layout(alpha, row_o)
-    beta_o = gl.convert_layout(beta, row_o)
-    a_new = a_g * alpha_o[:, None] + a_s * beta_o[:, None]
-    m_g = gl.where(active, m_new, m_g)
-    l_g = gl.where(active, l_new, l_g)
-    a_g = gl.where(gl.convert_layout(active, row_o)[:, None], a_new, a_g)
-    return m_g, l_g, a_g
+def _exp(x, FAST_EXP: gl.constexpr):
+    if FAST_EXP:  # not the contract (see the module docstring): x is already in log2 units
+        return gl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1
+        )
+    else:
+        return gl.exp(x)
 
 
 @gluon.jit
-def _load_kv(
-    k_desc,
-    v_desc,
-    k_smem,
-    v_smem,
-    bars,
-    j,
-    j_last,
-    h,
-    BLOCK_N: gl.constexpr,
-    D: gl.constexpr,
-    STAGES: gl.constexpr,
-):
+def _load_kv(k_desc, v_desc, k_smem, v_smem, bars, j, j_last, h, STAGES: gl.constexpr):
+    """Request key block j (nothing past j_last) into stage j % STAGES."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    D: gl.constexpr = k_desc.block_type.shape[1]
     st = j % STAGES
     ok = j <= j_last
     mbarrier.expect(bars.index(st), 2 * BLOCK_N * D * 2, pred=ok)
@@ -82,27 +75,48 @@ def _load_kv(
 
 
 @gluon.jit
+def _unmasked(s, m, l_s, acc, v_buf, scale, FAST_EXP: gl.constexpr, p_op: gl.constexpr,
+              row_o: gl.constexpr):  # fmt: skip
+    """One block every row sees whole: the program's unmasked step, PV issued and awaited."""
+    s = s * scale
+    m_new = gl.maximum(m, gl.max(s, 1))
+    alpha = _exp(m - m_new, FAST_EXP)
+    p = _exp(s - m_new[:, None], FAST_EXP)
+    l_s = l_s * alpha + gl.sum(p, 1)
+    pb = gl.convert_layout(p.to(gl.bfloat16), p_op)
+    alpha_o = gl.convert_layout(alpha, row_o)
+    acc = warpgroup_mma(pb, v_buf, acc * alpha_o[:, None], is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    return m_new, l_s, acc
+
+
+@gluon.jit
+def _finish(o_ptr, tile, h, n_rows, stride_ot, stride_oh, a_g, l_g, r_o, c_o,
+            G: gl.constexpr, BLOCK_M: gl.constexpr, row_o: gl.constexpr):  # fmt: skip
+    l_o = gl.convert_layout(l_g, row_o)
+    num, den = gl.broadcast(a_g, l_o[:, None])
+    out = gl.div_rn(num, den)
+    out = gl.where(out == 0.0, 0.0, out)
+    rows_o = tile * BLOCK_M + r_o
+    dst = (
+        o_ptr
+        + (rows_o // G)[:, None] * stride_ot
+        + (h * G + rows_o % G)[:, None] * stride_oh
+        + c_o[None, :]
+    )
+    gl.store(dst, out.to(gl.bfloat16), mask=(rows_o < n_rows)[:, None])
+
+
+@gluon.jit
 def _gl_attn(
-    q_ptr,
-    k_desc,
-    v_desc,
-    o_ptr,
-    pos_ptr,
-    n_rows,
-    scale,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    G: gl.constexpr,
-    D: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    SEG_BLOCKS: gl.constexpr,
-    STAGES: gl.constexpr,
-    OVERLAP: gl.constexpr,
-    PV_ASYNC: gl.constexpr,
-):
+    q_ptr, k_desc, v_desc, o_ptr, pos_ptr, ag_ptr, park_ptr, n_rows, scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    G: gl.constexpr, SEG_BLOCKS: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
+    AG_GLOBAL: gl.constexpr, FAST_EXP: gl.constexpr,
+):  # fmt: skip
+    BLOCK_M: gl.constexpr = 64
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    D: gl.constexpr = k_desc.block_type.shape[1]
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -120,17 +134,20 @@ def _gl_attn(
     n_tiles = gl.cdiv(n_rows, BLOCK_M)
     tile = n_tiles - 1 - gl.program_id(0)
     h = gl.program_id(1)
+    r_o = gl.arange(0, BLOCK_M, layout=row_o)
+    c_o = gl.arange(0, D, layout=col_o)
+    slot = (h * n_tiles + gl.program_id(0)).to(gl.int64) * (BLOCK_M * D)
+    sc_off = slot + r_o[:, None] * D + c_o[None, :]  # this program's scratch, in mma_o layout
 
     rows_l = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
     offs_dl = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
-    ok_l = rows_l < n_rows
     q_src = (
         q_ptr
         + (rows_l // G)[:, None] * stride_qt
         + (h * G + rows_l % G)[:, None] * stride_qh
         + offs_dl[None, :]
     )
-    q = gl.load(q_src, mask=ok_l[:, None], other=0.0)
+    q = gl.load(q_src, mask=(rows_l < n_rows)[:, None], other=0.0)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D], q_sl, q)
 
     rows = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
@@ -148,167 +165,168 @@ def _gl_attn(
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
     fence_async_shared()
-    for i in gl.static_range(STAGES - 1):
-        _load_kv(k_desc, v_desc, k_smem, v_smem, bars, i, j_last, h, BLOCK_N, D, STAGES)
+    # Before block j is used, blocks up to j + 1 are requested; a block's stage is reused only
+    # once every warp is past the block that held it (the thread barriers below).
+    for i in gl.static_range(2):
+        _load_kv(k_desc, v_desc, k_smem, v_smem, bars, i, j_last, h, STAGES)
 
     m_g = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
     l_g = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
     a_g = gl.zeros([BLOCK_M, D], gl.float32, layout=mma_o)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_s)
-    for s_idx in range(0, j_last // SEG_BLOCKS + 1):
+    n_seg = j_last // SEG_BLOCKS + 1
+    for s_idx in range(0, n_seg):
         j_lo = s_idx * SEG_BLOCKS
         j_hi = gl.minimum(j_lo + SEG_BLOCKS, j_last + 1)
         m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
         l_s = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
         acc = gl.zeros([BLOCK_M, D], gl.float32, layout=mma_o)
-        if OVERLAP:
-            acc = warpgroup_mma_init(acc)
-            st0 = j_lo % STAGES
-            mbarrier.wait(bars.index(st0), (j_lo // STAGES) & 1)
-            s_next = warpgroup_mma(
-                q_smem, k_smem.index(st0).permute((1, 0)), s_zero, use_acc=False, is_async=True
-            )
-            for j in range(j_lo, j_hi):
-                st = j % STAGES
-                s, acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc))
-                s = s * scale
-                masked = j >= j_full
-                kpos = j * BLOCK_N + offs_n
-                s = gl.where((kpos[None, :] <= pos[:, None]) | (not masked), s, float("-inf"))
-                m_new = gl.maximum(m, gl.max(s, 1))
-                active = (pos >= j * BLOCK_N) | (not masked)
-                m_safe = gl.where(active, m_new, 0.0)
-                alpha = gl.exp(m - m_safe)
-                alpha_o = gl.convert_layout(alpha, row_o)
-                acc_in = acc_t * alpha_o[:, None]
+        j_one = j_lo
+        if PAIR:
+            n_pair = gl.maximum(gl.minimum(j_hi, j_full) - j_lo, 0) // 2
+            for pi in range(0, n_pair):
+                ja = j_lo + 2 * pi
+                st_a = ja % STAGES
+                st_b = (ja + 1) % STAGES
                 gl.thread_barrier()
-                nxt = j + STAGES - 1  # into the stage of block j - 1, whose products are done
-                _load_kv(k_desc, v_desc, k_smem, v_smem, bars, nxt, j_last, h, BLOCK_N, D, STAGES)
-                if j + 1 < j_hi:
-                    st1 = (j + 1) % STAGES
-                    mbarrier.wait(bars.index(st1), ((j + 1) // STAGES) & 1)
-                    s_next = warpgroup_mma(
-                        q_smem,
-                        k_smem.index(st1).permute((1, 0)),
-                        s_zero,
-                        use_acc=False,
-                        is_async=True,
-                    )
-                p = gl.exp(s - m_safe[:, None])
+                _load_kv(k_desc, v_desc, k_smem, v_smem, bars, ja + 2, j_last, h, STAGES)
+                _load_kv(k_desc, v_desc, k_smem, v_smem, bars, ja + 3, j_last, h, STAGES)
+                mbarrier.wait(bars.index(st_a), (ja // STAGES) & 1)
+                mbarrier.wait(bars.index(st_b), ((ja + 1) // STAGES) & 1)
+                s_a = warpgroup_mma(
+                    q_smem, k_smem.index(st_a).permute((1, 0)), s_zero, use_acc=False,
+                    is_async=True,
+                )  # fmt: skip
+                s_b = warpgroup_mma(
+                    q_smem, k_smem.index(st_b).permute((1, 0)), s_zero, use_acc=False,
+                    is_async=True,
+                )  # fmt: skip
+                s_a = warpgroup_mma_wait(num_outstanding=1, deps=(s_a,))
+                m, l_s, acc = _unmasked(
+                    s_a, m, l_s, acc, v_smem.index(st_a), scale, FAST_EXP, p_op, row_o
+                )
+                s_b = warpgroup_mma_wait(num_outstanding=0, deps=(s_b,))
+                m, l_s, acc = _unmasked(
+                    s_b, m, l_s, acc, v_smem.index(st_b), scale, FAST_EXP, p_op, row_o
+                )
+            j_one = j_lo + 2 * n_pair
+        for j in range(j_one, j_hi):
+            st = j % STAGES
+            gl.thread_barrier()
+            _load_kv(k_desc, v_desc, k_smem, v_smem, bars, j + 2, j_last, h, STAGES)
+            mbarrier.wait(bars.index(st), (j // STAGES) & 1)
+            s = warpgroup_mma(
+                q_smem, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True
+            )
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            if j < j_full:
+                m, l_s, acc = _unmasked(
+                    s, m, l_s, acc, v_smem.index(st), scale, FAST_EXP, p_op, row_o
+                )
+            elif AG_GLOBAL and pos_min >= j * BLOCK_N:  # every row sees a key of this block
+                kpos = j * BLOCK_N + offs_n
+                s = gl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))  # then scaled
+                m, l_s, acc = _unmasked(
+                    s, m, l_s, acc, v_smem.index(st), scale, FAST_EXP, p_op, row_o
+                )
+            else:
+                s = s * scale
+                kpos = j * BLOCK_N + offs_n
+                s = gl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
+                m_new = gl.maximum(m, gl.max(s, 1))
+                active = pos >= j * BLOCK_N
+                m_safe = gl.where(active, m_new, 0.0)
+                alpha = _exp(m - m_safe, FAST_EXP)
+                p = _exp(s - m_safe[:, None], FAST_EXP)
                 l_new = l_s * alpha + gl.sum(p, 1)
                 pb = gl.convert_layout(p.to(gl.bfloat16), p_op)
-                if PV_ASYNC:
-                    acc = warpgroup_mma(pb, v_smem.index(st), acc_in, is_async=True)
-                else:
-                    acc = warpgroup_mma_init(
-                        warpgroup_mma(pb, v_smem.index(st), acc_in, is_async=False)
-                    )
-                if masked:
-                    acc_new = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    active_o = gl.convert_layout(active, row_o)
-                    acc = warpgroup_mma_init(gl.where(active_o[:, None], acc_new, acc_t))
-                    m = gl.where(active, m_new, m)
-                    l_s = gl.where(active, l_new, l_s)
-                else:
-                    m = m_new
-                    l_s = l_new
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        else:
-            for j in range(j_lo, j_hi):
-                st = j % STAGES
-                gl.thread_barrier()
-                nxt = j + STAGES - 1  # into the stage of block j - 1, whose products are done
-                _load_kv(k_desc, v_desc, k_smem, v_smem, bars, nxt, j_last, h, BLOCK_N, D, STAGES)
-                mbarrier.wait(bars.index(st), (j // STAGES) & 1)
-                s = warpgroup_mma(
-                    q_smem, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True
-                )
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                s = s * scale
-                if j < j_full:
-                    m_new = gl.maximum(m, gl.max(s, 1))
-                    alpha = gl.exp(m - m_new)
-                    p = gl.exp(s - m_new[:, None])
-                    l_s = l_s * alpha + gl.sum(p, 1)
-                    pb = gl.convert_layout(p.to(gl.bfloat16), p_op)
-                    alpha_o = gl.convert_layout(alpha, row_o)
-                    acc = warpgroup_mma(pb, v_smem.index(st), acc * alpha_o[:, None], is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    m = m_new
-                else:
-                    kpos = j * BLOCK_N + offs_n
-                    s = gl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
-                    m_new = gl.maximum(m, gl.max(s, 1))
-                    active = pos >= j * BLOCK_N
-                    m_safe = gl.where(active, m_new, 0.0)
-                    alpha = gl.exp(m - m_safe)
-                    p = gl.exp(s - m_safe[:, None])
-                    l_new = l_s * alpha + gl.sum(p, 1)
-                    pb = gl.convert_layout(p.to(gl.bfloat16), p_op)
-                    alpha_o = gl.convert_layout(alpha, row_o)
-                    acc_new = warpgroup_mma(
-                        pb, v_smem.index(st), acc * alpha_o[:, None], is_async=True
-                    )
-                    acc_new = warpgroup_mma_wait(num_outstanding=0, deps=(acc_new,))
-                    active_o = gl.convert_layout(active, row_o)
-                    m = gl.where(active, m_new, m)
-                    l_s = gl.where(active, l_new, l_s)
-                    acc = gl.where(active_o[:, None], acc_new, acc)
-        m_g, l_g, a_g = _merge(
-            m_g, l_g, a_g, m, l_s, acc, pos >= s_idx * (SEG_BLOCKS * BLOCK_N), row_o
-        )
+                alpha_o = gl.convert_layout(alpha, row_o)
+                active_o = gl.convert_layout(active, row_o)
+                if AG_GLOBAL:  # park the old accumulator instead of holding two
+                    gl.store(park_ptr + sc_off, acc)
+                acc_new = warpgroup_mma(pb, v_smem.index(st), acc * alpha_o[:, None], is_async=True)
+                acc_new = warpgroup_mma_wait(num_outstanding=0, deps=(acc_new,))
+                if AG_GLOBAL:
+                    acc = gl.load(park_ptr + sc_off, volatile=True)
+                acc = gl.where(active_o[:, None], acc_new, acc)
+                m = gl.where(active, m_new, m)
+                l_s = gl.where(active, l_new, l_s)
+        # fold the segment into the running state (the program's _merge)
+        active = pos >= s_idx * (SEG_BLOCKS * BLOCK_N)
+        m_new = gl.maximum(m_g, m)
+        m_safe = gl.where(active, m_new, 0.0)
+        alpha = _exp(m_g - m_safe, FAST_EXP)
+        beta = _exp(m - m_safe, FAST_EXP)
+        l_g = gl.where(active, l_g * alpha + l_s * beta, l_g)
+        m_g = gl.where(active, m_new, m_g)
+        alpha_o = gl.convert_layout(alpha, row_o)
+        beta_o = gl.convert_layout(beta, row_o)
+        active_o = gl.convert_layout(active, row_o)
+        if AG_GLOBAL:
+            if s_idx > 0:
+                a_g = gl.load(ag_ptr + sc_off, volatile=True)
+            else:
+                a_g = gl.zeros([BLOCK_M, D], gl.float32, layout=mma_o)
+        a_g = gl.where(active_o[:, None], a_g * alpha_o[:, None] + acc * beta_o[:, None], a_g)
+        if AG_GLOBAL:
+            if s_idx + 1 < n_seg:
+                gl.store(ag_ptr + sc_off, a_g)
+            else:
+                _finish(o_ptr, tile, h, n_rows, stride_ot, stride_oh, a_g, l_g, r_o, c_o, G,
+                        BLOCK_M, row_o)  # fmt: skip
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
-    l_o = gl.convert_layout(l_g, row_o)
-    num, den = gl.broadcast(a_g, l_o[:, None])
-    out = gl.div_rn(num, den)
-    out = gl.where(out == 0.0, 0.0, out)
-    rows_o = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
-    offs_do = gl.arange(0, D, layout=col_o)
-    dst = (
-        o_ptr
-        + (rows_o // G)[:, None] * stride_ot
-        + (h * G + rows_o % G)[:, None] * stride_oh
-        + offs_do[None, :]
-    )
-    gl.store(dst, out.to(gl.bfloat16), mask=(rows_o < n_rows)[:, None])
+    if not AG_GLOBAL:
+        _finish(o_ptr, tile, h, n_rows, stride_ot, stride_oh, a_g, l_g, r_o, c_o, G, BLOCK_M, row_o)
 
 
-def kv_layout(block_n: int, d: int):
-    return gl.NVMMASharedLayout.get_default_for([block_n, d], gl.bfloat16)
-
-
-def gl_attention(q, k, v, positions, *, block=32, segment=512, stages=3, overlap=False,
-                 pv_async=False):  # fmt: skip
+def gl_attention(q, k, v, positions, *, block=32, segment=512, stages=3, pair=False,
+                 ag_global=False, fast_exp=False, maxnreg=None, scratch=None):  # fmt: skip
     """attention.blocked (prefill, no split) for q [T, Hq, D], k/v [S, Hkv, D] bf16 and int32
-    positions [T], the default scale."""
+    positions [T], the default scale. ``scratch``: fp32, at least 2 * tiles * Hkv * 64 * D."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from lockstep_exact.programs.cuda.attention import _default_scale
 
+    assert stages >= (4 if pair else 3), "blocks are requested two ahead (pairs: three)"
     n_q, h_q, d = q.shape
     s_len, h_kv, _ = k.shape
     g = h_q // h_kv
     out = torch.empty_like(q)
-    lay = kv_layout(block, d)
+    lay = gl.NVMMASharedLayout.get_default_for([block, d], gl.bfloat16)
     k2, v2 = k.reshape(s_len, h_kv * d), v.reshape(s_len, h_kv * d)
     kd = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [block, d], lay)
     vd = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [block, d], lay)
     n_rows = n_q * g
-    _gl_attn[(triton.cdiv(n_rows, 64), h_kv)](
-        q, kd, vd, out, positions, n_rows, _default_scale(d),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        G=g, D=d, BLOCK_M=64, BLOCK_N=block, SEG_BLOCKS=segment // block, STAGES=stages,
-        OVERLAP=overlap, PV_ASYNC=pv_async, num_warps=4, enable_fp_fusion=False,
+    n_tiles = triton.cdiv(n_rows, 64)
+    half = n_tiles * h_kv * 64 * d
+    if scratch is None or scratch.numel() < 2 * half:
+        scratch = torch.empty(2 * half if ag_global else 2, dtype=torch.float32, device=q.device)
+    scale = _default_scale(d) * (math.log2(math.e) if fast_exp else 1.0)
+    _gl_attn[(n_tiles, h_kv)](
+        q, kd, vd, out, positions, scratch, scratch[half:] if ag_global else scratch, n_rows,
+        scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        G=g, SEG_BLOCKS=segment // block, STAGES=stages, PAIR=pair, AG_GLOBAL=ag_global,
+        FAST_EXP=fast_exp, num_warps=4, enable_fp_fusion=False,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )  # fmt: skip
     return out
 
 
-VARIANTS = {
+EXACT = {  # compared byte for byte with the program at the same block
     "gluon": {},
-    "gluon 4 stages": {"stages": 4},
-    "gluon QK ahead": {"overlap": True},
-    "gluon QK ahead, PV in flight": {"overlap": True, "pv_async": True},
+    "gluon, pairs of QK products, 4 stages": {"pair": True, "stages": 4},
+    "gluon, accumulator of the segments in scratch": {"ag_global": True},
+    "the same, maxnreg 168 (3 programs an SM)": {"ag_global": True, "maxnreg": 168},
+    "the same, block 64": {"ag_global": True, "block": 64},
+    "the same, block 128": {"ag_global": True, "block": 128},
+}
+NOT_CONTRACT = {  # timing only; beside the scratch-accumulator variants they change
+    "scratch accumulator, ex2.ftz with the scale folded (not the contract)": {
+        "ag_global": True,
+        "fast_exp": True,
+    },
+    "the same, block 64 (not the contract)": {"ag_global": True, "fast_exp": True, "block": 64},
 }
 
 
@@ -326,24 +344,44 @@ def main() -> None:
         torch.randn(8192, n, d, device="cuda", generator=gen).to(torch.bfloat16)
         for n in (h, h_kv, h_kv)
     )
+
+    def case(t, off, kind=""):
+        if kind == "every second position":  # masked blocks where some rows see no key
+            pos = torch.arange(off, 2 * t, 2, device="cuda", dtype=torch.int32)
+            return qp[: pos.numel()], kp[: 2 * t], vp[: 2 * t], pos
+        if kind == "scattered":
+            pos = torch.tensor([3, 100, 511, 512, 513, 4000], device="cuda", dtype=torch.int32)
+            return qp[:6], kp[:4100], vp[:4100], pos
+        return qp[off:t], kp[:t], vp[:t], torch.arange(off, t, device="cuda", dtype=torch.int32)
+
+    cases = [(700, 0), (2048, 0), (2048, 333), (1500, 1000), (8192, 0),
+             (1300, 0, "every second position"), (6, 0, "scattered")]  # fmt: skip
     res: dict = {}
-    for name, kw in VARIANTS.items():
+    for name, kw in EXACT.items():
         same = {}
-        for t, off in ((700, 0), (2048, 0), (2048, 333), (1500, 1000), (8192, 0)):
-            q, k, v = qp[off:t], kp[:t], vp[:t]
-            pos = torch.arange(off, t, device="cuda", dtype=torch.int32)
-            same[f"T={t} from {off}"] = bool(
-                torch.equal(attention(q, k, v, pos), gl_attention(q, k, v, pos, **kw))
-            )
+        for c in cases:
+            q, k, v, pos = case(*c)
+            ref = attention(q, k, v, pos, block=kw.get("block", 32), split=False)
+            same[" ".join(map(str, c))] = bool(torch.equal(ref, gl_attention(q, k, v, pos, **kw)))
+        q, k, v, pos = case(700, 0)
+        v = v.clone()
+        before = gl_attention(q, k, v, pos, **kw)
+        v.view(torch.int16)[650, 3, 7] += 1  # one ulp of one value a late row sees
+        same["one ulp of V moves the bytes"] = not torch.equal(
+            before, gl_attention(q, k, v, pos, **kw)
+        )
         res[f"{name}: same bytes"] = same
         print(name, same, flush=True)
     for t in (2048, 8192):
-        q, k, v = qp[:t], kp[:t], vp[:t]
-        pos = torch.arange(t, device="cuda", dtype=torch.int32)
-        qkv = (q, k, v, pos)
+        qkv = case(t, 0)
+        scratch = torch.empty(2 * triton.cdiv(t * 4, 64) * h_kv * 64 * d, device="cuda")
         row = {"triton program": do_bench(lambda a=qkv: attention(*a), return_mode="median")}
-        for name, kw in VARIANTS.items():
-            row[name] = do_bench(lambda a=qkv, kw=kw: gl_attention(*a, **kw), return_mode="median")
+        for name, kw in {**EXACT, **NOT_CONTRACT}.items():
+            row[name] = do_bench(
+                lambda a=qkv, kw=kw, sc=scratch: gl_attention(*a, scratch=sc, **kw),
+                return_mode="median",
+            )
+        q, k, v, _ = qkv
         heads_first = tuple(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
         row["SDPA (GQA)"] = do_bench(
             lambda a=heads_first: torch.nn.functional.scaled_dot_product_attention(
