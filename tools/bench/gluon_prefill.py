@@ -10,15 +10,20 @@ requested two blocks ahead). On the H200 it gives the Triton program's bytes (do
 "A Gluon prefill" and the twelfth session), so it measures what a schedule buys before any
 program carries it.
 
-Variants (each a constexpr of the one kernel):
+Variants (constexprs of the one tile, ``_tile``, run by one warpgroup a program or by the
+warp-specialized kernel's two consumers):
 - ``pair``: the unmasked blocks two at a time, both QK products issued before the first
   block's softmax, so the second product's latency hides behind it (4 stages).
 - ``ag_global``: the running segment state's accumulator kept in global scratch between
   segments (read and written only by tiles with more than one segment), and the masked block
   split into an all-rows-see-a-key path (no ``where``) and a path that parks the old
-  accumulator in scratch: fewer registers (181 against 246).
+  accumulator in scratch: fewer registers (165 against 246).
 - ``block``: 64 or 128 keys a block (other lane contracts; compared with the program at the
   same block).
+- ``ws``: warp-specialized, FlashAttention-3's division of work without its ping-pong: one
+  warp issues every TMA copy into the ring (``empty``/``ready`` barriers), two consumer
+  warpgroups each compute one 64-row tile (tiles 2c and 2c + 1 of one kv head, so they share
+  K and V), with 240 registers each; ``stages`` 4.
 - ``fast_exp``: NOT the contract, timing only: ``ex2.approx.ftz`` of scores pre-scaled by
   scale * log2(e) (what FlashAttention-3 computes), to show what the contract's exp costs.
 
@@ -108,12 +113,33 @@ def _finish(o_ptr, tile, h, n_rows, stride_ot, stride_oh, a_g, l_g, r_o, c_o,
 
 
 @gluon.jit
-def _gl_attn(
-    q_ptr, k_desc, v_desc, o_ptr, pos_ptr, ag_ptr, park_ptr, n_rows, scale,
-    stride_qt, stride_qh, stride_ot, stride_oh,
+def _acquire(k_desc, v_desc, k_smem, v_smem, ready, j, j_last, h, STAGES: gl.constexpr,
+             WS: gl.constexpr):  # fmt: skip
+    """Wait until key block j sits in its stage. Without a producer warp (``WS`` False) this
+    warpgroup first requests block j + 2 into the stage of block j - 2 (or j - 1 with 3
+    stages), which every warp is past (the barrier)."""
+    if not WS:
+        gl.thread_barrier()
+        _load_kv(k_desc, v_desc, k_smem, v_smem, ready, j + 2, j_last, h, STAGES)
+    mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
+
+
+@gluon.jit
+def _release(empty, j, STAGES: gl.constexpr, WS: gl.constexpr):
+    """Hand key block j's stage back to the producer warp (one arrival per consumer)."""
+    if WS:
+        mbarrier.arrive(empty.index(j % STAGES), count=1)
+
+
+@gluon.jit
+def _tile(
+    q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, ag_ptr,
+    park_ptr, slot, tile, n_rows, scale, stride_qt, stride_qh, stride_ot, stride_oh,
     G: gl.constexpr, SEG_BLOCKS: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
-    AG_GLOBAL: gl.constexpr, FAST_EXP: gl.constexpr,
+    AG_GLOBAL: gl.constexpr, FAST_EXP: gl.constexpr, WS: gl.constexpr,
 ):  # fmt: skip
+    """The 64-row tile ``tile`` of kv head program_id(1), written out; returns the key blocks
+    it used (0 .. j_last)."""
     BLOCK_M: gl.constexpr = 64
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     D: gl.constexpr = k_desc.block_type.shape[1]
@@ -129,15 +155,11 @@ def _gl_attn(
     row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
     col_o: gl.constexpr = gl.SliceLayout(0, mma_o)
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    q_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
-    n_tiles = gl.cdiv(n_rows, BLOCK_M)
-    tile = n_tiles - 1 - gl.program_id(0)
     h = gl.program_id(1)
     r_o = gl.arange(0, BLOCK_M, layout=row_o)
     c_o = gl.arange(0, D, layout=col_o)
-    slot = (h * n_tiles + gl.program_id(0)).to(gl.int64) * (BLOCK_M * D)
-    sc_off = slot + r_o[:, None] * D + c_o[None, :]  # this program's scratch, in mma_o layout
+    sc_off = slot + r_o[:, None] * D + c_o[None, :]  # this tile's scratch, in mma_o layout
 
     rows_l = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
     offs_dl = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
@@ -147,8 +169,9 @@ def _gl_attn(
         + (h * G + rows_l % G)[:, None] * stride_qh
         + offs_dl[None, :]
     )
-    q = gl.load(q_src, mask=(rows_l < n_rows)[:, None], other=0.0)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D], q_sl, q)
+    q_smem.store(gl.load(q_src, mask=(rows_l < n_rows)[:, None], other=0.0))
+    fence_async_shared()
+    gl.thread_barrier()
 
     rows = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
     row_ok = rows < n_rows
@@ -158,17 +181,9 @@ def _gl_attn(
     j_last = pos_max // BLOCK_N
     j_full = (pos_min + 1) // BLOCK_N
     offs_n = gl.arange(0, BLOCK_N, layout=col_s)
-
-    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D], v_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    fence_async_shared()
-    # Before block j is used, blocks up to j + 1 are requested; a block's stage is reused only
-    # once every warp is past the block that held it (the thread barriers below).
-    for i in gl.static_range(2):
-        _load_kv(k_desc, v_desc, k_smem, v_smem, bars, i, j_last, h, STAGES)
+    if not WS:  # before block j is used, blocks up to j + 1 are requested
+        for i in gl.static_range(2):
+            _load_kv(k_desc, v_desc, k_smem, v_smem, ready, i, j_last, h, STAGES)
 
     m_g = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
     l_g = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
@@ -182,17 +197,18 @@ def _gl_attn(
         l_s = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
         acc = gl.zeros([BLOCK_M, D], gl.float32, layout=mma_o)
         j_one = j_lo
-        if PAIR:
+        if PAIR:  # unmasked blocks two at a time, both QK products issued together
             n_pair = gl.maximum(gl.minimum(j_hi, j_full) - j_lo, 0) // 2
             for pi in range(0, n_pair):
                 ja = j_lo + 2 * pi
                 st_a = ja % STAGES
                 st_b = (ja + 1) % STAGES
-                gl.thread_barrier()
-                _load_kv(k_desc, v_desc, k_smem, v_smem, bars, ja + 2, j_last, h, STAGES)
-                _load_kv(k_desc, v_desc, k_smem, v_smem, bars, ja + 3, j_last, h, STAGES)
-                mbarrier.wait(bars.index(st_a), (ja // STAGES) & 1)
-                mbarrier.wait(bars.index(st_b), ((ja + 1) // STAGES) & 1)
+                if WS:
+                    mbarrier.wait(ready.index(st_a), (ja // STAGES) & 1)
+                else:  # requests ja + 2 and ja + 3, into the stages of ja - 2 and ja - 1
+                    _acquire(k_desc, v_desc, k_smem, v_smem, ready, ja, j_last, h, STAGES, WS)
+                    _load_kv(k_desc, v_desc, k_smem, v_smem, ready, ja + 3, j_last, h, STAGES)
+                mbarrier.wait(ready.index(st_b), ((ja + 1) // STAGES) & 1)
                 s_a = warpgroup_mma(
                     q_smem, k_smem.index(st_a).permute((1, 0)), s_zero, use_acc=False,
                     is_async=True,
@@ -205,16 +221,16 @@ def _gl_attn(
                 m, l_s, acc = _unmasked(
                     s_a, m, l_s, acc, v_smem.index(st_a), scale, FAST_EXP, p_op, row_o
                 )
+                _release(empty, ja, STAGES, WS)
                 s_b = warpgroup_mma_wait(num_outstanding=0, deps=(s_b,))
                 m, l_s, acc = _unmasked(
                     s_b, m, l_s, acc, v_smem.index(st_b), scale, FAST_EXP, p_op, row_o
                 )
+                _release(empty, ja + 1, STAGES, WS)
             j_one = j_lo + 2 * n_pair
         for j in range(j_one, j_hi):
             st = j % STAGES
-            gl.thread_barrier()
-            _load_kv(k_desc, v_desc, k_smem, v_smem, bars, j + 2, j_last, h, STAGES)
-            mbarrier.wait(bars.index(st), (j // STAGES) & 1)
+            _acquire(k_desc, v_desc, k_smem, v_smem, ready, j, j_last, h, STAGES, WS)
             s = warpgroup_mma(
                 q_smem, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True
             )
@@ -251,6 +267,7 @@ def _gl_attn(
                 acc = gl.where(active_o[:, None], acc_new, acc)
                 m = gl.where(active, m_new, m)
                 l_s = gl.where(active, l_new, l_s)
+            _release(empty, j, STAGES, WS)
         # fold the segment into the running state (the program's _merge)
         active = pos >= s_idx * (SEG_BLOCKS * BLOCK_N)
         m_new = gl.maximum(m_g, m)
@@ -274,16 +291,149 @@ def _gl_attn(
             else:
                 _finish(o_ptr, tile, h, n_rows, stride_ot, stride_oh, a_g, l_g, r_o, c_o, G,
                         BLOCK_M, row_o)  # fmt: skip
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
     if not AG_GLOBAL:
         _finish(o_ptr, tile, h, n_rows, stride_ot, stride_oh, a_g, l_g, r_o, c_o, G, BLOCK_M, row_o)
+    return j_last + 1
+
+
+@gluon.jit
+def _buffers(k_desc, STAGES: gl.constexpr, N_Q: gl.constexpr, EMPTY_COUNT: gl.constexpr):
+    """Shared Q tiles, the K/V ring and its barriers (ready: TMA bytes landed; empty: every
+    consumer is past the stage)."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    D: gl.constexpr = k_desc.block_type.shape[1]
+    q_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [N_Q, 64, D], q_sl)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D], k_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=EMPTY_COUNT)
+    fence_async_shared()
+    return q_smem, k_smem, v_smem, ready, empty
+
+
+@gluon.jit
+def _gl_attn(
+    q_ptr, k_desc, v_desc, o_ptr, pos_ptr, ag_ptr, park_ptr, n_rows, scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    G: gl.constexpr, SEG_BLOCKS: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
+    AG_GLOBAL: gl.constexpr, FAST_EXP: gl.constexpr,
+):  # fmt: skip
+    """One warpgroup a program: it requests its own K/V blocks."""
+    D: gl.constexpr = k_desc.block_type.shape[1]
+    q_smem, k_smem, v_smem, ready, empty = _buffers(k_desc, STAGES, 1, 1)
+    n_tiles = gl.cdiv(n_rows, 64)
+    slot = (gl.program_id(1) * n_tiles + gl.program_id(0)).to(gl.int64) * (64 * D)
+    _tile(
+        q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem.index(0), k_smem, v_smem, ready, empty,
+        ag_ptr, park_ptr, slot, n_tiles - 1 - gl.program_id(0), n_rows, scale, stride_qt,
+        stride_qh, stride_ot, stride_oh, G, SEG_BLOCKS, STAGES, PAIR, AG_GLOBAL, FAST_EXP, False,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _last_block_of(pos_ptr, tile, n_rows, G: gl.constexpr, BLOCK_N: gl.constexpr,
+                   layout: gl.constexpr):  # fmt: skip
+    rows = tile * 64 + gl.arange(0, 64, layout=layout)
+    return gl.max(gl.load(pos_ptr + rows // G, mask=rows < n_rows, other=-1), 0) // BLOCK_N
+
+
+@gluon.jit
+def _consumer(
+    q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, n_rows,
+    scale, stride_qt, stride_qh, stride_ot, stride_oh, G: gl.constexpr,
+    SEG_BLOCKS: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
+    FAST_EXP: gl.constexpr, WHICH: gl.constexpr,
+):  # fmt: skip
+    """Consumer ``WHICH`` of a warp-specialized program: tile 2c + WHICH from the longest;
+    then it releases the blocks only the other tile needs."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    t_a = gl.cdiv(n_rows, 64) - 1 - 2 * gl.program_id(0)
+    tile = t_a - WHICH
+    j_end = _last_block_of(pos_ptr, t_a, n_rows, G, BLOCK_N, lay)
+    j_next = 0
+    if tile >= 0:
+        j_next = _tile(
+            q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem.index(WHICH), k_smem, v_smem, ready,
+            empty, q_ptr, q_ptr, 0, tile, n_rows, scale, stride_qt, stride_qh, stride_ot,
+            stride_oh, G, SEG_BLOCKS, STAGES, PAIR, False, FAST_EXP, True,
+        )  # fmt: skip
+    for j in range(j_next, j_end + 1):
+        mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
+        _release(empty, j, STAGES, True)
+
+
+@gluon.jit
+def _consumer_0(
+    q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, n_rows,
+    scale, stride_qt, stride_qh, stride_ot, stride_oh, G: gl.constexpr,
+    SEG_BLOCKS: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr, FAST_EXP: gl.constexpr,
+):  # fmt: skip
+    _consumer(
+        q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, n_rows,
+        scale, stride_qt, stride_qh, stride_ot, stride_oh, G, SEG_BLOCKS, STAGES, PAIR,
+        FAST_EXP, 0,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _consumer_1(
+    q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, n_rows,
+    scale, stride_qt, stride_qh, stride_ot, stride_oh, G: gl.constexpr,
+    SEG_BLOCKS: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr, FAST_EXP: gl.constexpr,
+):  # fmt: skip
+    _consumer(
+        q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, n_rows,
+        scale, stride_qt, stride_qh, stride_ot, stride_oh, G, SEG_BLOCKS, STAGES, PAIR,
+        FAST_EXP, 1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _producer(
+    q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, n_rows,
+    scale, stride_qt, stride_qh, stride_ot, stride_oh, G: gl.constexpr,
+    SEG_BLOCKS: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr, FAST_EXP: gl.constexpr,
+):  # fmt: skip
+    """One warp: every key block the longer tile needs, into the ring, in order."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    lay: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
+    t_a = gl.cdiv(n_rows, 64) - 1 - 2 * gl.program_id(0)
+    j_end = _last_block_of(pos_ptr, t_a, n_rows, G, BLOCK_N, lay)
+    for j in range(0, j_end + 1):
+        mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
+        _load_kv(k_desc, v_desc, k_smem, v_smem, ready, j, j_end, gl.program_id(1), STAGES)
+
+
+@gluon.jit
+def _ws_attn(
+    q_ptr, k_desc, v_desc, o_ptr, pos_ptr, n_rows, scale, stride_qt, stride_qh, stride_ot,
+    stride_oh, G: gl.constexpr, SEG_BLOCKS: gl.constexpr, STAGES: gl.constexpr,
+    PAIR: gl.constexpr, FAST_EXP: gl.constexpr,
+):  # fmt: skip
+    """Warp-specialized: one TMA producer warp and two consumer warpgroups, tiles 2c and
+    2c + 1 of one kv head, sharing the K/V ring (each consumer: 240 registers)."""
+    q_smem, k_smem, v_smem, ready, empty = _buffers(k_desc, STAGES, 2, 2)
+    args = (
+        q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, n_rows,
+        scale, stride_qt, stride_qh, stride_ot, stride_oh, G, SEG_BLOCKS, STAGES, PAIR,
+        FAST_EXP,
+    )  # fmt: skip
+    gl.warp_specialize(
+        [(_consumer_0, args), (_consumer_1, args), (_producer, args)], [4, 1], [240, 24]
+    )
 
 
 def gl_attention(q, k, v, positions, *, block=32, segment=512, stages=3, pair=False,
-                 ag_global=False, fast_exp=False, maxnreg=None, scratch=None):  # fmt: skip
+                 ag_global=False, fast_exp=False, ws=False, maxnreg=None,
+                 scratch=None):  # fmt: skip
     """attention.blocked (prefill, no split) for q [T, Hq, D], k/v [S, Hkv, D] bf16 and int32
-    positions [T], the default scale. ``scratch``: fp32, at least 2 * tiles * Hkv * 64 * D."""
+    positions [T], the default scale. ``scratch``: fp32, at least 2 * tiles * Hkv * 64 * D.
+    ``ws``: the warp-specialized kernel (the accumulator stays in registers)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from lockstep_exact.programs.cuda.attention import _default_scale
@@ -299,10 +449,18 @@ def gl_attention(q, k, v, positions, *, block=32, segment=512, stages=3, pair=Fa
     vd = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [block, d], lay)
     n_rows = n_q * g
     n_tiles = triton.cdiv(n_rows, 64)
+    scale = _default_scale(d) * (math.log2(math.e) if fast_exp else 1.0)
+    if ws:
+        assert not ag_global and maxnreg is None
+        _ws_attn[(triton.cdiv(n_tiles, 2), h_kv)](
+            q, kd, vd, out, positions, n_rows, scale, q.stride(0), q.stride(1), out.stride(0),
+            out.stride(1), G=g, SEG_BLOCKS=segment // block, STAGES=stages, PAIR=pair,
+            FAST_EXP=fast_exp, num_warps=4, enable_fp_fusion=False, maxnreg=168,
+        )  # fmt: skip
+        return out  # 168 registers at launch: 3 warpgroups fill the register file
     half = n_tiles * h_kv * 64 * d
     if scratch is None or scratch.numel() < 2 * half:
         scratch = torch.empty(2 * half if ag_global else 2, dtype=torch.float32, device=q.device)
-    scale = _default_scale(d) * (math.log2(math.e) if fast_exp else 1.0)
     _gl_attn[(n_tiles, h_kv)](
         q, kd, vd, out, positions, scratch, scratch[half:] if ag_global else scratch, n_rows,
         scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -320,6 +478,9 @@ EXACT = {  # compared byte for byte with the program at the same block
     "the same, maxnreg 168 (3 programs an SM)": {"ag_global": True, "maxnreg": 168},
     "the same, block 64": {"ag_global": True, "block": 64},
     "the same, block 128": {"ag_global": True, "block": 128},
+    "warp-specialized: a TMA warp, two consumer warpgroups": {"ws": True, "stages": 4},
+    "the same, pairs of QK products": {"ws": True, "stages": 4, "pair": True},
+    "warp-specialized, block 64": {"ws": True, "stages": 4, "block": 64},
 }
 NOT_CONTRACT = {  # timing only; beside the scratch-accumulator variants they change
     "scratch accumulator, ex2.ftz with the scale folded (not the contract)": {
@@ -327,6 +488,18 @@ NOT_CONTRACT = {  # timing only; beside the scratch-accumulator variants they ch
         "fast_exp": True,
     },
     "the same, block 64 (not the contract)": {"ag_global": True, "fast_exp": True, "block": 64},
+    "warp-specialized, pairs, ex2.ftz (not the contract)": {
+        "ws": True,
+        "stages": 4,
+        "pair": True,
+        "fast_exp": True,
+    },
+    "warp-specialized, block 64, ex2.ftz (not the contract)": {
+        "ws": True,
+        "stages": 4,
+        "block": 64,
+        "fast_exp": True,
+    },
 }
 
 
