@@ -342,14 +342,14 @@ def _last_block_of(pos_ptr, tile, n_rows, G: gl.constexpr, BLOCK_N: gl.constexpr
 
 
 @gluon.jit
-def _consumer(
-    q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, n_rows,
-    scale, stride_qt, stride_qh, stride_ot, stride_oh, G: gl.constexpr,
-    SEG_BLOCKS: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
-    FAST_EXP: gl.constexpr, WHICH: gl.constexpr,
-):  # fmt: skip
+def _consumer(args, WHICH: gl.constexpr):
     """Consumer ``WHICH`` of a warp-specialized program: tile 2c + WHICH from the longest;
-    then it releases the blocks only the other tile needs."""
+    then it releases the blocks only the other tile needs. ``args``: ``_ws_attn``'s."""
+    (
+        q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, n_rows,
+        scale, stride_qt, stride_qh, stride_ot, stride_oh, G, SEG_BLOCKS, STAGES, PAIR,
+        FAST_EXP,
+    ) = args  # fmt: skip
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     t_a = gl.cdiv(n_rows, 64) - 1 - 2 * gl.program_id(0)
@@ -368,36 +368,9 @@ def _consumer(
 
 
 @gluon.jit
-def _consumer_0(
-    q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, n_rows,
-    scale, stride_qt, stride_qh, stride_ot, stride_oh, G: gl.constexpr,
-    SEG_BLOCKS: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr, FAST_EXP: gl.constexpr,
-):  # fmt: skip
-    _consumer(
-        q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, n_rows,
-        scale, stride_qt, stride_qh, stride_ot, stride_oh, G, SEG_BLOCKS, STAGES, PAIR,
-        FAST_EXP, 0,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _consumer_1(
-    q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, n_rows,
-    scale, stride_qt, stride_qh, stride_ot, stride_oh, G: gl.constexpr,
-    SEG_BLOCKS: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr, FAST_EXP: gl.constexpr,
-):  # fmt: skip
-    _consumer(
-        q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, n_rows,
-        scale, stride_qt, stride_qh, stride_ot, stride_oh, G, SEG_BLOCKS, STAGES, PAIR,
-        FAST_EXP, 1,
-    )  # fmt: skip
-
-
-@gluon.jit
 def _producer(
-    q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, n_rows,
-    scale, stride_qt, stride_qh, stride_ot, stride_oh, G: gl.constexpr,
-    SEG_BLOCKS: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr, FAST_EXP: gl.constexpr,
+    pos_ptr, k_desc, v_desc, k_smem, v_smem, ready, empty, n_rows, G: gl.constexpr,
+    STAGES: gl.constexpr,
 ):  # fmt: skip
     """One warp: every key block the longer tile needs, into the ring, in order."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -424,7 +397,13 @@ def _ws_attn(
         FAST_EXP,
     )  # fmt: skip
     gl.warp_specialize(
-        [(_consumer_0, args), (_consumer_1, args), (_producer, args)], [4, 1], [240, 24]
+        [
+            (_consumer, (args, 0)),
+            (_consumer, (args, 1)),
+            (_producer, (pos_ptr, k_desc, v_desc, k_smem, v_smem, ready, empty, n_rows, G, STAGES)),
+        ],
+        [4, 1],
+        [240, 24],
     )
 
 
