@@ -24,6 +24,10 @@ warp-specialized kernel's two consumers):
   warp issues every TMA copy into the ring (``empty``/``ready`` barriers), two consumer
   warpgroups each compute one 64-row tile (tiles 2c and 2c + 1 of one kv head, so they share
   K and V), with 240 registers each; ``stages`` 4.
+- ``overlap``: FlashAttention-3's overlap inside one warpgroup, on the unmasked blocks: block
+  j + 1's QK product is issued, then block j's PV product, and block j + 1's softmax runs
+  while the PV product is in flight (``wait_group 1``); 4 stages. The products, sums and
+  rescales are the program's, in its order.
 - ``fast_exp``: NOT the contract, timing only: ``ex2.approx.ftz`` of scores pre-scaled by
   scale * log2(e) (what FlashAttention-3 computes), to show what the contract's exp costs.
 
@@ -32,6 +36,7 @@ other than 128 are untested, and keys in [pos_max + 1, S) are read where the Tri
 reads zeros (the same bytes unless such a V is inf or NaN).
 
     PYTHONPATH=packages/shared-exact/src python3 tools/bench/gluon_prefill.py [--json F]
+    (add --only "A|B" to run the variants whose names contain A or B)
 """
 
 from __future__ import annotations
@@ -96,6 +101,18 @@ def _unmasked(s, m, l_s, acc, v_buf, scale, FAST_EXP: gl.constexpr, p_op: gl.con
 
 
 @gluon.jit
+def _soft(s, m, l_s, scale, FAST_EXP: gl.constexpr, p_op: gl.constexpr, row_o: gl.constexpr):
+    """``_unmasked`` up to the PV product: the new max and sum, P in the PV operand's layout,
+    and alpha in the accumulator's row layout."""
+    s = s * scale
+    m_new = gl.maximum(m, gl.max(s, 1))
+    alpha = _exp(m - m_new, FAST_EXP)
+    p = _exp(s - m_new[:, None], FAST_EXP)
+    l_s = l_s * alpha + gl.sum(p, 1)
+    return m_new, l_s, gl.convert_layout(p.to(gl.bfloat16), p_op), gl.convert_layout(alpha, row_o)
+
+
+@gluon.jit
 def _finish(o_ptr, tile, h, n_rows, stride_ot, stride_oh, a_g, l_g, r_o, c_o,
             G: gl.constexpr, BLOCK_M: gl.constexpr, row_o: gl.constexpr):  # fmt: skip
     l_o = gl.convert_layout(l_g, row_o)
@@ -136,7 +153,7 @@ def _tile(
     q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, ag_ptr,
     park_ptr, slot, tile, n_rows, scale, stride_qt, stride_qh, stride_ot, stride_oh,
     G: gl.constexpr, SEG_BLOCKS: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
-    AG_GLOBAL: gl.constexpr, FAST_EXP: gl.constexpr, WS: gl.constexpr,
+    AG_GLOBAL: gl.constexpr, FAST_EXP: gl.constexpr, WS: gl.constexpr, OVERLAP: gl.constexpr,
 ):  # fmt: skip
     """The 64-row tile ``tile`` of kv head program_id(1), written out; returns the key blocks
     it used (0 .. j_last)."""
@@ -228,6 +245,36 @@ def _tile(
                 )
                 _release(empty, ja + 1, STAGES, WS)
             j_one = j_lo + 2 * n_pair
+        if OVERLAP:  # the unmasked blocks with block j's PV product in flight during block
+            # j + 1's QK product and softmax (FlashAttention-3's overlap in one warpgroup)
+            j_mid = gl.maximum(j_lo, gl.minimum(j_hi, j_full))
+            if j_mid > j_lo:
+                _acquire(k_desc, v_desc, k_smem, v_smem, ready, j_lo, j_last, h, STAGES, WS)
+                s = warpgroup_mma(
+                    q_smem, k_smem.index(j_lo % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                    is_async=True,
+                )  # fmt: skip
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                m, l_s, pb, alpha_o = _soft(s, m, l_s, scale, FAST_EXP, p_op, row_o)
+                for j in range(j_lo, j_mid - 1):
+                    _acquire(k_desc, v_desc, k_smem, v_smem, ready, j + 1, j_last, h, STAGES, WS)
+                    s = warpgroup_mma(
+                        q_smem, k_smem.index((j + 1) % STAGES).permute((1, 0)), s_zero,
+                        use_acc=False, is_async=True,
+                    )  # fmt: skip
+                    acc = warpgroup_mma(
+                        pb, v_smem.index(j % STAGES), acc * alpha_o[:, None], is_async=True
+                    )
+                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+                    m, l_s, pb, alpha_o = _soft(s, m, l_s, scale, FAST_EXP, p_op, row_o)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    _release(empty, j, STAGES, WS)
+                acc = warpgroup_mma(
+                    pb, v_smem.index((j_mid - 1) % STAGES), acc * alpha_o[:, None], is_async=True
+                )
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                _release(empty, j_mid - 1, STAGES, WS)
+            j_one = j_mid
         for j in range(j_one, j_hi):
             st = j % STAGES
             _acquire(k_desc, v_desc, k_smem, v_smem, ready, j, j_last, h, STAGES, WS)
@@ -320,7 +367,7 @@ def _gl_attn(
     q_ptr, k_desc, v_desc, o_ptr, pos_ptr, ag_ptr, park_ptr, n_rows, scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     G: gl.constexpr, SEG_BLOCKS: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
-    AG_GLOBAL: gl.constexpr, FAST_EXP: gl.constexpr,
+    AG_GLOBAL: gl.constexpr, FAST_EXP: gl.constexpr, OVERLAP: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup a program: it requests its own K/V blocks."""
     D: gl.constexpr = k_desc.block_type.shape[1]
@@ -331,6 +378,7 @@ def _gl_attn(
         q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem.index(0), k_smem, v_smem, ready, empty,
         ag_ptr, park_ptr, slot, n_tiles - 1 - gl.program_id(0), n_rows, scale, stride_qt,
         stride_qh, stride_ot, stride_oh, G, SEG_BLOCKS, STAGES, PAIR, AG_GLOBAL, FAST_EXP, False,
+        OVERLAP,
     )  # fmt: skip
 
 
@@ -348,7 +396,7 @@ def _consumer(args, WHICH: gl.constexpr):
     (
         q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, n_rows,
         scale, stride_qt, stride_qh, stride_ot, stride_oh, G, SEG_BLOCKS, STAGES, PAIR,
-        FAST_EXP,
+        FAST_EXP, OVERLAP,
     ) = args  # fmt: skip
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -360,7 +408,7 @@ def _consumer(args, WHICH: gl.constexpr):
         j_next = _tile(
             q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem.index(WHICH), k_smem, v_smem, ready,
             empty, q_ptr, q_ptr, 0, tile, n_rows, scale, stride_qt, stride_qh, stride_ot,
-            stride_oh, G, SEG_BLOCKS, STAGES, PAIR, False, FAST_EXP, True,
+            stride_oh, G, SEG_BLOCKS, STAGES, PAIR, False, FAST_EXP, True, OVERLAP,
         )  # fmt: skip
     for j in range(j_next, j_end + 1):
         mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
@@ -386,7 +434,7 @@ def _producer(
 def _ws_attn(
     q_ptr, k_desc, v_desc, o_ptr, pos_ptr, n_rows, scale, stride_qt, stride_qh, stride_ot,
     stride_oh, G: gl.constexpr, SEG_BLOCKS: gl.constexpr, STAGES: gl.constexpr,
-    PAIR: gl.constexpr, FAST_EXP: gl.constexpr,
+    PAIR: gl.constexpr, FAST_EXP: gl.constexpr, OVERLAP: gl.constexpr,
 ):  # fmt: skip
     """Warp-specialized: one TMA producer warp and two consumer warpgroups, tiles 2c and
     2c + 1 of one kv head, sharing the K/V ring (each consumer: 240 registers)."""
@@ -394,7 +442,7 @@ def _ws_attn(
     args = (
         q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, n_rows,
         scale, stride_qt, stride_qh, stride_ot, stride_oh, G, SEG_BLOCKS, STAGES, PAIR,
-        FAST_EXP,
+        FAST_EXP, OVERLAP,
     )  # fmt: skip
     gl.warp_specialize(
         [
@@ -408,7 +456,7 @@ def _ws_attn(
 
 
 def gl_attention(q, k, v, positions, *, block=32, segment=512, stages=3, pair=False,
-                 ag_global=False, fast_exp=False, ws=False, maxnreg=None,
+                 ag_global=False, fast_exp=False, ws=False, overlap=False, maxnreg=None,
                  scratch=None):  # fmt: skip
     """attention.blocked (prefill, no split) for q [T, Hq, D], k/v [S, Hkv, D] bf16 and int32
     positions [T], the default scale. ``scratch``: fp32, at least 2 * tiles * Hkv * 64 * D.
@@ -417,7 +465,8 @@ def gl_attention(q, k, v, positions, *, block=32, segment=512, stages=3, pair=Fa
 
     from lockstep_exact.programs.cuda.attention import _default_scale
 
-    assert stages >= (4 if pair else 3), "blocks are requested two ahead (pairs: three)"
+    assert stages >= (4 if pair or overlap else 3), "blocks are requested two ahead (pairs: three)"
+    assert not (pair and overlap)
     n_q, h_q, d = q.shape
     s_len, h_kv, _ = k.shape
     g = h_q // h_kv
@@ -434,7 +483,7 @@ def gl_attention(q, k, v, positions, *, block=32, segment=512, stages=3, pair=Fa
         _ws_attn[(triton.cdiv(n_tiles, 2), h_kv)](
             q, kd, vd, out, positions, n_rows, scale, q.stride(0), q.stride(1), out.stride(0),
             out.stride(1), G=g, SEG_BLOCKS=segment // block, STAGES=stages, PAIR=pair,
-            FAST_EXP=fast_exp, num_warps=4, enable_fp_fusion=False, maxnreg=168,
+            FAST_EXP=fast_exp, OVERLAP=overlap, num_warps=4, enable_fp_fusion=False, maxnreg=168,
         )  # fmt: skip
         return out  # 168 registers at launch: 3 warpgroups fill the register file
     half = n_tiles * h_kv * 64 * d
@@ -444,7 +493,7 @@ def gl_attention(q, k, v, positions, *, block=32, segment=512, stages=3, pair=Fa
         q, kd, vd, out, positions, scratch, scratch[half:] if ag_global else scratch, n_rows,
         scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         G=g, SEG_BLOCKS=segment // block, STAGES=stages, PAIR=pair, AG_GLOBAL=ag_global,
-        FAST_EXP=fast_exp, num_warps=4, enable_fp_fusion=False,
+        FAST_EXP=fast_exp, OVERLAP=overlap, num_warps=4, enable_fp_fusion=False,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )  # fmt: skip
     return out
@@ -460,6 +509,17 @@ EXACT = {  # compared byte for byte with the program at the same block
     "warp-specialized: a TMA warp, two consumer warpgroups": {"ws": True, "stages": 4},
     "the same, pairs of QK products": {"ws": True, "stages": 4, "pair": True},
     "warp-specialized, block 64": {"ws": True, "stages": 4, "block": 64},
+    "gluon, block j's PV product in flight during block j + 1's softmax": {
+        "overlap": True,
+        "stages": 4,
+    },
+    "warp-specialized, the same overlap": {"ws": True, "stages": 4, "overlap": True},
+    "warp-specialized, the same overlap, block 64": {
+        "ws": True,
+        "stages": 4,
+        "overlap": True,
+        "block": 64,
+    },
 }
 NOT_CONTRACT = {  # timing only; beside the scratch-accumulator variants they change
     "scratch accumulator, ex2.ftz with the scale folded (not the contract)": {
@@ -489,7 +549,14 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--only", help="the variants whose names contain one of these |-cut texts")
     args = ap.parse_args()
+
+    def chosen(name):
+        return not args.only or any(part in name for part in args.only.split("|"))
+
+    exact = {n: kw for n, kw in EXACT.items() if chosen(n)}
+    not_contract = {n: kw for n, kw in NOT_CONTRACT.items() if chosen(n)}
     h, h_kv, d = 32, 8, 128
     gen = torch.Generator(device="cuda").manual_seed(0)
     qp, kp, vp = (
@@ -509,7 +576,7 @@ def main() -> None:
     cases = [(700, 0), (2048, 0), (2048, 333), (1500, 1000), (8192, 0),
              (1300, 0, "every second position"), (6, 0, "scattered")]  # fmt: skip
     res: dict = {}
-    for name, kw in EXACT.items():
+    for name, kw in exact.items():
         same = {}
         for c in cases:
             q, k, v, pos = case(*c)
@@ -528,7 +595,7 @@ def main() -> None:
         qkv = case(t, 0)
         scratch = torch.empty(2 * triton.cdiv(t * 4, 64) * h_kv * 64 * d, device="cuda")
         row = {"triton program": do_bench(lambda a=qkv: attention(*a), return_mode="median")}
-        for name, kw in {**EXACT, **NOT_CONTRACT}.items():
+        for name, kw in {**exact, **not_contract}.items():
             row[name] = do_bench(
                 lambda a=qkv, kw=kw, sc=scratch: gl_attention(*a, scratch=sc, **kw),
                 return_mode="median",
