@@ -85,31 +85,25 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, bars, j, j_last, h, STAGES: gl.cons
 
 
 @gluon.jit
-def _unmasked(s, m, l_s, acc, v_buf, scale, FAST_EXP: gl.constexpr, p_op: gl.constexpr,
-              row_o: gl.constexpr):  # fmt: skip
-    """One block every row sees whole: the program's unmasked step, PV issued and awaited."""
-    s = s * scale
-    m_new = gl.maximum(m, gl.max(s, 1))
-    alpha = _exp(m - m_new, FAST_EXP)
-    p = _exp(s - m_new[:, None], FAST_EXP)
-    l_s = l_s * alpha + gl.sum(p, 1)
-    pb = gl.convert_layout(p.to(gl.bfloat16), p_op)
-    alpha_o = gl.convert_layout(alpha, row_o)
-    acc = warpgroup_mma(pb, v_buf, acc * alpha_o[:, None], is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    return m_new, l_s, acc
-
-
-@gluon.jit
 def _soft(s, m, l_s, scale, FAST_EXP: gl.constexpr, p_op: gl.constexpr, row_o: gl.constexpr):
-    """``_unmasked`` up to the PV product: the new max and sum, P in the PV operand's layout,
-    and alpha in the accumulator's row layout."""
+    """The unmasked step up to the PV product: the new max and sum, P in the PV operand's
+    layout, and alpha in the accumulator's row layout."""
     s = s * scale
     m_new = gl.maximum(m, gl.max(s, 1))
     alpha = _exp(m - m_new, FAST_EXP)
     p = _exp(s - m_new[:, None], FAST_EXP)
     l_s = l_s * alpha + gl.sum(p, 1)
     return m_new, l_s, gl.convert_layout(p.to(gl.bfloat16), p_op), gl.convert_layout(alpha, row_o)
+
+
+@gluon.jit
+def _unmasked(s, m, l_s, acc, v_buf, scale, FAST_EXP: gl.constexpr, p_op: gl.constexpr,
+              row_o: gl.constexpr):  # fmt: skip
+    """One block every row sees whole: the program's unmasked step, PV issued and awaited."""
+    m_new, l_s, pb, alpha_o = _soft(s, m, l_s, scale, FAST_EXP, p_op, row_o)
+    acc = warpgroup_mma(pb, v_buf, acc * alpha_o[:, None], is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    return m_new, l_s, acc
 
 
 @gluon.jit
@@ -465,8 +459,8 @@ def gl_attention(q, k, v, positions, *, block=32, segment=512, stages=3, pair=Fa
 
     from lockstep_exact.programs.cuda.attention import _default_scale
 
-    assert stages >= (4 if pair or overlap else 3), "blocks are requested two ahead (pairs: three)"
-    assert not (pair and overlap)
+    assert stages >= (4 if pair or overlap else 3), "blocks requested 2 ahead (pair, overlap: 3)"
+    assert not (pair and overlap), "pairs and the overlap do not combine"
     n_q, h_q, d = q.shape
     s_len, h_kv, _ = k.shape
     g = h_q // h_kv
