@@ -495,6 +495,53 @@ def test_attention_prefill_chunked_and_decode_give_the_same_row_bytes(block, seg
     assert_detects_one_ulp(full[4095:], out, index=3)
 
 
+_HOPPER_CASES = {  # (queries, first position, kind, q heads, kv heads, head size, block)
+    "chunk of 4 heads a group, heads of 128": (700, 333, "run", 32, 8, 128, 32),
+    "the same at block 64": (700, 333, "run", 32, 8, 128, 64),
+    "one kv head of 7, heads of 64, block 64": (1300, 0, "run", 7, 1, 64, 64),
+    "a query head a kv head, every second position": (650, 1, "every second", 6, 6, 128, 32),
+    "two tiles' positions unsorted, scattered": (40, 0, "scattered", 16, 2, 64, 32),
+    "odd length past three segments": (1601, 0, "run", 12, 4, 128, 64),
+}
+
+
+@pytest.mark.parametrize("case", list(_HOPPER_CASES))
+def test_the_hopper_prefill_gives_the_triton_kernel_bytes(case, monkeypatch):
+    """attention_hopper's kernel (Gluon, warp-specialized) against attention's Triton kernel:
+    the same bytes, with int64 strided positions and a cache holding NaN and inf past the
+    last query (the Hopper kernel reads those keys by TMA; neither may reach a product)."""
+    A = importlib.import_module("lockstep_exact.programs.cuda.attention")  # the module
+    H = importlib.import_module("lockstep_exact.programs.cuda.attention_hopper")
+
+    n, first, kind, h_q, h_kv, d, block = _HOPPER_CASES[case]
+    if kind == "every second":
+        pos = torch.arange(first, first + 2 * n, 2, device="cuda")
+    elif kind == "scattered":
+        g = torch.Generator(device="cuda").manual_seed(n)
+        pos = torch.randperm(3000, device="cuda", generator=g)[:n]
+    else:
+        pos = torch.arange(first, first + n, device="cuda")
+    s_len = int(pos.max()) + 1
+    q = cuda_rand(n, h_q, d, seed=50)
+    k = cuda_rand(s_len + 77, h_kv, d, seed=51)
+    v = cuda_rand(s_len + 77, h_kv, d, seed=52)
+    k[s_len:] = float("nan")
+    v[s_len:] = float("inf")
+    strided = torch.stack([pos, pos], 1)[:, 1]
+    if not H.usable(q, k, v, block):
+        pytest.skip("the Hopper prefill needs an sm_90 GPU and triton's Gluon")
+    kw = {"block": block, "split": False}
+    hopper = A.attention(q, k, v, strided, **kw)
+    assert torch.isfinite(hopper.float()).all()
+    monkeypatch.setattr(A, "_HOPPER_PREFILL", False)
+    triton_bytes = A.attention(q, k, v, pos.to(torch.int32), **kw)
+    assert_same_bytes(hopper, triton_bytes, case)
+    assert_detects_one_ulp(triton_bytes, hopper, index=int(hopper[-1].float().abs().argmax()))
+    monkeypatch.setattr(A, "_HOPPER_PREFILL", True)
+    v[0] += 1.0  # the values of the key every row sees: the kernel reads this call's V
+    assert not same_bytes(A.attention(q, k, v, strided, **kw), hopper), "a new V moved nothing"
+
+
 def test_attention_rows_do_not_depend_on_which_queries_share_the_call():
     n = 1500
     q, k, v = attn_inputs(n, h_q=16, h_kv=4, seed=40)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ..cpu.attention import check_inputs, check_tiling, default_scale
+from . import attention_hopper
 from .arith import (
     BF16,
     EXACT,
@@ -48,6 +49,10 @@ _TABLE_HELD_MAX = 64  # table entries the paged decode's 64-row tile holds (page
 # same (docs/gpu.md, ninth session). Each column merges on its own: every cut, the same bytes.
 _COMBINE_ROWS = 4
 _COMBINE_COLS = 32
+# The prefill without the split runs attention_hopper's kernel where it is usable (an sm_90
+# GPU, heads of 64 or 128, blocks of 32 or 64): the same bytes, gated against this module's
+# kernel (test_the_hopper_prefill_gives_the_triton_kernel_bytes, which turns this off).
+_HOPPER_PREFILL = True
 
 
 @functools.cache
@@ -278,8 +283,10 @@ def _attn_kernel(
     ONE_SEG: tl.constexpr,
 ):
     n_tiles = tl.cdiv(n_rows, BLOCK_M)
-    tile = n_tiles - 1 - tl.program_id(0)  # the longest rows first
-    h = tl.program_id(1)
+    # Axis 0 walks (tile, kv head) with the kv head fastest and the tiles longest first, so
+    # programs start in order of length over all heads and the short tiles fill the last wave
+    h = tl.program_id(0) % n_kv_heads
+    tile = n_tiles - 1 - tl.program_id(0) // n_kv_heads
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
     t = rows // G  # row = token * G + query head within the kv head's group
@@ -297,7 +304,7 @@ def _attn_kernel(
     k_base = k_ptr + h * stride_kh
     v_base = v_ptr + h * stride_vh
     if SPLIT:
-        s_idx = tl.program_id(2)
+        s_idx = tl.program_id(1)
         if s_idx * SEG <= pos_max:
             j_lo = s_idx * SEG_BLOCKS
             j_hi = tl.minimum(j_lo + SEG_BLOCKS, j_last + 1)
@@ -513,14 +520,16 @@ def attention(
         split = n_seg > 1 and triton.cdiv(n_rows, _TILE[0]) * h_kv < _sm_count(q.device)
     block_m, num_warps = _TILE
     n_tiles = triton.cdiv(n_rows, block_m)
+    if not split and _HOPPER_PREFILL and attention_hopper.usable(qc, kc, vc, block):
+        return attention_hopper.prefill(qc, kc, vc, pos, out, scale_f, block, segment)
     if split:
         m_buf = torch.empty(n_seg, h_kv, n_rows, dtype=F32, device=q.device)
         l_buf = torch.empty_like(m_buf)
         a_buf = torch.empty(n_seg, h_kv, n_rows, d, dtype=F32, device=q.device)
-        grid = (n_tiles, h_kv, n_seg)
+        grid = (n_tiles * h_kv, n_seg)
     else:
         m_buf = l_buf = a_buf = out  # unused
-        grid = (n_tiles, h_kv)
+        grid = (n_tiles * h_kv,)
     _attn_kernel[grid](
         qc, kc, vc, out, pos, pos.stride(0), m_buf, l_buf, a_buf,
         n_rows, h_kv, s_len, scale_f,
