@@ -7,13 +7,13 @@ other, and its smallest median kept: bursts of other work on the machine moved s
 of one kernel by up to 4x within one run. Timing only: bytes are checked by
 packages/shared-exact/tests/test_programs_gpu.py.
 
-A decode step and a log_softmax over few rows are short enough that the host (Python,
-argument checks, launches) can take longer than the GPU: their rows are timed twice, called
-eagerly and replayed from a CUDA graph (as a serving engine runs decode), both sides the same
-way. A replay of one call still carries the host's replay time (about 3 us on the H200, where
-one tiny kernel replayed alone takes 4.7 us and 1.4 us among twenty): the decode rows marked
-"graph x20" capture twenty calls in one graph and report the time per call, as inside an
-engine's decode step, where every layer's attention shares one replay.
+A decode step, a log_softmax over few rows and a prefill of 2048 tokens are short enough that
+the host (Python, argument checks, launches) can take longer than the GPU: their rows are
+timed twice, called eagerly and replayed from a CUDA graph (as a serving engine runs decode),
+both sides the same way. A replay of one call still carries the host's replay time (about
+3 us on the H200, where one tiny kernel replayed alone takes 4.7 us and 1.4 us among twenty):
+the rows marked "graph x20" capture twenty calls in one graph and report the time per call,
+as inside an engine's decode step, where every layer's attention shares one replay.
 
     PYTHONPATH=packages/shared-exact/src python3 tools/bench/bench_gpu.py [--sweep] [--json F]
         [--only gemm|attention|norms] [--block 32]
@@ -170,17 +170,22 @@ def attention_rows(table, block, sweep, t_len=2048, decode=True):
                 msg += f" | S={s_len} decode {td * 1e3:.2f} us, 64 paged {tb * 1e3:.2f} us"
             print(msg + " (decode: graph replays)", flush=True)
     flop = 4 * HEADS * HEAD_DIM * t_len * (t_len + 1) / 2
-    t = bench(lambda: P.attention(q, k, v, pos, block=block))
-    row(
-        table,
-        "attention",
-        f"prefill T={t_len} block={block}",
-        lambda: P.attention(q, k, v, pos, block=block),
-        lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True),
-        "SDPA causal",
-        0.8,
-        f"{flop / (t * 1e-3) / 1e12:.0f} TFLOP/s",
-    )
+    # Prefill rows, eager and as twenty calls a graph replay: the Hopper kernel's launch
+    # (TMA descriptors, Gluon's launcher) took 60-110 us of host time on the H200, near the
+    # kernel's own time at T = 2048, so the eager row can time the host
+    for graph in (0, 20):
+        t = timed(lambda: P.attention(q, k, v, pos, block=block), graph)
+        row(
+            table,
+            "attention",
+            f"prefill T={t_len} block={block}" + mode_label(graph),
+            lambda: P.attention(q, k, v, pos, block=block),
+            lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True),
+            "SDPA causal",
+            0.8,
+            f"{flop / (t * 1e-3) / 1e12:.0f} TFLOP/s",
+            graph=graph,
+        )
     for s_len in (2048, 8192, 32768) if decode else ():
         kc = rand(s_len, KV_HEADS, HEAD_DIM)
         vc = rand(s_len, KV_HEADS, HEAD_DIM)

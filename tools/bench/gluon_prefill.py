@@ -28,12 +28,19 @@ warp-specialized kernel's two consumers):
   j + 1's QK product is issued, then block j's PV product, and block j + 1's softmax runs
   while the PV product is in flight (``wait_group 1``); 4 stages. The products, sums and
   rescales are the program's, in its order.
+- ``heads_fast``: the warp-specialized kernel's grid with the kv head fastest, so programs
+  start in order of length over all heads (the longest tiles first, the short ones last).
 - ``fast_exp``: NOT the contract, timing only: ``ex2.approx.ftz`` of scores pre-scaled by
   scale * log2(e) (what FlashAttention-3 computes), to show what the contract's exp costs.
 
-Not covered (a program would need them): the device-side position check (trap), head sizes
-other than 128 are untested, and keys in [pos_max + 1, S) are read where the Triton program
-reads zeros (the same bytes unless such a V is inf or NaN).
+The program carries the warp-specialized kernel with the overlap and ``heads_fast`` as its
+Hopper prefill (programs/cuda/attention_hopper.py, which also covers what follows); this
+probe keeps the variants for comparison.
+
+Not covered here (the program's kernel has them): the device-side position check (trap),
+head sizes other than 128, and zeros for the V rows in [pos_max + 1, S), which this probe
+reads (the same bytes unless such a V is inf or NaN). Its reference is the program's Triton
+kernel (``_HOPPER_PREFILL`` off).
 
     PYTHONPATH=packages/shared-exact/src python3 tools/bench/gluon_prefill.py [--json F]
     (add --only "A|B" to run the variants whose names contain A or B)
@@ -143,13 +150,25 @@ def _release(empty, j, STAGES: gl.constexpr, WS: gl.constexpr):
 
 
 @gluon.jit
+def _pid(axis_of_tiles: gl.constexpr, HEADS_FAST: gl.constexpr):
+    """program_id of the grid's tile axis (``axis_of_tiles`` 0) or kv head axis (1): the two
+    are swapped when HEADS_FAST."""
+    if (axis_of_tiles == 1) != (HEADS_FAST == 1):
+        return gl.program_id(1)
+    else:
+        return gl.program_id(0)
+
+
+@gluon.jit
 def _tile(
     q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, ag_ptr,
     park_ptr, slot, tile, n_rows, scale, stride_qt, stride_qh, stride_ot, stride_oh,
     G: gl.constexpr, SEG_BLOCKS: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
     AG_GLOBAL: gl.constexpr, FAST_EXP: gl.constexpr, WS: gl.constexpr, OVERLAP: gl.constexpr,
+    HEADS_FAST: gl.constexpr = 0,
 ):  # fmt: skip
-    """The 64-row tile ``tile`` of kv head program_id(1), written out; returns the key blocks
+    """The 64-row tile ``tile`` of kv head program_id(1) (program_id(0) with HEADS_FAST),
+    written out; returns the key blocks
     it used (0 .. j_last)."""
     BLOCK_M: gl.constexpr = 64
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -167,7 +186,7 @@ def _tile(
     col_o: gl.constexpr = gl.SliceLayout(0, mma_o)
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
 
-    h = gl.program_id(1)
+    h = _pid(1, HEADS_FAST)
     r_o = gl.arange(0, BLOCK_M, layout=row_o)
     c_o = gl.arange(0, D, layout=col_o)
     sc_off = slot + r_o[:, None] * D + c_o[None, :]  # this tile's scratch, in mma_o layout
@@ -390,11 +409,11 @@ def _consumer(args, WHICH: gl.constexpr):
     (
         q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, n_rows,
         scale, stride_qt, stride_qh, stride_ot, stride_oh, G, SEG_BLOCKS, STAGES, PAIR,
-        FAST_EXP, OVERLAP,
+        FAST_EXP, OVERLAP, HEADS_FAST,
     ) = args  # fmt: skip
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    t_a = gl.cdiv(n_rows, 64) - 1 - 2 * gl.program_id(0)
+    t_a = gl.cdiv(n_rows, 64) - 1 - 2 * _pid(0, HEADS_FAST)
     tile = t_a - WHICH
     j_end = _last_block_of(pos_ptr, t_a, n_rows, G, BLOCK_N, lay)
     j_next = 0
@@ -402,7 +421,7 @@ def _consumer(args, WHICH: gl.constexpr):
         j_next = _tile(
             q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem.index(WHICH), k_smem, v_smem, ready,
             empty, q_ptr, q_ptr, 0, tile, n_rows, scale, stride_qt, stride_qh, stride_ot,
-            stride_oh, G, SEG_BLOCKS, STAGES, PAIR, False, FAST_EXP, True, OVERLAP,
+            stride_oh, G, SEG_BLOCKS, STAGES, PAIR, False, FAST_EXP, True, OVERLAP, HEADS_FAST,
         )  # fmt: skip
     for j in range(j_next, j_end + 1):
         mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
@@ -412,23 +431,23 @@ def _consumer(args, WHICH: gl.constexpr):
 @gluon.jit
 def _producer(
     pos_ptr, k_desc, v_desc, k_smem, v_smem, ready, empty, n_rows, G: gl.constexpr,
-    STAGES: gl.constexpr,
+    STAGES: gl.constexpr, HEADS_FAST: gl.constexpr,
 ):  # fmt: skip
     """One warp: every key block the longer tile needs, into the ring, in order."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     lay: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
-    t_a = gl.cdiv(n_rows, 64) - 1 - 2 * gl.program_id(0)
+    t_a = gl.cdiv(n_rows, 64) - 1 - 2 * _pid(0, HEADS_FAST)
     j_end = _last_block_of(pos_ptr, t_a, n_rows, G, BLOCK_N, lay)
     for j in range(0, j_end + 1):
         mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
-        _load_kv(k_desc, v_desc, k_smem, v_smem, ready, j, j_end, gl.program_id(1), STAGES)
+        _load_kv(k_desc, v_desc, k_smem, v_smem, ready, j, j_end, _pid(1, HEADS_FAST), STAGES)
 
 
 @gluon.jit
 def _ws_attn(
     q_ptr, k_desc, v_desc, o_ptr, pos_ptr, n_rows, scale, stride_qt, stride_qh, stride_ot,
     stride_oh, G: gl.constexpr, SEG_BLOCKS: gl.constexpr, STAGES: gl.constexpr,
-    PAIR: gl.constexpr, FAST_EXP: gl.constexpr, OVERLAP: gl.constexpr,
+    PAIR: gl.constexpr, FAST_EXP: gl.constexpr, OVERLAP: gl.constexpr, HEADS_FAST: gl.constexpr,
 ):  # fmt: skip
     """Warp-specialized: one TMA producer warp and two consumer warpgroups, tiles 2c and
     2c + 1 of one kv head, sharing the K/V ring (each consumer: 240 registers)."""
@@ -436,13 +455,28 @@ def _ws_attn(
     args = (
         q_ptr, o_ptr, pos_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, n_rows,
         scale, stride_qt, stride_qh, stride_ot, stride_oh, G, SEG_BLOCKS, STAGES, PAIR,
-        FAST_EXP, OVERLAP,
+        FAST_EXP, OVERLAP, HEADS_FAST,
     )  # fmt: skip
     gl.warp_specialize(
         [
             (_consumer, (args, 0)),
             (_consumer, (args, 1)),
-            (_producer, (pos_ptr, k_desc, v_desc, k_smem, v_smem, ready, empty, n_rows, G, STAGES)),
+            (
+                _producer,
+                (
+                    pos_ptr,
+                    k_desc,
+                    v_desc,
+                    k_smem,
+                    v_smem,
+                    ready,
+                    empty,
+                    n_rows,
+                    G,
+                    STAGES,
+                    HEADS_FAST,
+                ),
+            ),  # fmt: skip
         ],
         [4, 1],
         [240, 24],
@@ -451,10 +485,11 @@ def _ws_attn(
 
 def gl_attention(q, k, v, positions, *, block=32, segment=512, stages=3, pair=False,
                  ag_global=False, fast_exp=False, ws=False, overlap=False, maxnreg=None,
-                 scratch=None):  # fmt: skip
+                 scratch=None, heads_fast=False):  # fmt: skip
     """attention.blocked (prefill, no split) for q [T, Hq, D], k/v [S, Hkv, D] bf16 and int32
     positions [T], the default scale. ``scratch``: fp32, at least 2 * tiles * Hkv * 64 * D.
-    ``ws``: the warp-specialized kernel (the accumulator stays in registers)."""
+    ``ws``: the warp-specialized kernel (the accumulator stays in registers); ``heads_fast``:
+    its grid with the kv head fastest, so programs start longest tile first over all heads."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from lockstep_exact.programs.cuda.attention import _default_scale
@@ -474,10 +509,12 @@ def gl_attention(q, k, v, positions, *, block=32, segment=512, stages=3, pair=Fa
     scale = _default_scale(d) * (math.log2(math.e) if fast_exp else 1.0)
     if ws:
         assert not ag_global and maxnreg is None
-        _ws_attn[(triton.cdiv(n_tiles, 2), h_kv)](
+        grid = (triton.cdiv(n_tiles, 2), h_kv)
+        _ws_attn[grid[::-1] if heads_fast else grid](
             q, kd, vd, out, positions, n_rows, scale, q.stride(0), q.stride(1), out.stride(0),
             out.stride(1), G=g, SEG_BLOCKS=segment // block, STAGES=stages, PAIR=pair,
-            FAST_EXP=fast_exp, OVERLAP=overlap, num_warps=4, enable_fp_fusion=False, maxnreg=168,
+            FAST_EXP=fast_exp, OVERLAP=overlap, HEADS_FAST=int(heads_fast), num_warps=4,
+            enable_fp_fusion=False, maxnreg=168,
         )  # fmt: skip
         return out  # 168 registers at launch: 3 warpgroups fill the register file
     half = n_tiles * h_kv * 64 * d
@@ -514,6 +551,19 @@ EXACT = {  # compared byte for byte with the program at the same block
         "overlap": True,
         "block": 64,
     },
+    "the same, kv heads fastest in the grid (longest tiles first)": {
+        "ws": True,
+        "stages": 4,
+        "overlap": True,
+        "block": 64,
+        "heads_fast": True,
+    },
+    "warp-specialized, overlap, kv heads fastest, block 32": {
+        "ws": True,
+        "stages": 4,
+        "overlap": True,
+        "heads_fast": True,
+    },
 }
 NOT_CONTRACT = {  # timing only; beside the scratch-accumulator variants they change
     "scratch accumulator, ex2.ftz with the scale folded (not the contract)": {
@@ -539,7 +589,10 @@ NOT_CONTRACT = {  # timing only; beside the scratch-accumulator variants they ch
 def main() -> None:
     from triton.testing import do_bench
 
+    from lockstep_exact.programs.cuda import attention as program
     from lockstep_exact.programs.cuda.attention import attention
+
+    program._HOPPER_PREFILL = False  # the reference: the Triton kernel (set back for one row)
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
@@ -589,6 +642,9 @@ def main() -> None:
         qkv = case(t, 0)
         scratch = torch.empty(2 * triton.cdiv(t * 4, 64) * h_kv * 64 * d, device="cuda")
         row = {"triton program": do_bench(lambda a=qkv: attention(*a), return_mode="median")}
+        program._HOPPER_PREFILL = True
+        row["program's Hopper kernel"] = do_bench(lambda a=qkv: attention(*a), return_mode="median")
+        program._HOPPER_PREFILL = False
         for name, kw in {**exact, **not_contract}.items():
             row[name] = do_bench(
                 lambda a=qkv, kw=kw, sc=scratch: gl_attention(*a, scratch=sc, **kw),
