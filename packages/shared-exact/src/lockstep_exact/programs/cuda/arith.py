@@ -12,6 +12,11 @@ from ..cpu.arith import BF16, F32, require
 # each * and + rounds on its own, as the programs' docstrings say (no fused multiply-add).
 EXACT = {"enable_fp_fusion": False}
 INDEX_DTYPES = (torch.int32, torch.int64)
+# trap_if's instruction: stop the kernel where the operand is nonzero, else write 0 (also the
+# Hopper prefill's, which is Gluon and calls it as gl.inline_asm_elementwise)
+TRAP_ASM = tl.constexpr(
+    "{ .reg .pred %lsbad; setp.ne.s32 %lsbad, $1, 0; @%lsbad trap; mov.u32 $0, 0; }"
+)
 
 
 @triton.jit
@@ -21,7 +26,7 @@ def trap_if(bad):
     kernels a torch-side check launches before every call. Returns zeros to be added to a value
     the kernel uses, so the check cannot be dropped as dead code."""
     return tl.inline_asm_elementwise(
-        "{ .reg .pred %lsbad; setp.ne.s32 %lsbad, $1, 0; @%lsbad trap; mov.u32 $0, 0; }",
+        TRAP_ASM,
         "=r,r",
         [bad.to(tl.int32)],
         dtype=tl.int32,

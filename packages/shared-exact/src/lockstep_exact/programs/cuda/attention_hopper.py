@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .arith import TRAP_ASM
+
 try:  # Gluon's Hopper API (triton >= 3.5); without it the Triton kernel runs (same bytes)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -78,12 +80,7 @@ if gluon is not None:
         """Stop the kernel on any lane where ``bad`` (arith.trap_if, in Gluon); returns zeros
         to be added to a value the kernel uses."""
         return gl.inline_asm_elementwise(
-            "{ .reg .pred %lsbad; setp.ne.s32 %lsbad, $1, 0; @%lsbad trap; mov.u32 $0, 0; }",
-            "=r,r",
-            [bad.to(gl.int32)],
-            dtype=gl.int32,
-            is_pure=False,
-            pack=1,
+            TRAP_ASM, "=r,r", [bad.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1
         )
 
     @gluon.jit
