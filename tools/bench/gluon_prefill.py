@@ -49,6 +49,7 @@ kernel (``_HOPPER_PREFILL`` off).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 
@@ -168,8 +169,7 @@ def _tile(
     HEADS_FAST: gl.constexpr = 0,
 ):  # fmt: skip
     """The 64-row tile ``tile`` of kv head program_id(1) (program_id(0) with HEADS_FAST),
-    written out; returns the key blocks
-    it used (0 .. j_last)."""
+    written out; returns the key blocks it used (0 .. j_last)."""
     BLOCK_M: gl.constexpr = 64
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     D: gl.constexpr = k_desc.block_type.shape[1]
@@ -457,27 +457,9 @@ def _ws_attn(
         scale, stride_qt, stride_qh, stride_ot, stride_oh, G, SEG_BLOCKS, STAGES, PAIR,
         FAST_EXP, OVERLAP, HEADS_FAST,
     )  # fmt: skip
+    loads = (pos_ptr, k_desc, v_desc, k_smem, v_smem, ready, empty, n_rows, G, STAGES, HEADS_FAST)
     gl.warp_specialize(
-        [
-            (_consumer, (args, 0)),
-            (_consumer, (args, 1)),
-            (
-                _producer,
-                (
-                    pos_ptr,
-                    k_desc,
-                    v_desc,
-                    k_smem,
-                    v_smem,
-                    ready,
-                    empty,
-                    n_rows,
-                    G,
-                    STAGES,
-                    HEADS_FAST,
-                ),
-            ),  # fmt: skip
-        ],
+        [(_consumer, (args, 0)), (_consumer, (args, 1)), (_producer, loads)],
         [4, 1],
         [240, 24],
     )
@@ -589,9 +571,9 @@ NOT_CONTRACT = {  # timing only; beside the scratch-accumulator variants they ch
 def main() -> None:
     from triton.testing import do_bench
 
-    from lockstep_exact.programs.cuda import attention as program
     from lockstep_exact.programs.cuda.attention import attention
 
+    program = importlib.import_module("lockstep_exact.programs.cuda.attention")  # the module
     program._HOPPER_PREFILL = False  # the reference: the Triton kernel (set back for one row)
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .arith import TRAP_ASM
+from .arith import EXACT, TRAP_ASM
 
 try:  # Gluon's Hopper API (triton >= 3.5); without it the Triton kernel runs (same bytes)
     from triton.experimental import gluon
@@ -303,7 +303,7 @@ if gluon is not None:
     @gluon.jit
     def _producer(pos_ptr, k_desc, v_desc, k_smem, v_smem, ready, empty, n_rows, n_kv_heads,
                   stride_p, G: gl.constexpr):  # fmt: skip
-        """One warp: every key block the longer tile needs, into the ring, in order."""
+        """One warp: every key block either tile of the pair needs, into the ring, in order."""
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         D: gl.constexpr = k_desc.block_type.shape[1]
         lay: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
@@ -345,27 +345,11 @@ if gluon is not None:
             n_rows, n_kv_heads, kv_len, scale, stride_p, stride_qt, stride_qh, stride_ot,
             stride_oh, G, SEG_BLOCKS,
         )  # fmt: skip
+        loads = (
+            pos_ptr, k_desc, v_desc, k_smem, v_smem, ready, empty, n_rows, n_kv_heads, stride_p, G,
+        )  # fmt: skip
         gl.warp_specialize(
-            [
-                (_consumer, (args, 0)),
-                (_consumer, (args, 1)),
-                (
-                    _producer,
-                    (
-                        pos_ptr,
-                        k_desc,
-                        v_desc,
-                        k_smem,
-                        v_smem,
-                        ready,
-                        empty,
-                        n_rows,
-                        n_kv_heads,
-                        stride_p,
-                        G,
-                    ),
-                ),  # fmt: skip
-            ],
+            [(_consumer, (args, 0)), (_consumer, (args, 1)), (_producer, loads)],
             [4, 1],
             [240, 32],
         )
@@ -396,6 +380,6 @@ def prefill(
     _prefill_kernel[(pairs * h_kv,)](
         q, kd, vd, out, pos, n_rows, h_kv, s_len, scale, pos.stride(0), q.stride(0),
         q.stride(1), out.stride(0), out.stride(1), G=g, SEG_BLOCKS=segment // block,
-        num_warps=4, maxnreg=168, enable_fp_fusion=False,
+        num_warps=4, maxnreg=168, **EXACT,
     )  # fmt: skip
-    return out  # 168 registers at launch: the producer's 24 leave 240 to each consumer
+    return out  # 168 registers at launch: the producer's 32 leave 240 to each consumer
