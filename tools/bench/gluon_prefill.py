@@ -65,6 +65,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from lockstep_exact.programs.cuda.attention_hopper import load_q_tile, wgmma_layout
+
 
 @gluon.jit
 def _exp(x, FAST_EXP: gl.constexpr):
@@ -173,35 +175,20 @@ def _tile(
     BLOCK_M: gl.constexpr = 64
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     D: gl.constexpr = k_desc.block_type.shape[1]
-    mma_s: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    mma_o: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
-    )
+    mma_s: gl.constexpr = wgmma_layout(BLOCK_N)
+    mma_o: gl.constexpr = wgmma_layout(D)
     p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
     col_s: gl.constexpr = gl.SliceLayout(0, mma_s)
     row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
     col_o: gl.constexpr = gl.SliceLayout(0, mma_o)
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
 
     h = _pid(1, HEADS_FAST)
     r_o = gl.arange(0, BLOCK_M, layout=row_o)
     c_o = gl.arange(0, D, layout=col_o)
     sc_off = slot + r_o[:, None] * D + c_o[None, :]  # this tile's scratch, in mma_o layout
 
-    rows_l = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
-    offs_dl = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
-    q_src = (
-        q_ptr
-        + (rows_l // G)[:, None] * stride_qt
-        + (h * G + rows_l % G)[:, None] * stride_qh
-        + offs_dl[None, :]
-    )
-    q_smem.store(gl.load(q_src, mask=(rows_l < n_rows)[:, None], other=0.0))
-    fence_async_shared()
-    gl.thread_barrier()
+    load_q_tile(q_ptr, q_smem, tile, h, n_rows, stride_qt, stride_qh, G)
 
     rows = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
     row_ok = rows < n_rows

@@ -83,6 +83,33 @@ if gluon is not None:
             TRAP_ASM, "=r,r", [bad.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1
         )
 
+    @gluon.constexpr_function
+    def wgmma_layout(n):
+        """The accumulator layout of a 64-row wgmma product n columns wide (one warpgroup, 16
+        rows a warp): the tile's scores (n = block) and its output (n = head size)."""
+        return gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16]
+        )
+
+    @gluon.jit
+    def load_q_tile(q_ptr, q_smem, tile, h, n_rows, stride_qt, stride_qh, G: gl.constexpr):
+        """Rows tile * 64 .. tile * 64 + 63 of kv head ``h``'s queries (row r: token r // G,
+        query head h * G + r % G; zeros past ``n_rows``) into ``q_smem`` [64, D], visible to
+        the warpgroup's products when it returns."""
+        D: gl.constexpr = q_smem.shape[1]
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        rows = tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
+        src = (
+            q_ptr
+            + (rows // G)[:, None] * stride_qt
+            + (h * G + rows % G)[:, None] * stride_qh
+            + offs_d[None, :]
+        )
+        q_smem.store(gl.load(src, mask=(rows < n_rows)[:, None], other=0.0))
+        fence_async_shared()
+        gl.thread_barrier()
+
     @gluon.jit
     def _soft(s, m, l_s, scale, p_op: gl.constexpr, row_o: gl.constexpr):
         """An unmasked block up to its PV product: the new max and sum, P in the PV operand's
@@ -132,30 +159,15 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = 64
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         D: gl.constexpr = k_desc.block_type.shape[1]
-        mma_s: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-        )
-        mma_o: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
-        )
+        mma_s: gl.constexpr = wgmma_layout(BLOCK_N)
+        mma_o: gl.constexpr = wgmma_layout(D)
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
         col_s: gl.constexpr = gl.SliceLayout(0, mma_s)
         row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
         col_o: gl.constexpr = gl.SliceLayout(0, mma_o)
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
 
-        rows_l = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
-        offs_dl = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
-        q_src = (
-            q_ptr
-            + (rows_l // G)[:, None] * stride_qt
-            + (h * G + rows_l % G)[:, None] * stride_qh
-            + offs_dl[None, :]
-        )
-        q_smem.store(gl.load(q_src, mask=(rows_l < n_rows)[:, None], other=0.0))
-        fence_async_shared()
-        gl.thread_barrier()
+        load_q_tile(q_ptr, q_smem, tile, h, n_rows, stride_qt, stride_qh, G)
 
         pos, row_ok = _tile_pos(pos_ptr, stride_p, tile, n_rows, kv_len, G, row_s)
         pos_max = gl.max(pos, 0)
