@@ -226,7 +226,8 @@ def attention_rows(table, block, sweep, t_len=2048, decode=True):
 def paged_case(s_len: int, batch: int, block: int, page: int = 32, segment: int = 512) -> dict:
     """A batch of one-token decodes over a paged cache (as the lane's vLLM decode step runs
     them): the exact program ``attention_decode_paged`` and SDPA over the same keys laid out
-    [batch, kv heads, S, D] (GQA by ``enable_gqa``)."""
+    [batch, kv heads, S, D] (GQA by ``enable_gqa``), and the program's arguments (``args``:
+    q, key and value caches, block table, seq_lens, positions) for probes of other kernels."""
     from lockstep_exact.programs import cuda
 
     pages = s_len // page
@@ -250,6 +251,7 @@ def paged_case(s_len: int, batch: int, block: int, page: int = 32, segment: int 
             q, kc, vc, table, lens, pos, max_seq_len=s_len, block=block, segment=segment
         ),
         "sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True),
+        "args": (q, kc, vc, table, lens, pos),
     }
 
 

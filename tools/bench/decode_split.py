@@ -28,10 +28,9 @@ import importlib
 import json
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
-from bench_gpu import HEAD_DIM, HEADS, KV_HEADS, graph_bench, rand
+from bench_gpu import graph_bench, paged_case
 
 from lockstep_exact import programs as P
 from lockstep_exact.programs.cuda.arith import BF16, EXACT, F32
@@ -40,15 +39,21 @@ A = importlib.import_module("lockstep_exact.programs.cuda.attention")
 
 
 @triton.jit
-def _rows_of(
-    kq, held, first, bt, stride_ks, stride_vs, stride_kp, stride_vp, PAGE: tl.constexpr,
-    NP: tl.constexpr,
+def _block_at(
+    base, kpos, kv_lim, pad, held, first, bt, stride_ks, stride_vs, stride_kp, stride_vp,
+    PAGE: tl.constexpr, NP: tl.constexpr, D: tl.constexpr, VALUES: tl.constexpr,
 ):  # fmt: skip
-    """The K and V rows of key positions ``kq``: from the held table entries, or looked up."""
+    """The K (or, ``VALUES``, V) rows of key positions ``kpos`` from ``base``, zeros at and past
+    ``kv_lim``; pages from the held table entries, or looked up."""
+    ok = kpos < kv_lim
+    kq = tl.where(ok, kpos, pad)
     if NP > 0:
         page = tl.gather(held, kq // PAGE - first, 0)
-        return A._rows_in(page, kq, stride_ks, stride_vs, stride_kp, stride_vp, PAGE)
-    return A._page_rows(kq, bt, stride_ks, stride_vs, stride_kp, stride_vp, PAGE)
+        k_row, v_row = A._rows_in(page, kq, stride_ks, stride_vs, stride_kp, stride_vp, PAGE)
+    else:
+        k_row, v_row = A._page_rows(kq, bt, stride_ks, stride_vs, stride_kp, stride_vp, PAGE)
+    row = v_row if VALUES else k_row
+    return tl.load(base + row[:, None] + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
 
 
 @triton.jit
@@ -96,12 +101,10 @@ def _split_kernel(
         # pass A: every block's max, alpha, P and row sum, W blocks a QK product
         for c in range(j_lo, j_hi if SKIP != 1 else j_lo, W):
             kpos = c * BLOCK_N + offs_w
-            ok = kpos < kv_lim
-            kq = tl.where(ok, kpos, j_lo * BLOCK_N)
-            k_row, _ = _rows_of(
-                kq, held, first, bt, stride_ks, stride_vs, stride_kp, stride_vp, PAGE, NP
-            )
-            k = tl.load(k_base + k_row[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+            k = _block_at(
+                k_base, kpos, kv_lim, j_lo * BLOCK_N, held, first, bt, stride_ks, stride_vs,
+                stride_kp, stride_vp, PAGE, NP, D, False,
+            )  # fmt: skip
             s = tl.dot(q, tl.trans(k)) * scale
             s = tl.where(kpos[None, :] <= p, s, float("-inf"))
             s3 = tl.reshape(s, [BLOCK_M, W, BLOCK_N])
@@ -134,12 +137,10 @@ def _split_kernel(
                 at1 = rs_base + (j + 1) * G + rows
                 rs_n = tl.load(at1, mask=nxt, other=0.0, cache_modifier=".cg")
             kpos = j * BLOCK_N + offs_n
-            ok = kpos < kv_lim
-            kq = tl.where(ok, kpos, j_lo * BLOCK_N)
-            _, v_row = _rows_of(
-                kq, held, first, bt, stride_ks, stride_vs, stride_kp, stride_vp, PAGE, NP
-            )
-            v = tl.load(v_base + v_row[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+            v = _block_at(
+                v_base, kpos, kv_lim, j_lo * BLOCK_N, held, first, bt, stride_ks, stride_vs,
+                stride_kp, stride_vp, PAGE, NP, D, True,
+            )  # fmt: skip
             pj = p_base + j * (G * BLOCK_N) + rows[:, None] * BLOCK_N + offs_n[None, :]
             pj = tl.load(pj, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
             l_sum = l_sum * alpha + rsj
@@ -268,24 +269,10 @@ VARIANTS = {
 }
 
 
-def times(s_len: int, batch: int, page: int = 32) -> dict:
-    pages = s_len // page
-    kc = rand(batch * pages, KV_HEADS, page, HEAD_DIM)
-    vc = rand(batch * pages, KV_HEADS, page, HEAD_DIM)
-    table = torch.arange(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
-    lens = torch.full((batch,), s_len, device="cuda", dtype=torch.int32)
-    pos = lens - 1
-    q = rand(batch, HEADS, HEAD_DIM)
-
-    def laid(c):
-        c = c.view(batch, pages, KV_HEADS, page, HEAD_DIM).permute(0, 2, 1, 3, 4)
-        return c.reshape(batch, KV_HEADS, s_len, HEAD_DIM)
-
-    ks, vs, qs = laid(kc), laid(vc), q.unsqueeze(2)
-    fns = {
-        "program": lambda: P.attention_decode_paged(q, kc, vc, table, lens, pos, max_seq_len=s_len),
-        "SDPA (GQA)": lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True),
-    }
+def times(s_len: int, batch: int) -> dict:
+    case = paged_case(s_len, batch, 32)
+    q, kc, vc, table, lens, pos = case["args"]
+    fns = {"program": case["exact"], "SDPA (GQA)": case["sdpa"]}
     for name, kw in VARIANTS.items():
         fns[name] = lambda kw=kw: decode_split(q, kc, vc, table, lens, pos, max_seq_len=s_len, **kw)
     want = _bits(fns["program"]())
