@@ -9,6 +9,7 @@ closed where a backend lacks the program: there is no fallback to a non-exact pa
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -104,6 +105,7 @@ def backend_of(*tensors: torch.Tensor) -> str:
     return device
 
 
+@functools.cache  # imported once: every program call resolves its backend (eager host time)
 def backend_module(backend: str) -> ModuleType:
     try:
         return importlib.import_module(f"lockstep_exact.programs.{backend}")

@@ -367,6 +367,12 @@ if gluon is not None:
         )
 
 
+@functools.cache
+def _kv_layout(block: int, d: int):
+    """The shared layout of a [block, d] bf16 K or V tile (built once: 5-8 us a call)."""
+    return gl.NVMMASharedLayout.get_default_for([block, d], gl.bfloat16)
+
+
 def prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -384,7 +390,7 @@ def prefill(
     s_len, h_kv, _ = k.shape
     g = h_q // h_kv
     n_rows = n_q * g
-    lay = gl.NVMMASharedLayout.get_default_for([block, d], gl.bfloat16)
+    lay = _kv_layout(block, d)
     k2, v2 = k.view(s_len, h_kv * d), v.view(s_len, h_kv * d)
     kd = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [block, d], lay)
     vd = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [block, d], lay)
