@@ -15,18 +15,26 @@ from lockstep_exact.tiny import make_tiny
 pytestmark = pytest.mark.engine
 
 
-def _capture(model, out, *extra):
+def _start(model, out, *extra) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-m", "lockstep_exact.cli", "capture", "--model", str(model)]
         + ["--decisions", "2", "--out", str(out), *extra],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         env=env,
-        timeout=600,
     )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done.stdout, done.stderr
+
+
+def _finish(child: subprocess.Popen) -> tuple[str, str]:
+    try:
+        out, err = child.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, err = child.communicate()
+    assert child.returncode == 0, err[-4000:]
+    return out, err
 
 
 def _engine_lines(text: str) -> list[str]:
@@ -37,7 +45,10 @@ def _engine_lines(text: str) -> list[str]:
 def test_capture_is_quiet_by_default_and_verbose_streams_the_engine(tmp_path):
     model = make_tiny(tmp_path / "m", arch="qwen3", hidden=64, vocab=512)
 
-    out, err = _capture(model, tmp_path / "quiet")
+    # both captures at once (one engine thread each): the two engine starts overlap
+    quiet = _start(model, tmp_path / "quiet")
+    loud = _start(model, tmp_path / "loud", "--verbose")
+    out, err = _finish(quiet)
     log = tmp_path / "quiet.log"
     assert out.splitlines() == [
         "capturing 2 decisions per prompt from 8 prompts",
@@ -47,7 +58,7 @@ def test_capture_is_quiet_by_default_and_verbose_streams_the_engine(tmp_path):
     assert err == ""
     assert len(_engine_lines(log.read_text())) >= 3  # vLLM's start-up warnings are there
 
-    out, err = _capture(model, tmp_path / "loud", "--verbose")
+    out, err = _finish(loud)
     log = tmp_path / "loud.log"
     assert out.splitlines()[-1] == f"engine log: {log}"
     engine = _engine_lines(log.read_text())
