@@ -123,17 +123,27 @@ def gemm_rows(table, bk, sweep, n=4096, ms=(1, 16, 128, 1024, 8192)):
     ws = [rand(n, k, scale=0.02) for _ in range(GEMM_WEIGHTS)]
     for m in ms:
         x = rand(m, k)
-        if sweep:
+        if sweep:  # every tiling as the graph rows below time it (twenty weights a replay)
             ref = cuda.gemm(x, w, bk=bk, tiling="m128n256")
             times = {}
             for name in cuda.TILINGS:
                 out = cuda.gemm(x, w, bk=bk, tiling=name)
                 same = torch.equal(out.view(torch.int16), ref.view(torch.int16))
-                times[name] = bench(lambda x=x, name=name: cuda.gemm(x, w, bk=bk, tiling=name))
+                cyc = itertools.cycle(ws)
+                times[name] = graph_bench(
+                    lambda x=x, name=name, it=cyc: cuda.gemm(x, next(it), bk=bk, tiling=name),
+                    GEMM_WEIGHTS,
+                )
                 print(
                     f"  sweep gemm M={m} bk={bk} {name:<11} {times[name] * 1e3:8.2f} us same={same}"
                 )
-            print(f"  sweep gemm M={m} bk={bk} best {min(times, key=times.get)}", flush=True)
+            cyc = itertools.cycle(ws)
+            t_ref = graph_bench(lambda x=x, it=cyc: torch.mm(x, next(it).t()), GEMM_WEIGHTS)
+            print(
+                f"  sweep gemm M={m} bk={bk} best {min(times, key=times.get)} "
+                f"(cuBLAS {t_ref * 1e3:.2f} us)",
+                flush=True,
+            )
         flop = 2 * m * n * k
         t = bench(lambda x=x: P.gemm(x, w, bk=bk))
         tf = flop / (t * 1e-3) / 1e12
