@@ -68,6 +68,14 @@ def graph_bench(fn: Callable[[], object], calls: int = 1) -> float:
 # gemm rows in a graph: this many calls, each on its own weight (a model's layers).
 GEMM_WEIGHTS = 20
 
+
+def each_weight(ws: list, call: Callable[[torch.Tensor], object]) -> Callable[[], object]:
+    """A callable that runs ``call`` on the next weight of ``ws`` (cycling) at each call: a
+    graph of len(ws) calls captures every weight once."""
+    it = itertools.cycle(ws)
+    return lambda: call(next(it))
+
+
 # Decode rows: eager, one call a graph replay, twenty calls a replay (see the module text).
 DECODE_MODES = (0, 1, 20)
 
@@ -129,16 +137,14 @@ def gemm_rows(table, bk, sweep, n=4096, ms=(1, 16, 128, 1024, 8192)):
             for name in cuda.TILINGS:
                 out = cuda.gemm(x, w, bk=bk, tiling=name)
                 same = torch.equal(out.view(torch.int16), ref.view(torch.int16))
-                cyc = itertools.cycle(ws)
                 times[name] = graph_bench(
-                    lambda x=x, name=name, it=cyc: cuda.gemm(x, next(it), bk=bk, tiling=name),
+                    each_weight(ws, lambda w, x=x, name=name: cuda.gemm(x, w, bk=bk, tiling=name)),
                     GEMM_WEIGHTS,
                 )
                 print(
                     f"  sweep gemm M={m} bk={bk} {name:<11} {times[name] * 1e3:8.2f} us same={same}"
                 )
-            cyc = itertools.cycle(ws)
-            t_ref = graph_bench(lambda x=x, it=cyc: torch.mm(x, next(it).t()), GEMM_WEIGHTS)
+            t_ref = graph_bench(each_weight(ws, lambda w, x=x: torch.mm(x, w.t())), GEMM_WEIGHTS)
             print(
                 f"  sweep gemm M={m} bk={bk} best {min(times, key=times.get)} "
                 f"(cuBLAS {t_ref * 1e3:.2f} us)",
@@ -156,11 +162,10 @@ def gemm_rows(table, bk, sweep, n=4096, ms=(1, 16, 128, 1024, 8192)):
         # no host time (an eager call's Python and launch took 45-75 us on the H200 against
         # cuBLAS's 15-20, more than the kernel below ~1000 rows), and each weight is read
         # from memory as in a forward pass, not from L2 as twenty calls on one weight would.
-        ex_w, ref_w = itertools.cycle(ws), itertools.cycle(ws)
         row(table, "gemm", f"M={m} N={n} K=4096 bk={bk} graph x20 (20 weights)",
-            lambda x=x, it=ex_w: P.gemm(x, next(it), bk=bk),
-            lambda x=x, it=ref_w: torch.mm(x, next(it).t()), "cuBLAS mm", target, f"({pick})",
-            graph=GEMM_WEIGHTS)  # fmt: skip
+            each_weight(ws, lambda w, x=x: P.gemm(x, w, bk=bk)),
+            each_weight(ws, lambda w, x=x: torch.mm(x, w.t())), "cuBLAS mm", target,
+            f"({pick})", graph=GEMM_WEIGHTS)  # fmt: skip
 
 
 def attention_rows(table, block, sweep, t_len=2048, decode=True):
