@@ -220,6 +220,29 @@ def test_the_tiling_above_256_rows_follows_the_h200_sweep_and_keeps_the_bytes():
     assert_detects_one_ulp(ref, out, index=3)
 
 
+def test_the_tiling_up_to_256_rows_fills_one_wave_and_keeps_the_bytes():
+    """Up to 256 rows the pick is the tile with the most programs inside one wave of the
+    H200's 132 multiprocessors (issue 12's sweep, docs/gpu.md), and its bytes are a fixed
+    tiling's, TMA-fed or not, at shapes each rung of that choice takes."""
+    cuda = backend()
+    pick = cuda.pick_tiling
+    assert pick(1, 4096, 64) == pick(64, 4096, 64) == "m64n32s10"  # 128 programs
+    assert pick(128, 4096, 64) == pick(256, 2048, 64) == "m64n64s8"  # 128
+    assert pick(1, 12288, 64) == "m64n128s6" and pick(256, 4096, 64) == "p64n128"  # 96, 128
+    assert pick(128, 12288, 64) == "p128n128w4"  # 96 tiles of 128 x 128
+    assert pick(256, 12288, 64) == "p64n128"  # past one wave: 384 tiles, persistent
+    assert pick(1, 151936, 64) == "m64n128"  # the LM head
+    shapes = [(3, 1000, 4096), (100, 4000, 1000), (200, 4096, 768), (96, 12288, 512)]
+    shapes += [(130, 20000, 256), (5, 40000, 128), (70, 9000, 100), (200, 4000, 100)]
+    for m, n, k in shapes:  # the last two: K rows TMA cannot address
+        x = cuda_rand(m, k, seed=76)
+        w = cuda_rand(n, k, seed=77, scale=0.05)
+        ref = cuda.gemm(x, w, tiling="m64n64")
+        out = cuda.gemm(x, w)
+        assert_same_bytes(out, ref, f"{m}x{n}x{k}: {pick(m, n, 64)} vs m64n64")
+    assert_detects_one_ulp(ref, out, index=3)
+
+
 @pytest.mark.parametrize("bk", [16, 32])
 @pytest.mark.parametrize("out_dtype", [BF16, F32])
 def test_gemm_wider_k_steps_give_the_same_bytes(bk, out_dtype):

@@ -45,6 +45,10 @@ TILINGS: dict[str, Tiles] = {
     "m64n64s6": Tiles(64, 64, 4, 6),
     "m64n32": Tiles(64, 32, 4, 5),
     "m64n32s8": Tiles(64, 32, 4, 8),
+    # Issue 12's small-M sweep (docs/gpu.md): deeper pipelines for the one-wave picks below.
+    "m64n32s10": Tiles(64, 32, 4, 10),
+    "m64n64s8": Tiles(64, 64, 4, 8),
+    "m64n128s6": Tiles(64, 128, 4, 6),
     # Persistent, TMA-fed (issue 12: M >= 512 ran at 0.63-0.80x cuBLAS with the tilings
     # above; these at 0.85-0.97x in the H200 sweep, docs/gpu.md). Gated like every other tiling.
     # A 128 x 256 tile with an fp32 output and 3 stages asks for 278,552 B of shared memory
@@ -54,6 +58,7 @@ TILINGS: dict[str, Tiles] = {
     "p128n128w4": Tiles(128, 128, 4, 4, persistent=True),
     "p256n128": Tiles(256, 128, 8, 3, persistent=True),
     "p128n256nf": Tiles(128, 256, 8, 3, persistent=True, flatten=False, fp32_stages=2),
+    "p64n128": Tiles(64, 128, 4, 6, persistent=True),
 }
 
 # Multiprocessors of the H200 the small-M choice below was timed on (issue 12, docs/gpu.md).
@@ -63,11 +68,16 @@ _SMS = 132
 def pick_tiling(m: int, n: int, bk: int = 32) -> str:
     """Shape-based choice among byte-identical tilings (timed on the H200, docs/gpu.md).
 
-    Up to 256 rows the kernel streams the weight: the choice keeps about one to two waves of
-    programs in flight, narrow tiles with deep pipelines where N alone gives few programs.
-    Above 256 rows, with 64 columns of K per step, the persistent TMA tilings (128 x 128 up to
-    768 rows, 128 x 256 above) where they give at least half a wave of tiles; a narrow output
-    (a router's N = 128, say) keeps the tilings that give it more programs.
+    Up to 256 rows the kernel streams the weight, and the choice is the tile that gives the
+    most programs still inside one wave (at most one per multiprocessor): 64 x 32, 64 x 64,
+    64 x 128, then 128 x 128, with deep pipelines. Narrower tiles than that re-read x more
+    and start a second, ragged wave; wider ones idle multiprocessors. The 64 x 128 and
+    wider tiles go persistent and TMA-fed where the rows fill the tile (TMA loads whole
+    boxes; with fewer rows the pointer kernel's masked loads were faster). Past one wave at
+    128 x 128, persistent 64 x 128 tiles. Above 256 rows, with 64 columns of K per step, the
+    persistent TMA tilings (128 x 128 up to 768 rows, 128 x 256 above) where they give at
+    least half a wave of tiles; a narrow output (a router's N = 128, say) keeps the tilings
+    that give it more programs.
     """
     wide = bk >= 64
     if wide and m > 256:
@@ -76,15 +86,16 @@ def pick_tiling(m: int, n: int, bk: int = 32) -> str:
         if triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n) * 2 >= _SMS:
             return name
     if m <= 256:
-        tiles_m = triton.cdiv(m, 64)
-        progs64 = tiles_m * triton.cdiv(n, 64)
-        if progs64 < _SMS:
-            return "m64n32s8"
-        if tiles_m * triton.cdiv(n, 128) >= 2 * _SMS:
+        full = m >= 64
+        for name in ("m64n32s10", "m64n64s8", "p64n128" if full else "m64n128s6", "p128n128w4"):
+            t = TILINGS[name]
+            if triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n) <= _SMS:
+                return name
+        if full:
+            return "p64n128"
+        if triton.cdiv(n, 128) >= 2 * _SMS:  # a vocabulary-wide N (the LM head, say)
             return "m64n128"
-        if wide and progs64 >= 2 * _SMS:
-            return "m64n64"
-        return "m64n64s6"
+        return "m64n64" if wide and triton.cdiv(n, 64) >= 2 * _SMS else "m64n64s6"
     if m <= 2048:
         return "m256n128" if wide else "m128n128w4"
     return "m128n256" if wide else "m256n128"
