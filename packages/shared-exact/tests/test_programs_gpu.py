@@ -225,6 +225,7 @@ def test_the_tiling_up_to_256_rows_fills_one_wave_and_keeps_the_bytes():
     H200's 132 multiprocessors (issue 12's sweep, docs/gpu.md), and its bytes are a fixed
     tiling's, TMA-fed or not, at shapes each rung of that choice takes."""
     cuda = backend()
+    gemm_mod = importlib.import_module("lockstep_exact.programs.cuda.gemm")
     pick = cuda.pick_tiling
     assert pick(1, 4096, 64) == pick(64, 4096, 64) == "m64n32s10"  # 128 programs
     assert pick(128, 4096, 64) == pick(256, 2048, 64) == "m64n64s8"  # 128
@@ -232,14 +233,21 @@ def test_the_tiling_up_to_256_rows_fills_one_wave_and_keeps_the_bytes():
     assert pick(128, 12288, 64) == "p128n128w4"  # 96 tiles of 128 x 128
     assert pick(256, 12288, 64) == "p64n128"  # past one wave: 384 tiles, persistent
     assert pick(1, 151936, 64) == "m64n128"  # the LM head
+    # K = 1040 and 1000 at bk = 16 take 16 columns of K a step (TMA boxes 16 wide, the last
+    # block ragged at 1000); (70, 9000, 100) and (200, 4000, 100): K rows TMA cannot address.
     shapes = [(3, 1000, 4096), (100, 4000, 1000), (200, 4096, 768), (96, 12288, 512)]
     shapes += [(130, 20000, 256), (5, 40000, 128), (70, 9000, 100), (200, 4000, 100)]
-    for m, n, k in shapes:  # the last two: K rows TMA cannot address
+    shapes += [(200, 4096, 1040), (100, 12288, 1000)]
+    for m, n, k in shapes:
         x = cuda_rand(m, k, seed=76)
         w = cuda_rand(n, k, seed=77, scale=0.05)
-        ref = cuda.gemm(x, w, tiling="m64n64")
-        out = cuda.gemm(x, w)
-        assert_same_bytes(out, ref, f"{m}x{n}x{k}: {pick(m, n, 64)} vs m64n64")
+        for bk, out_dtype in ((32, BF16), (32, F32), (16, BF16)):
+            ref = cuda.gemm(x, w, bk=bk, out_dtype=out_dtype, tiling="m64n64")
+            out = cuda.gemm(x, w, bk=bk, out_dtype=out_dtype)
+            step = gemm_mod.k_step(bk, k)
+            what = f"{m}x{n}x{k} bk={bk} {out_dtype}: {pick(m, n, step)} vs m64n64"
+            assert_same_bytes(out, ref, what)
+    assert pick(200, 4096, 16) == "p64n128" and pick(100, 12288, 16) == "p128n128w4"
     assert_detects_one_ulp(ref, out, index=3)
 
 
