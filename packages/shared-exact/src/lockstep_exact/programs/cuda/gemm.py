@@ -71,13 +71,13 @@ def pick_tiling(m: int, n: int, bk: int = 32) -> str:
     Up to 256 rows the kernel streams the weight, and the choice is the tile that gives the
     most programs still inside one wave (at most one per multiprocessor): 64 x 32, 64 x 64,
     64 x 128, then 128 x 128, with deep pipelines. Narrower tiles than that re-read x more
-    and start a second, ragged wave; wider ones idle multiprocessors. The 64 x 128 and
-    wider tiles go persistent and TMA-fed where the rows fill the tile (TMA loads whole
-    boxes; with fewer rows the pointer kernel's masked loads were faster). Past one wave at
-    128 x 128, persistent 64 x 128 tiles. Above 256 rows, with 64 columns of K per step, the
-    persistent TMA tilings (128 x 128 up to 768 rows, 128 x 256 above) where they give at
-    least half a wave of tiles; a narrow output (a router's N = 128, say) keeps the tilings
-    that give it more programs.
+    and start a second, ragged wave; wider ones idle multiprocessors. The 64 x 128 tile goes
+    persistent and TMA-fed from 64 rows (TMA loads whole boxes; with fewer rows the pointer
+    kernel's masked loads were faster); 128 x 128 is persistent. Past one wave at 128 x 128,
+    persistent 64 x 128 tiles from 64 rows, the older tilings below. Above 256 rows, with 64
+    columns of K per step, the persistent TMA tilings (128 x 128 up to 768 rows, 128 x 256
+    above) where they give at least half a wave of tiles; a narrow output (a router's N =
+    128, say) keeps the tilings that give it more programs.
     """
     wide = bk >= 64
     if wide and m > 256:
