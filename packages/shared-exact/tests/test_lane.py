@@ -50,37 +50,72 @@ def test_reference_is_the_hf_model_within_bf16_error(tiny):
     assert rows_off <= (4 if geom.is_moe else 0), f"{rows_off} of 40 rows beyond 0.25"
 
 
-def test_static_dispatch_gives_the_bytes_of_the_per_expert_dispatch():
-    """The graph-safe MoE dispatch (every expert on every row, then a gather) equals running
-    each expert on the rows that chose it, byte for byte; a one-ulp change of one expert
-    weight shows the check can fail."""
-    from lockstep_exact import programs as P
+class _GroupedSlots(qwen3.DictSlots):
+    """The reference slots with the experts stacked (the serving engines' grouped form)."""
 
-    g = torch.Generator().manual_seed(3)
-    experts, hidden, inter, rows, k = 6, 64, 48, 37, 2
-    w = [
-        (torch.randn(inter, hidden, generator=g) * 0.1).to(torch.bfloat16)
-        for _ in range(2 * experts)
-    ]
-    down = [
-        (torch.randn(hidden, inter, generator=g) * 0.1).to(torch.bfloat16) for _ in range(experts)
-    ]
-    h = torch.randn(rows, hidden, generator=g).to(torch.bfloat16)
-    ids = torch.sort(
-        torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(rows)]), 1
-    )
-    ids = ids.values
+    def __init__(self, weights, geom):
+        weights = dict(weights)
+        self.stacked = qwen3.stack_experts(weights, geom)
+        super().__init__(weights, geom)
 
-    def expert(e, x, nudge=False):
-        d = nudge_ulp(down[e], 0) if nudge else down[e]
-        act = P.swiglu(P.gemm(x, w[2 * e]), P.gemm(x, w[2 * e + 1]))
-        return P.gemm(act, d)
+    def experts(self, layer):
+        return self.stacked[layer]
 
-    want = qwen3.local_dispatch(h, ids, expert)
-    got = qwen3.static_dispatch(h, ids, expert, experts)
-    assert_same_bytes(got, want)
-    nudged = qwen3.static_dispatch(h, ids, lambda e, x: expert(e, x, nudge=e == 2), experts)
-    assert not same_bytes(nudged, want)
+
+def test_grouped_experts_give_the_bytes_of_the_per_expert_dispatch(tiny):
+    """The MoE layer with its experts grouped (pairs sorted by expert on the device, one
+    grouped gemm a projection) gives the per-expert dispatch's bytes, and runs the same
+    programs at the same sites; every layer-0 expert's down_proj weights moved by one ulp move
+    the outputs (the check can fail)."""
+    from lockstep_exact.lanes.ops import Ops
+
+    _, geom, w = tiny
+    if not geom.is_moe:
+        pytest.skip("dense: no experts")
+    toks = tokens(37, seed=5)
+    pos = torch.arange(toks.shape[0])
+    plain, grouped = qwen3.default_ops(geom), qwen3.default_ops(geom)
+    want = qwen3.forward(plain, geom, qwen3.DictSlots(w, geom), toks, pos)
+    got = qwen3.forward(grouped, geom, _GroupedSlots(w, geom), toks, pos)
+    assert_same_bytes(got, want, "grouped vs per-expert MoE")
+    assert grouped.invoked == plain.invoked
+    w2 = dict(w)
+    for e in range(geom.experts):
+        name = f"model.layers.0.mlp.experts.{e}.down_proj.weight"
+        w2[name] = (w[name].view(torch.int16) + 1).view(torch.bfloat16)
+    moved = qwen3.forward(Ops(plain.contract), geom, _GroupedSlots(w2, geom), toks, pos)
+    assert not same_bytes(moved, want)
+
+
+def test_an_expert_plan_sorts_pairs_by_expert_in_row_order_and_tiles_them():
+    """Pairs sorted by expert, stably (ascending row then slot within an expert, the order
+    local_dispatch gives); tiles of at most TILE_M pairs of one expert cover every pair once,
+    in order; the tile count is fixed by the shapes, empty tiles marked -1."""
+    from lockstep_exact.programs.grouping import TILE_M, expert_plan, unsort
+
+    g = torch.Generator().manual_seed(9)
+    experts, rows, k = 5, 60, 3
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(rows)])
+    ids[:40, 0] = 1  # one expert with more pairs than a tile
+    plan = expert_plan(ids, experts)
+    flat = ids.reshape(-1)
+    want = [i for e in range(experts) for i in range(rows * k) if int(flat[i]) == e]
+    assert plan.order.tolist() == want
+    assert plan.src.tolist() == [i // k for i in want]
+    assert plan.tiles.shape[0] == -(-rows * k // TILE_M) + experts
+    covered = []
+    for e, first, n in plan.tiles.tolist():
+        if e < 0:
+            assert n == 0
+            continue
+        assert 1 <= n <= TILE_M and all(int(flat[want[first + i]]) == e for i in range(n))
+        covered += range(first, first + n)
+    assert covered == list(range(rows * k))
+    y = torch.arange(rows * k, dtype=torch.float32)[:, None].expand(-1, 2)
+    back = unsort(y[plan.order.argsort()][plan.order.argsort().argsort()], plan)
+    assert back.shape == (rows, k, 2)
+    assert torch.equal(unsort(torch.tensor(want, dtype=torch.float32)[:, None], plan)[..., 0],
+                       torch.arange(rows * k, dtype=torch.float32).view(rows, k))  # fmt: skip
 
 
 @pytest.mark.parametrize("owned", [None, {0, 3, 5}])

@@ -860,3 +860,129 @@ def test_rope_under_a_position_bound_reads_no_position_on_the_host():
     refused = pytest.raises(ValueError, match="a CUDA graph capture needs programs.position_bound")
     with refused, torch.cuda.graph(torch.cuda.CUDAGraph()):
         P.rope(x, pos, 1e6)
+
+
+# --- grouped experts and one-launch K partitions -------------------------------------------------
+def _kpart_by_partitions(x, w, parts, out_dtype):
+    """gemm.kpart as its definition reads: each partition a plain gemm of contiguous copies,
+    the fp32 sums folded over the pair tree, one rounding (no one-launch kernel involved)."""
+    cuda = backend()
+    size = x.shape[-1] // parts
+    sums = [
+        cuda.gemm(
+            x[:, p * size : (p + 1) * size].contiguous(),
+            w[:, p * size : (p + 1) * size].contiguous(),
+            out_dtype=F32,
+            tiling="m64n64",
+        )
+        for p in range(parts)
+    ]
+    total = P.fold_tree(sums)
+    return total if out_dtype == F32 else cuda.round_bf16(total)
+
+
+def _routing(t, k, experts, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(t)])
+    return torch.sort(ids, dim=1).values.cuda()
+
+
+def _by_expert(x, w, plan, fn):
+    """Each expert's sorted rows through ``fn(rows, w[e])``, placed back in sorted order."""
+    bounds = plan.bounds.tolist()
+    outs = [fn(x[bounds[e] : bounds[e + 1]], w[e]) for e in range(plan.experts)]
+    return torch.cat([o for o in outs if o.shape[0]])
+
+
+@pytest.mark.parametrize(
+    "t,k,experts,hidden,inter",
+    [(1, 8, 128, 2048, 768), (3, 2, 5, 200, 130), (64, 8, 128, 2048, 768),
+     (257, 4, 16, 1000, 96), (700, 8, 64, 512, 256)],
+)  # fmt: skip
+def test_grouped_experts_give_each_pair_the_bytes_of_its_experts_plain_gemm(
+    t, k, experts, hidden, inter
+):
+    """gemm_grouped (one launch for all experts) against each expert's rows through the
+    plain gemm (gate, bf16 and fp32 out) and gemm.kpart by partitions (down): byte-equal.
+    Control on an input: one element of one routed hidden row moved by one ulp moves that
+    pair's fp32 output."""
+    cuda = backend()
+    from lockstep_exact.lanes.qwen3 import k_parts
+
+    ids = _routing(t, k, experts, seed=t)
+    plan = P.expert_plan(ids, experts)
+    h = cuda_rand(t, hidden, seed=80)
+    gate_w = cuda_rand(experts, inter, hidden, seed=81, scale=0.05)
+    down_w = cuda_rand(experts, hidden, inter, seed=82, scale=0.05)
+    xs = h[plan.src]
+    for out_dtype in (BF16, F32):
+        got = P.gemm_grouped(xs, gate_w, plan, out_dtype=out_dtype)
+        want = _by_expert(xs, gate_w, plan, lambda r, w, o=out_dtype: cuda.gemm(r, w, out_dtype=o))
+        assert_same_bytes(got, want, f"grouped gate {out_dtype}")
+    act = cuda_rand(t * k, inter, seed=83)
+    parts = k_parts(inter)
+    for out_dtype in (BF16, F32):
+        got = P.gemm_grouped(act, down_w, plan, parts=parts, out_dtype=out_dtype)
+        want = _by_expert(
+            act, down_w, plan, lambda r, w, o=out_dtype: _kpart_by_partitions(r, w, parts, o)
+        )
+        assert_same_bytes(got, want, f"grouped down, {parts} partitions, {out_dtype}")
+    assert_detects_one_ulp(want, got, index=3)
+    base = P.gemm_grouped(xs, gate_w, plan, out_dtype=F32)
+    moved = xs.clone()
+    moved[0] = nudge_ulp(xs[0], index=1)
+    shifted = P.gemm_grouped(moved, gate_w, plan, out_dtype=F32)
+    assert not same_bytes(shifted[0], base[0])
+    assert_same_bytes(shifted[1:], base[1:], "the other pairs")
+
+
+def test_grouped_experts_replay_from_a_cuda_graph_with_the_eager_bytes():
+    """The plan and the grouped expert MLP captured once, replayed on a new routing and new
+    rows (no host read): the eager bytes; a routing that moved gives other bytes."""
+    from lockstep_exact.programs.grouping import unsort
+
+    t, k, experts, hidden, inter = 16, 8, 128, 2048, 768
+    ids = _routing(t, k, experts, seed=1)
+    h = cuda_rand(t, hidden, seed=90)
+    gate_w = cuda_rand(experts, inter, hidden, seed=91, scale=0.05)
+    up_w = cuda_rand(experts, inter, hidden, seed=92, scale=0.05)
+    down_w = cuda_rand(experts, hidden, inter, seed=93, scale=0.05)
+    out = torch.empty(t, k, hidden, dtype=BF16, device="cuda")
+
+    def step():
+        plan = P.expert_plan(ids, experts)
+        xs = h[plan.src]
+        act = P.swiglu(P.gemm_grouped(xs, gate_w, plan), P.gemm_grouped(xs, up_w, plan))
+        out.copy_(unsort(P.gemm_grouped(act, down_w, plan, parts=8), plan))
+
+    step()
+    first = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    ids.copy_(_routing(t, k, experts, seed=2))
+    h.copy_(cuda_rand(t, hidden, seed=94))
+    graph.replay()
+    replayed = out.clone()
+    step()
+    assert_same_bytes(replayed, out, "graph replay vs eager")
+    assert not same_bytes(replayed, first)
+    assert_detects_one_ulp(out, replayed, index=11)
+
+
+@pytest.mark.parametrize(
+    "m,n,k,parts",
+    [(1, 4096, 12288, 8), (7, 2048, 768, 8), (64, 1000, 800, 8), (200, 4096, 4096, 4),
+     (256, 2048, 1536, 2), (129, 130, 8 * 100, 8)],
+)  # fmt: skip
+def test_kpart_in_one_launch_gives_the_bytes_of_its_partitions(m, n, k, parts):
+    """gemm.kpart's partitions and fold in one kernel (up to 256 rows) against one plain
+    gemm per partition and the pair tree (ragged partitions included: K = 800 in 8)."""
+    cuda = backend()
+    x = cuda_rand(m, k, seed=95)
+    w = cuda_rand(n, k, seed=96, scale=0.05)
+    got = cuda.kpart_partial(x, w, parts=parts)
+    want = _kpart_by_partitions(x, w, parts, F32)
+    assert_same_bytes(got, want, f"{m}x{n}x{k} in {parts}")
+    assert_same_bytes(P.kpart_partial(x, w, parts=parts), want, "through the dispatch")
+    assert_detects_one_ulp(want, got, index=2)

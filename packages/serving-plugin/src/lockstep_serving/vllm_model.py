@@ -280,6 +280,7 @@ class LockstepQwen3ForCausalLM(nn.Module):
             for name in self.layer_names
         )
         self._layer_weights: list[dict[str, torch.Tensor]] = []
+        self._experts: list[dict[str, torch.Tensor]] | None = None
         self._token_adapters: tuple[int, ...] = ()
         self._adapters: dict[int, dict] = {}
         LIVE.add(self)
@@ -289,6 +290,10 @@ class LockstepQwen3ForCausalLM(nn.Module):
         for name, t in lane_weights(weights, _expected_names(self.geom)):
             shard = shard_weight(name, t.detach(), self.tp_rank, self.tp)
             self.weights[name] = shard.to(self.device, copy=True)  # the engine's device
+        if self.geom.is_moe and self.tp == 1:
+            # The experts run grouped (one launch a projection for all of them): stacked once
+            # here; each expert's own entry becomes a view of its stack.
+            self._experts = qwen3.stack_experts(self.weights, self.geom)
         self._layer_weights = qwen3.split_layers(self.weights, self.geom)
         if self.device.type == "cuda":
             self._warm_position_tables()
@@ -370,9 +375,8 @@ class LockstepQwen3ForCausalLM(nn.Module):
 
     def _decode_step(self, input_ids, positions, md):
         """Every row at once, shapes fixed by the batch: K/V written through the slot
-        mapping, paged attention over each request's pages; under graph capture no host read
-        (experts run on every row). Each row gets the bytes of the per-request path (the same
-        programs)."""
+        mapping, paged attention over each request's pages, the experts grouped; no host read
+        at one device. Each row gets the bytes of the per-request path (the same programs)."""
         self.decode_steps += 1  # Python runs: a step replayed from a CUDA graph adds none
         slots = DecodeSlots(self, md)
         with P.position_bound(self.max_positions):
@@ -399,6 +403,13 @@ class PagedSlots(qwen3.DictSlots):
         self.model, self.reqs, self.rows = model, reqs, rows
         self.gather = model.gather
 
+    def experts(self, layer):
+        # Grouped experts only where no adapter is in play: an adapter's expert sites take
+        # the per-expert path (``dispatch``), where each projection gets its own factors.
+        if self.adapters or self.model._experts is None:
+            return None
+        return self.model._experts[layer]
+
     def attend(self, layer, q, k, v, positions, core):
         from vllm.model_executor.layers.attention.attention import get_attention_context
 
@@ -412,8 +423,10 @@ class PagedSlots(qwen3.DictSlots):
 
 class DecodeSlots(qwen3.DictSlots):
     """The composition's slots for a step of one-token decodes on cuda (``_decode_step``):
-    one paged-attention call for all requests and, under graph capture, the experts' static
-    dispatch, so the step reads nothing on the host and a CUDA graph can capture it."""
+    one paged-attention call for all requests and the experts grouped (routing read on the
+    device), so the step reads nothing on the host and a CUDA graph can capture it. Under
+    tensor parallelism the experts take the routed dispatch, eagerly (graphs are refused
+    there)."""
 
     def __init__(self, model: LockstepQwen3ForCausalLM, md):
         super().__init__(model.weights, model.geom, None, per_layer=model._layer_weights)
@@ -448,14 +461,8 @@ class DecodeSlots(qwen3.DictSlots):
             max_seq_len=md.max_seq_len,
         )  # fmt: skip
 
-    def dispatch(self, layer, h, ids, expert):
-        # A graph being captured cannot read the routing on the host: every expert runs on
-        # every row. Run eagerly, the step reads it and runs the chosen experts only: static
-        # dispatch eagerly launched every expert's kernels (128 experts: one decode step took
-        # over 0.6 s on the H200, docs/gpu.md). The bytes are the same either way.
-        if torch.cuda.is_current_stream_capturing():
-            return qwen3.static_dispatch(h, ids, expert, self.model.geom.experts)
-        return qwen3.local_dispatch(h, ids, expert)
+    def experts(self, layer):
+        return None if self.model._experts is None else self.model._experts[layer]
 
 
 class LockstepQwen3MoeForCausalLM(LockstepQwen3ForCausalLM):

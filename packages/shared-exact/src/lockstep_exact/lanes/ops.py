@@ -118,6 +118,19 @@ class Ops:
 
         return self._call(path, prog, fn, V.gemm, x, w)
 
+    def gemm_grouped(self, path: str, x, w, plan):
+        """The site's gemm.kblock or gemm.kpart (one device) for the rows of an expert plan
+        (``path`` names the site with ``*`` for the expert): x [P, K] in the plan's sorted
+        order, w [E, N, K] the experts' weights stacked. Row i has the bytes of the site's
+        program on x[i] and its expert's weight (serving only, no VJP)."""
+        prog = self.program(path, ("gemm.kblock", "gemm.kpart"))
+        if self.grad:
+            raise ContractMismatch(f"op site {site_key(path)!r}: grouped experts have no VJP")
+        self._ran(path, prog)
+        out = {"bf16": torch.bfloat16, "fp32": torch.float32}[prog.param("out")]
+        parts = prog.param("parts") if prog.name == "gemm.kpart" else 1
+        return P.gemm_grouped(x, w, plan, bk=prog.param("bk"), parts=parts, out_dtype=out)
+
     def rmsnorm(self, path: str, x, w):
         prog = self.program(path, "rmsnorm.qwen3")
         eps = prog.param("eps")

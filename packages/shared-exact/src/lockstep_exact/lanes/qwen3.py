@@ -16,7 +16,8 @@ import torch
 
 from .. import programs as P
 from ..programs import Program
-from ..sites import record
+from ..programs.grouping import unsort
+from ..sites import is_recording, record
 from .config import UnsupportedModel, check_config
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3-moe"}
@@ -180,6 +181,13 @@ class Slots:
     def dispatch(self, layer: int, h, ids, expert: Callable[[int, torch.Tensor], torch.Tensor]):
         return local_dispatch(h, ids, expert)
 
+    def experts(self, layer: int) -> Mapping[str, torch.Tensor] | None:
+        """The layer's expert weights stacked ({"gate_proj": [E, I, H], "up_proj": [E, I, H],
+        "down_proj": [E, H, I]}) where the engine runs its experts grouped (one launch a
+        projection for all experts, ``Layer.moe``), or None for ``dispatch``. Only where no
+        adapter covers an expert and the experts are not sharded over ranks."""
+        return None
+
 
 def local_dispatch(h, ids, expert, owned=None):
     """Every expert routed to by some row, in ascending id, on the rows that chose it; the
@@ -207,18 +215,6 @@ def local_dispatch(h, ids, expert, owned=None):
     if not outs:
         return out
     return out.index_put((torch.cat(rows_all), torch.cat(slots_all)), torch.cat(outs))
-
-
-def static_dispatch(h, ids, expert, experts: int):
-    """``local_dispatch``'s result with no host read and shapes fixed by the batch (a CUDA
-    graph can capture it): every expert runs on every row and each (row, slot) takes its
-    expert's row. The bytes are the same, because a row's projection bytes never depend on
-    the other rows of its gemm; the cost is ``experts`` times the expert work."""
-    outs = h.new_empty(experts, h.shape[0], h.shape[1])
-    for e in range(experts):
-        outs[e] = expert(e, h)
-    rows = torch.arange(h.shape[0], device=h.device)[:, None].expand_as(ids)
-    return outs[ids, rows]
 
 
 def linear(ops, path: str, x, w, lora: LoRA | None = None, gather=P.LOCAL):
@@ -272,17 +268,35 @@ class Layer:
         o = record(f"{s}.core", o)  # all rows of the step (core records per sequence)
         return self.proj(o.reshape(t, -1), "self_attn.o_proj")
 
-    def mlp(self, h, pre: str = "mlp."):
-        gate = self.proj(h, pre + "gate_proj")
-        up = self.proj(h, pre + "up_proj")
+    def mlp(self, h, pre: str = "mlp.", proj=None):
+        """``proj(x, name)``: the projections' form (default ``self.proj``; grouped experts
+        pass theirs)."""
+        proj = proj or self.proj
+        gate = proj(h, pre + "gate_proj")
+        up = proj(h, pre + "up_proj")
         act = self.ops.swiglu(f"{self.site}.{pre}act", gate, up)
-        return self.proj(act, pre + "down_proj")
+        return proj(act, pre + "down_proj")
 
     def moe(self, h):
         ops, s = self.ops, f"{self.site}.mlp"
         logits = ops.gemm(f"{s}.gate", h, self.w("mlp.gate.weight"))
         ids, weights = ops.router(f"{s}.router", logits)
-        out = self.slots.dispatch(self.index, h, ids, lambda e, x: self.mlp(x, f"mlp.experts.{e}."))
+        stacked = None if is_recording() else self.slots.experts(self.index)
+        if stacked is None:
+            out = self.slots.dispatch(
+                self.index, h, ids, lambda e, x: self.mlp(x, f"mlp.experts.{e}.")
+            )
+        else:
+            # Every expert at once: the (row, slot) pairs sorted by expert on the device, the
+            # same MLP over them with each projection grouped (a row's bytes are its expert's
+            # plain gemm's), then back to (row, slot). Nothing is read on the host.
+            plan = P.expert_plan(ids, self.geom.experts)
+
+            def grouped(x, name):
+                w = stacked[name.rsplit(".", 1)[1]]
+                return ops.gemm_grouped(f"{self.site}.{name}", x, w, plan)
+
+            out = unsort(self.mlp(h[plan.src], "mlp.experts.*.", grouped), plan)
         return ops.moe_fold(f"{s}.fold", out, weights)
 
     def __call__(self, h, positions):
@@ -342,6 +356,23 @@ def split_layers(
             idx, rest = name[len("model.layers.") :].split(".", 1)
             layers[int(idx)][rest] = t
     return layers
+
+
+def stack_experts(weights: dict[str, torch.Tensor], geom: Geometry):
+    """Each layer's expert weights stacked per projection ([E, N, K], for ``Slots.experts``);
+    ``weights`` (HF names) is updated in place so that every expert's entry is a view of its
+    stack: one copy of the experts in memory, the same bytes under both names."""
+    stacked: list[dict[str, torch.Tensor]] = []
+    for i in range(geom.layers):
+        layer = {}
+        for p in PROJECTIONS_MLP:
+            names = [f"model.layers.{i}.mlp.experts.{e}.{p}.weight" for e in range(geom.experts)]
+            stack = torch.stack([weights.pop(n) for n in names])
+            for e, n in enumerate(names):
+                weights[n] = stack[e]
+            layer[p] = stack
+        stacked.append(layer)
+    return stacked
 
 
 class DictSlots(Slots):

@@ -20,6 +20,7 @@ from types import ModuleType
 import torch
 
 from . import cpu  # noqa: F401  (the always-present backend; tests reach it as P.cpu)
+from . import grouping as _grouping
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,10 @@ def kpart_partial(x, w, *, bk: int = 32, parts: int = 1):
             f"gemm.kpart: {parts} partitions must be a power of two dividing K = {k_dim}"
         )
     size = k_dim // parts
+    one_launch = getattr(backend_module(backend_of(x, w)), "kpart_partial", None)
+    if one_launch is not None and parts > 1 and x.numel() // max(k_dim, 1) <= one_launch.rows:
+        # The backend's one-launch form of the same partitions and fold (gated bitwise).
+        return one_launch(x, w, bk=bk, parts=parts)
     # K-slices as views: the cuda gemm reads them in place (a row stride), the cpu gemm's
     # elementwise fp32 operations give the same bytes whatever the operands' layout.
     sums = [
@@ -227,6 +232,42 @@ def gemm_kpart(x, w, *, bk: int = 32, parts: int = 8, out_dtype=torch.bfloat16, 
     local = kpart_partial(x, w, bk=bk, parts=parts // ranks)
     total = local if ranks == 1 else fold_tree(gather.all(local))
     return total if out_dtype == torch.float32 else round_bf16(total)
+
+
+def expert_plan(ids, experts: int):
+    """A router's ids [T, k] sorted by expert on their device, for ``gemm_grouped``
+    (``programs.grouping.ExpertPlan``; no host read)."""
+    return _grouping.expert_plan(ids, experts)
+
+
+def gemm_grouped(x, w, plan, *, bk: int = 32, parts: int = 1, out_dtype=torch.bfloat16):
+    """Every sorted pair of ``plan`` through its expert's weight, the experts' gemm at once.
+
+    ``x``: [P, K] rows in the plan's sorted order; ``w``: [E, N, K] the experts' weights
+    stacked. Row i of the result is gemm.kblock{bk} (``parts`` = 1) or gemm.kpart{bk, parts}
+    (one device) of x[i] and w[expert of pair i]: the bytes of running each expert's rows
+    through the plain program, which a row's bytes never depend on the other rows of."""
+    one_launch = getattr(backend_module(backend_of(x, w)), "gemm_grouped", None)
+    if one_launch is not None:
+        return one_launch(x, w, plan, bk=bk, parts=parts, out_dtype=out_dtype)
+    # The definition, run as it reads (the cpu backend): each expert's rows through the plain
+    # program, the experts found by one host read of the plan's bounds.
+    if w.dim() != 3 or w.shape[0] != plan.experts or x.shape[0] != plan.pairs:
+        raise ValueError(
+            f"gemm_grouped: rows {tuple(x.shape)} and weights {tuple(w.shape)} do not fit a "
+            f"plan of {plan.pairs} pairs over {plan.experts} experts"
+        )
+    y = torch.empty(plan.pairs, w.shape[1], dtype=out_dtype, device=x.device)
+    bounds = plan.bounds.tolist()
+    for e in range(plan.experts):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            y[lo:hi] = (
+                gemm(x[lo:hi], w[e], bk=bk, out_dtype=out_dtype)
+                if parts == 1
+                else gemm_kpart(x[lo:hi], w[e], bk=bk, parts=parts, out_dtype=out_dtype)
+            )
+    return y
 
 
 def rmsnorm(x, weight, eps: float):
@@ -464,6 +505,8 @@ __all__ = [
     "LOCAL",
     "fold_tree",
     "gemm",
+    "expert_plan",
+    "gemm_grouped",
     "gemm_kpart",
     "kpart_partial",
     "log_softmax",

@@ -17,6 +17,7 @@ from .activation import swiglu
 from .arith import round_bf16
 from .attention import attention, attention_decode_paged, write_pages
 from .gemm import TILINGS, gemm, pick_tiling
+from .grouped import gemm_grouped, kpart_partial
 from .hybrid import (
     conv1d_causal,
     gdn_chunked,
@@ -59,6 +60,8 @@ __all__ = [
     "gdn_chunked",
     "gdn_gating",
     "gemm",
+    "gemm_grouped",
+    "kpart_partial",
     "l2norm",
     "log_softmax",
     "lora_expand",
