@@ -986,3 +986,42 @@ def test_kpart_in_one_launch_gives_the_bytes_of_its_partitions(m, n, k, parts):
     assert_same_bytes(got, want, f"{m}x{n}x{k} in {parts}")
     assert_same_bytes(P.kpart_partial(x, w, parts=parts), want, "through the dispatch")
     assert_detects_one_ulp(want, got, index=2)
+
+
+# --- sample.gumbel_topp in one kernel ---------------------------------------------------------
+@pytest.mark.parametrize("vocab", [1000, 32000, 151936])
+def test_sample_in_one_kernel_draws_the_definitions_tokens(vocab):
+    """Greedy and top_p 1 rows drawn by the one-kernel form: the tokens of the definition's
+    torch operations on the same device (stream rounds 1-4, seeds across int64, positions up
+    to 2**32 - 1, a -inf entry). Control on an input: every seed moved by one moves tokens."""
+    from lockstep_exact.programs.cpu import sampling as definition
+    from lockstep_exact.programs.cuda import sampling as kernel
+
+    t = 64
+    lp = torch.log_softmax(cuda_rand(t, vocab, seed=vocab, dtype=F32) * 3, dim=-1)
+    lp[1, 5] = float("-inf")
+    temps = [0.0 if i % 5 == 0 else 0.5 + (i % 7) * 0.25 for i in range(t)]
+    seeds = [(i * 7919 - 2**40) * (-1) ** i for i in range(t)] + [2**63 - 1]
+    seeds = seeds[1:]
+    pos = torch.tensor([i * 67108859 % 2**32 for i in range(t)])
+    for rounds in (1, 3, 4):
+        args = dict(temperature=temps, top_p=1.0, seeds=seeds, positions=pos, rounds=rounds)
+        assert kernel._one_kernel_rows(temps, 1.0, seeds, pos, t, rounds) is not None
+        got = kernel.sample(lp, **args)
+        want = definition.sample(lp, **args)
+        assert torch.equal(got, want), f"rounds {rounds}: {(got != want).sum()} rows differ"
+    moved = kernel.sample(lp, **{**args, "seeds": [s + 1 for s in seeds[:-1]] + [0]})
+    assert not torch.equal(moved, want)
+
+
+def test_sample_takes_the_definition_for_a_nucleus_and_refuses_a_nan_row_in_its_words():
+    from lockstep_exact.programs.cpu import sampling as definition
+    from lockstep_exact.programs.cuda import sampling as kernel
+
+    lp = torch.log_softmax(cuda_rand(4, 500, seed=3, dtype=F32), dim=-1)
+    args = dict(temperature=1.0, top_p=[1.0, 0.9, 1.0, 1.0], seeds=[1, 2, 3, 4], positions=[5] * 4)
+    assert kernel._one_kernel_rows(1.0, args["top_p"], [1, 2, 3, 4], [5] * 4, 4, 3) is None
+    assert torch.equal(kernel.sample(lp, **args), definition.sample(lp, **args))
+    lp[2, 7] = float("nan")
+    with pytest.raises(ValueError, match="NaN log-probability"):
+        kernel.sample(lp, **{**args, "top_p": 1.0})

@@ -1,28 +1,217 @@
-"""sample.gumbel_topp on CUDA tensors: the cpu program's operations, run on the device.
+"""sample.gumbel_topp on CUDA tensors.
 
-The program is integer arithmetic (the stream), IEEE-exact elementwise fp32 operations
-(each its own kernel, so nothing is contracted into a fused multiply-add), fixed trees, a
-stable sort and exact max/compare: each of these gives the same bytes on a CUDA device as the
-definition says, so no Triton kernel is needed. Bytes are still compared within this backend.
+The program is integer arithmetic (the stream), IEEE-exact elementwise fp32 operations, fixed
+trees, a stable sort and exact max/compare (``cpu.sampling`` is its definition). Two forms of
+it run here, with the same bytes:
+
+- one Triton kernel per step where no row cuts a nucleus (greedy rows and rows with top_p 1,
+  what RL rollouts sample with): each program walks one row's vocabulary once, drawing the
+  stream's words in 32-bit integers (the same wrap-around products the definition builds from
+  16-bit halves), the definition's ``log`` written out operation by operation (contraction off:
+  every * and + rounds on its own; division ``div_rn``), and keeps the first maximum;
+- the definition's torch operations, each its own kernel, for any step where a row has
+  top_p < 1 (the nucleus needs its sort and prefix sum).
+
+A step's form depends only on the sampling parameters, never on the values; the kernel's
+tokens are gated against the definition's on the GPU (test_programs_gpu.py: ``sample``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+import triton
+import triton.language as tl
 
 from ..cpu import sampling as _cpu
-from .arith import require_cuda
+from ..cpu.arith import _LN2_HI_F32, _LN2_LO_F32, _LOG_F32_POLY, _SQRT_HALF
+from .arith import EXACT, require_cuda
+
+_K = _cpu._KEY
+_BLOCK = 2048
+
+
+@triton.jit
+def _fmix32(x):
+    x = x ^ (x >> 16)
+    x = x * 0x85EBCA6B
+    x = x ^ (x >> 13)
+    x = x * 0xC2B2AE35
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _log_f32(x):
+    """``cpu.arith.log`` for positive finite normal fp32 (the uniforms and -log of them)."""
+    bits = x.to(tl.int32, bitcast=True)
+    e = (((bits >> 23) & 0xFF) - 126).to(tl.float32)
+    m = ((bits & -0x7F800001) | 0x3F000000).to(tl.float32, bitcast=True)
+    low = m < _SQRT_HALF
+    e = tl.where(low, e - 1.0, e)
+    f = tl.where(low, (m + m) - 1.0, m - 1.0)
+    acc = tl.full(f.shape, _P0, tl.float32)
+    acc = acc * f + _P1
+    acc = acc * f + _P2
+    acc = acc * f + _P3
+    acc = acc * f + _P4
+    acc = acc * f + _P5
+    acc = acc * f + _P6
+    acc = acc * f + _P7
+    acc = acc * f + _P8
+    z = f * f
+    y = (acc * f) * z
+    y = y + e * _LO
+    y = y + (z * -0.5)
+    out = f + y
+    return out + e * _HI
+
+
+_P0, _P1, _P2, _P3, _P4, _P5, _P6, _P7, _P8 = (tl.constexpr(c) for c in _LOG_F32_POLY)
+_LO, _HI = tl.constexpr(_LN2_LO_F32), tl.constexpr(_LN2_HI_F32)
+_K0, _K1, _K2, _K3, _K4, _K5 = (tl.constexpr(k) for k in _K)
+
+
+@triton.jit
+def _key_round(key, r: tl.constexpr):
+    if r % 4 == 0:
+        k = _K2
+    elif r % 4 == 1:
+        k = _K3
+    elif r % 4 == 2:
+        k = _K4
+    else:
+        k = _K5
+    return _fmix32(key ^ k)
+
+
+@triton.jit
+def _sample_kernel(
+    lp_ptr,
+    temp_ptr,
+    seed_ptr,
+    pos_ptr,
+    out_ptr,
+    V,
+    stride,
+    ROUNDS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    src = lp_ptr + row * stride
+    temp = tl.load(temp_ptr + row)
+    seed = tl.load(seed_ptr + row)
+    pos = tl.load(pos_ptr + row)
+    lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    key0 = _fmix32(lo ^ _K0)
+    key0 = _fmix32(key0 ^ hi ^ _K1)
+    key0 = _fmix32(key0 ^ pos.to(tl.uint32) ^ _K2)
+    key1 = _key_round(key0, 1)
+    key2 = _key_round(key1, 2)
+    key3 = _key_round(key2, 3)
+    greedy = temp == 0.0
+    safe_temp = tl.where(greedy, 1.0, temp)
+    best = tl.full((), float("-inf"), tl.float32)
+    best_id = tl.full((), 0, tl.int64) + V
+    bad = tl.full((), 0, tl.int32)
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, V, BLOCK):
+        ids = start + offs
+        ok = ids < V
+        lp = tl.load(src + ids, mask=ok, other=float("-inf"))
+        bad = bad | tl.max((lp != lp).to(tl.int32), 0)
+        x = ids.to(tl.uint32)
+        x = _fmix32(x ^ key0)
+        if ROUNDS > 1:
+            x = _fmix32(x ^ key1)
+        if ROUNDS > 2:
+            x = _fmix32(x ^ key2)
+        if ROUNDS > 3:
+            x = _fmix32(x ^ key3)
+        u = ((x >> 9) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+        gumbel = _log_f32(-_log_f32(u))
+        z = tl.math.div_rn(lp, safe_temp)
+        score = tl.where(greedy, lp, z - gumbel)
+        score = tl.where(ok, score, float("-inf"))
+        m = tl.max(score, 0)
+        first = tl.min(tl.where(score == m, ids.to(tl.int64), V), 0)
+        take = m > best
+        best_id = tl.where(take, first, best_id)
+        best = tl.where(take, m, best)
+    # A NaN, or a row with no finite score (all -inf): -1, and the caller asks the definition
+    # for the refusal's words.
+    tl.store(out_ptr + row, tl.where((bad != 0) | (best_id >= V), -1, best_id))
+
+
+def _host_rows(value, t: int, kind) -> list | None:
+    """``value`` as a list of ``t`` host numbers, or None where it is a tensor or another
+    shape (the definition then takes the step)."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu" or value.dim() > 1:
+            return None
+        value = value.reshape(-1).tolist()
+    elif not isinstance(value, Sequence):
+        value = [value] * t
+    value = list(value)
+    if len(value) == 1 and t != 1:
+        value *= t
+    if len(value) != t or not all(isinstance(v, kind) for v in value):
+        return None
+    return value
+
+
+def _one_kernel_rows(temperature, top_p, seeds, positions, t: int, rounds: int):
+    """Host lists for the kernel where the step can take it, else None: every row greedy or
+    at top_p 1, the parameters inside the definition's ranges, at most four stream rounds."""
+    temps = _host_rows(temperature, t, (int, float))
+    tops = _host_rows(top_p, t, (int, float))
+    seed = _host_rows(seeds, t, int)
+    pos = _host_rows(positions, t, int)
+    if temps is None or tops is None or seed is None or pos is None or not 1 <= rounds <= 4:
+        return None
+    f32 = torch.tensor([temps, tops], dtype=torch.float32)  # the definition takes them as fp32
+    temp32, top32 = f32[0], f32[1]
+    ok = (
+        bool(torch.isfinite(temp32).all())
+        and bool(((temp32 == 0) | (temp32 >= _cpu.MIN_TEMPERATURE)).all())
+        and bool(((temp32 == 0) | (top32 == 1)).all())
+        and all(0 <= p <= _cpu.M32 for p in pos)
+        and all(-(2**63) <= s < 2**63 for s in seed)
+    )
+    return (temp32, seed, pos) if ok else None
 
 
 def sample(
     logprobs: torch.Tensor, *, temperature, top_p, seeds, positions, rounds: int = 3
 ) -> torch.Tensor:
     require_cuda(logprobs)
-    return _cpu.sample(
-        logprobs,
-        temperature=temperature,
-        top_p=top_p,
-        seeds=seeds,
-        positions=positions,
-        rounds=rounds,
+    args = dict(temperature=temperature, top_p=top_p, seeds=seeds, positions=positions)
+    t = logprobs.shape[0] if logprobs.dim() == 2 else -1
+    rows = None
+    if logprobs.dtype == torch.float32 and t > 0 and logprobs.shape[1] > 0:
+        rows = _one_kernel_rows(temperature, top_p, seeds, positions, t, rounds)
+    if rows is None:
+        return _cpu.sample(logprobs, rounds=rounds, **args)
+    temp32, seed, pos = rows
+    dev = logprobs.device
+    lp = logprobs if logprobs.stride(-1) == 1 else logprobs.contiguous()
+    host = torch.tensor(seed + pos, dtype=torch.int64).pin_memory()
+    both = host.to(dev, non_blocking=True)
+    out = torch.empty(t, dtype=torch.int64, device=dev)
+    _sample_kernel[(t,)](
+        lp,
+        temp32.pin_memory().to(dev, non_blocking=True),
+        both[:t],
+        both[t:],
+        out,
+        lp.shape[1],
+        lp.stride(0),
+        ROUNDS=rounds,
+        BLOCK=_BLOCK,
+        num_warps=8,
+        **EXACT,
     )
+    if bool((out < 0).any()):  # the definition says what is wrong with the row
+        return _cpu.sample(logprobs, rounds=rounds, **args)
+    return out
