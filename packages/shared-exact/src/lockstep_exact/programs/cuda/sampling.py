@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..cpu import arith as _arith
 from ..cpu import sampling as _cpu
-from ..cpu.arith import _LN2_HI_F32, _LN2_LO_F32, _LOG_F32_POLY, _SQRT_HALF
 from .arith import EXACT, require_cuda
 
 _K = _cpu._KEY
@@ -47,7 +47,7 @@ def _log_f32(x):
     bits = x.to(tl.int32, bitcast=True)
     e = (((bits >> 23) & 0xFF) - 126).to(tl.float32)
     m = ((bits & -0x7F800001) | 0x3F000000).to(tl.float32, bitcast=True)
-    low = m < _SQRT_HALF
+    low = m < _SQRT_HALF_F32
     e = tl.where(low, e - 1.0, e)
     f = tl.where(low, (m + m) - 1.0, m - 1.0)
     acc = tl.full(f.shape, _P0, tl.float32)
@@ -67,8 +67,9 @@ def _log_f32(x):
     return out + e * _HI
 
 
-_P0, _P1, _P2, _P3, _P4, _P5, _P6, _P7, _P8 = (tl.constexpr(c) for c in _LOG_F32_POLY)
-_LO, _HI = tl.constexpr(_LN2_LO_F32), tl.constexpr(_LN2_HI_F32)
+_P0, _P1, _P2, _P3, _P4, _P5, _P6, _P7, _P8 = (tl.constexpr(c) for c in _arith._LOG_F32_POLY)
+_LO, _HI = tl.constexpr(_arith._LN2_LO_F32), tl.constexpr(_arith._LN2_HI_F32)
+_SQRT_HALF_F32 = tl.constexpr(_arith._SQRT_HALF)
 _K0, _K1, _K2, _K3, _K4, _K5 = (tl.constexpr(k) for k in _K)
 
 
