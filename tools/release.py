@@ -80,7 +80,9 @@ def bump(version: str) -> None:
             )
     _sub(ROOT / "pyproject.toml", r'^version = "[^"]+"', f'version = "{version}"')
     run([sys.executable, str(ROOT / "tools" / "contract_lock.py"), "--update"], cwd=ROOT)
-    run(["uv", "lock"], cwd=ROOT, env=uv_env())
+    # The lock finds torch in .wheels/ (pyproject's find-links); an extra wheel folder in the
+    # environment would be recorded as its source instead, a path of this machine.
+    run(["uv", "lock"], cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "UV_FIND_LINKS"})
     print(f"release: all packages at {version}; plugins pin lockstep-exact=={version}")
 
 

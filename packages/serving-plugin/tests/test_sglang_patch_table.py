@@ -177,3 +177,35 @@ def test_the_source_reader_catches_what_is_not_there():
     )
     (problem,) = tree.problems(moved)
     assert "do not start with ('batch', 'other')" in problem
+
+
+def test_an_installed_sglang_that_does_not_import_is_named_with_the_failed_import(monkeypatch):
+    """An SGLang environment missing a dependency is an error naming the import that failed,
+    not "SGLang (not installed)"; with no SGLang at all the table refuses as before."""
+    import builtins
+    import sys
+    from importlib import metadata
+
+    real_import = builtins.__import__
+
+    def no_sglang(name, *args, **kwargs):
+        if name == "sglang":
+            raise ModuleNotFoundError("No module named 'triton'", name="triton")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "sglang", raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_sglang)
+    monkeypatch.setattr(metadata, "version", lambda dist: "0.5.21")
+    with pytest.raises(LaneRefused) as err:
+        sglang_patches.installed_version()
+    assert str(err.value) == (
+        f"SGLang 0.5.21 is installed for {sys.executable} but does not import "
+        "(ModuleNotFoundError: No module named 'triton'); rebuild its environment with "
+        "`bash tools/setup --sglang`"
+    )
+
+    def missing(dist):
+        raise metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(metadata, "version", missing)
+    assert sglang_patches.installed_version() == "(not installed)"

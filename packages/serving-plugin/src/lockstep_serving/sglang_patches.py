@@ -322,8 +322,21 @@ def table_for(version: str) -> PatchTable:
 def installed_version() -> str:
     try:
         import sglang
-    except ImportError:  # the default environment: the table refuses, naming the versions
-        return "(not installed)"
+    except ImportError as err:
+        from importlib import metadata
+
+        try:
+            version = metadata.version("sglang")
+        except metadata.PackageNotFoundError:  # the default environment: the table refuses
+            return "(not installed)"
+        import sys
+
+        # Installed but broken (a dependency missing, triton say): name the import that failed.
+        raise LaneRefused(
+            f"SGLang {version} is installed for {sys.executable} but does not import "
+            f"({type(err).__name__}: {err}); rebuild its environment with "
+            "`bash tools/setup --sglang`"
+        ) from err
     return getattr(sglang, "__version__", "?")
 
 
