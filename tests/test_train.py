@@ -29,6 +29,7 @@ from lockstep_exact.train_loop import (
     TrainSetupError,
     TrainStopped,
     load_checkpoint,
+    prepare_train,
     run_train,
 )
 
@@ -125,7 +126,7 @@ def _refused(tmp_path, model, capsys, *argv):
 )
 def test_train_refuses_a_reward_or_data_it_cannot_use(tiny_dense, tmp_path, capsys, argv, message):
     assert message in _refused(tmp_path, tiny_dense, capsys, *argv)
-    assert not (tmp_path / "o" / "run.json").exists()  # only the engine log is there
+    assert not (tmp_path / "o").exists()  # refused before anything is written
 
 
 def test_train_names_the_bad_line_of_a_data_file(tiny_dense, tmp_path, capsys):
@@ -150,6 +151,45 @@ def test_resume_needs_a_run_and_a_run_is_never_overwritten(tiny_dense, tmp_path,
     err = _refused(tmp_path, tiny_dense, capsys)
     assert "already holds a run (run.json); continue it with --resume" in err
     assert (tmp_path / "o" / "run.json").read_text() == "{}"
+
+
+def _made_run(model, out, **config):
+    """A run record in ``out`` as a new run writes it, without starting an engine."""
+    with prepare_train(manager(), model, out, TrainConfig(**config)).claim():
+        pass
+    assert (out / "run.json").is_file()
+
+
+def test_a_refused_train_keeps_the_engine_log_and_leaves_no_folder(tiny_dense, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert "holds no run (no run.json)" in _refused(tmp_path, tiny_dense, capsys, "--resume")
+    assert not out.exists()  # the refused resume made no folder (nor an engine log in one)
+    _made_run(tiny_dense, out)
+    log = out / "engine.log"
+    log.write_text("the run's engine output\n")
+    assert "already holds a run (run.json)" in _refused(tmp_path, tiny_dense, capsys)
+    assert log.read_text() == "the run's engine output\n"
+    err = _refused(tmp_path, tiny_dense, capsys, "--resume", "--lr", "0.5")
+    assert "was run with lr = 0.02, this run has 0.5" in err
+    assert log.read_text() == "the run's engine output\n"
+    assert "lockstep train: engine log:" not in err  # no log was written: none is named
+
+
+def test_train_refuses_a_non_empty_folder_it_did_not_make(tiny_dense, tmp_path, capsys):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "engine.log").write_text("someone else's log\n")
+    (out / "notes.txt").write_text("mine\n")
+    err = _refused(tmp_path, tiny_dense, capsys)
+    assert (
+        f"--out {out} is not empty (engine.log, notes.txt) and holds no Lockstep run "
+        "(no run.json): choose an empty or new --out" in err
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["engine.log", "notes.txt"]
+    assert (out / "engine.log").read_text() == "someone else's log\n"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _made_run(tiny_dense, empty)  # an empty folder is taken
 
 
 # ----------------------------------------------------------------------------- GRPO

@@ -411,7 +411,7 @@ class _Bar:
 
 def _cmd_train(args) -> int:
     from .plugins import manager
-    from .train_loop import TrainConfig, TrainStopped, run_train
+    from .train_loop import TrainConfig, TrainStopped, prepare_train
 
     config = TrainConfig(
         algo=args.algo,
@@ -438,12 +438,13 @@ def _cmd_train(args) -> int:
     out = Path(args.out)
     t0 = time.perf_counter()
     stopped = None
-    with _engines(args) as console:
+    # Refusals (the settings, the model, what --out holds) come before anything is written:
+    # a refused run leaves --out, its engine log included, as it was.
+    plan = prepare_train(manager(), Path(args.model), out, config, resume=args.resume)
+    with plan.claim(), _engines(args) as console:
         bar = _Bar(console, t0)
         try:
-            rows = run_train(
-                manager(), Path(args.model), out, config, progress=bar, resume=args.resume
-            )
+            rows = plan.run(progress=bar)
         except TrainStopped as err:
             stopped, rows = err, []
     if rows:

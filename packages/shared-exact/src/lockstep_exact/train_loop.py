@@ -31,10 +31,11 @@ uninterrupted run's (every seed and data position is a function of the step).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -59,9 +60,11 @@ ALGOS = ("grpo", "opd", "sft")
 __all__ = [
     "ALGOS",
     "TrainConfig",
+    "TrainPlan",
     "TrainStopped",
     "ToyTask",
     "group_advantages",
+    "prepare_train",
     "run_train",
 ]
 
@@ -493,9 +496,27 @@ def run_train(
     step's metrics (also in ``out_dir/metrics.jsonl``, with ``report.html`` beside).
 
     ``reward`` (a callable taking a ``Completion``) overrides ``config.reward``. Raises
-    ``TrainStopped`` when a step cannot be trusted (its metrics line is written first)."""
+    ``TrainStopped`` when a step cannot be trusted (its metrics line is written first).
+    ``prepare_train``, ``TrainPlan.claim`` and ``TrainPlan.run`` in one call."""
+    plan = prepare_train(pm, model_dir, out_dir, config, reward=reward, resume=resume)
+    with plan.claim():
+        return plan.run(progress)
+
+
+def prepare_train(
+    pm,
+    model_dir: str | Path,
+    out_dir: str | Path,
+    config: TrainConfig,
+    *,
+    reward: Callable[[Completion], float] | None = None,
+    resume: bool = False,
+) -> TrainPlan:
+    """Everything a run is refused for that can be known before it writes anything: the
+    settings, the model, the reward, the data, the teacher, the plugins, and what ``out_dir``
+    holds (a run of these settings to continue with ``resume``; else an empty or new folder).
+    Reads only: a refusal here leaves ``out_dir`` (its engine log included) as it was."""
     config.check()
-    progress = progress or Progress()
     out = Path(out_dir)
     model = ModelDir(model_dir)  # refuses, naming it, what the lane cannot run
     fn = _reward_function(pm, config, model, reward)
@@ -511,100 +532,168 @@ def run_train(
     identity = _identity(config, model, extra)
     sample_hook = require_hook(pm, "lockstep_sampler_session", "sampler", "lockstep-serving")
     trainer_hook = require_hook(pm, "lockstep_trainer_session", "trainer", "lockstep-megatron")
+    _check_out(out, identity, resume)
+    return TrainPlan(pm, model, out, config, identity, fn, rows, sample_hook, trainer_hook, resume)
 
+
+def _check_out(out: Path, identity: dict, resume: bool) -> None:
+    """Refuse an ``out`` the run cannot use: with ``resume``, one without a run of these
+    settings; without, one that holds a run, or files Lockstep did not write there."""
     run_json = out / "run.json"
-    done, loop, files = 0, None, None
     if resume:
         if not run_json.is_file():
             raise TrainSetupError(f"train --resume: {out} holds no run (no run.json)")
         _check_resume(json.loads(run_json.read_text()), identity, out)
-        found = _checkpoints(out)
-        if found:
-            files, loop = load_checkpoint(found[-1])
-            done = int(loop["step"])
-        _truncate(out, done)
-    else:
-        if run_json.exists():
-            raise TrainSetupError(
-                f"train: {out} already holds a run (run.json); continue it with --resume or "
-                "choose another --out"
-            )
-        out.mkdir(parents=True, exist_ok=True)
-        _write_json(run_json, identity)
-        (out / "metrics.jsonl").write_text("")
-    history = _read_metrics(out)
-    if done >= config.steps:
-        progress.say(f"{out}: {done} steps done already (--steps {config.steps})")
-        write_report(out, history, identity)
-        return history
+        return
+    if run_json.exists():
+        raise TrainSetupError(
+            f"train: {out} already holds a run (run.json); continue it with --resume or "
+            "choose another --out"
+        )
+    if out.exists() and not out.is_dir():
+        raise TrainSetupError(f"train: --out {out} is a file, not a folder; choose another --out")
+    if out.is_dir() and any(out.iterdir()):
+        found = sorted(p.name for p in out.iterdir())
+        listed = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        raise TrainSetupError(
+            f"train: --out {out} is not empty ({listed}) and holds no Lockstep run (no "
+            "run.json): choose an empty or new --out"
+        )
 
-    run = _Run(pm, model, out, config, progress, fn, rows)
-    progress.say(f"building the trainer (Megatron) for {model.path}")
-    max_rank = max(config.rank, _adapter_rank(config.adapter))
-    try:
-        run.policy = trainer_hook(
-            request=TrainerSessionRequest(
-                model_dir=model.path,
-                role="policy",
-                adapter_in=Path(config.adapter) if config.adapter else None,
-                rank=config.rank,
-                alpha=config.alpha,
-                lr=config.lr,
-                seed=config.seed,
-                micro_batch=config.micro_batch,
-            )
-        )
-        if config.reference:
-            run.reference = _Frozen("reference", _frozen(trainer_hook, model.path), model.path)
-        if config.teacher:
-            tdir = Path(config.teacher)
-            run.teacher = _Frozen("teacher", _frozen(trainer_hook, tdir), tdir)
-        if loop is None:
-            adapter, _ = run.policy.export(out / "adapters" / "step-0000")
-        else:
-            adapter = out / loop["adapter"]
-            run.policy.load_state_files(files, adapter)
-        progress.say(
-            "trainer ready (policy"
-            + (", reference" if config.reference else "")
-            + (", teacher" if config.teacher else "")
-            + "); starting the sampler"
-        )
-        run.sampler = sample_hook(
-            request=SamplerSessionRequest(
-                model_dir=model.path, contract=identity["contract"], max_lora_rank=max_rank
-            )
-        )
-        progress.say(f"sampler ready: {config.steps - done} steps of {config.algo} to run")
-        progress.start(config.steps, done)
-        for step in range(done + 1, config.steps + 1):
-            try:
-                row = run.step(step, adapter)
-            except _Mismatch as m:
-                raise TrainStopped(_mismatch_message(run, m)) from None
-            adapter, _ = run.policy.export(out / "adapters" / f"step-{step:04d}")
-            row["adapter_out"] = str(adapter.relative_to(out))
-            run.append(row)
-            history.append(row)
-            if step % config.checkpoint_every == 0 or step == config.steps:
-                save_checkpoint(
-                    out,
-                    step,
-                    run.policy.state_files(),
-                    {"step": step, "adapter": row["adapter_out"]},
-                )
-            progress.step(row, config.steps)
-            write_report(out, history, identity)
-    except TrainStopped as err:
+
+@dataclass
+class TrainPlan:
+    """A run that ``prepare_train`` admitted: ``claim()`` takes ``out`` for it, ``run()``
+    runs its steps inside the claim."""
+
+    pm: Any
+    model: ModelDir
+    out: Path
+    config: TrainConfig
+    identity: dict
+    reward: Callable[[Completion], float]
+    rows: list[dict] | None
+    sample_hook: Any
+    trainer_hook: Any
+    resume: bool
+    done: int = 0  # steps a resumed run has behind it (its last checkpoint's)
+    loop: dict | None = None
+    files: dict | None = None
+
+    @property
+    def complete(self) -> bool:
+        """A resumed run whose last checkpoint is at ``--steps`` or past it: nothing to run."""
+        return self.done >= self.config.steps
+
+    @contextlib.contextmanager
+    def claim(self) -> Iterator[TrainPlan]:
+        """Create ``out`` if need be, check it again, then write the run record (a new run)
+        or read the last checkpoint and forget the steps after it (a resume). A refusal here
+        removes the folder if it made it (and it is still empty)."""
+        out = self.out
+        try:
+            out.mkdir(parents=True)
+            made = True
+        except FileExistsError:
+            made = False
+        claimed = False
+        try:
+            _check_out(out, self.identity, self.resume)
+            if self.resume:
+                found = _checkpoints(out)
+                if found:
+                    self.files, self.loop = load_checkpoint(found[-1])
+                    self.done = int(self.loop["step"])
+                _truncate(out, self.done)
+            else:
+                _write_json(out / "run.json", self.identity)
+                (out / "metrics.jsonl").write_text("")
+            claimed = True
+            yield self
+        finally:
+            if made and not claimed:
+                with contextlib.suppress(OSError):
+                    out.rmdir()  # only if still empty
+
+    def run(self, progress: Progress | None = None) -> list[dict]:
+        """The run's steps, from the last checkpoint to ``--steps`` (inside ``claim()``)."""
+        progress = progress or Progress()
+        config, model, out, identity = self.config, self.model, self.out, self.identity
+        done, loop, files = self.done, self.loop, self.files
         history = _read_metrics(out)
-        write_report(out, history, identity, stopped=str(err))
-        raise
-    finally:
-        progress.close()
-        for session in (run.sampler, run.policy):
-            if session is not None:
-                session.close()
-    return history
+        if self.complete:
+            progress.say(f"{out}: {done} steps done already (--steps {config.steps})")
+            write_report(out, history, identity)
+            return history
+
+        run = _Run(self.pm, model, out, config, progress, self.reward, self.rows)
+        trainer_hook = self.trainer_hook
+        progress.say(f"building the trainer (Megatron) for {model.path}")
+        max_rank = max(config.rank, _adapter_rank(config.adapter))
+        try:
+            run.policy = trainer_hook(
+                request=TrainerSessionRequest(
+                    model_dir=model.path,
+                    role="policy",
+                    adapter_in=Path(config.adapter) if config.adapter else None,
+                    rank=config.rank,
+                    alpha=config.alpha,
+                    lr=config.lr,
+                    seed=config.seed,
+                    micro_batch=config.micro_batch,
+                )
+            )
+            if config.reference:
+                run.reference = _Frozen("reference", _frozen(trainer_hook, model.path), model.path)
+            if config.teacher:
+                tdir = Path(config.teacher)
+                run.teacher = _Frozen("teacher", _frozen(trainer_hook, tdir), tdir)
+            if loop is None:
+                adapter, _ = run.policy.export(out / "adapters" / "step-0000")
+            else:
+                adapter = out / loop["adapter"]
+                run.policy.load_state_files(files, adapter)
+            progress.say(
+                "trainer ready (policy"
+                + (", reference" if config.reference else "")
+                + (", teacher" if config.teacher else "")
+                + "); starting the sampler"
+            )
+            run.sampler = self.sample_hook(
+                request=SamplerSessionRequest(
+                    model_dir=model.path, contract=identity["contract"], max_lora_rank=max_rank
+                )
+            )
+            progress.say(f"sampler ready: {config.steps - done} steps of {config.algo} to run")
+            progress.start(config.steps, done)
+            for step in range(done + 1, config.steps + 1):
+                try:
+                    row = run.step(step, adapter)
+                except _Mismatch as m:
+                    raise TrainStopped(_mismatch_message(run, m)) from None
+                adapter, _ = run.policy.export(out / "adapters" / f"step-{step:04d}")
+                row["adapter_out"] = str(adapter.relative_to(out))
+                run.append(row)
+                history.append(row)
+                if step % config.checkpoint_every == 0 or step == config.steps:
+                    save_checkpoint(
+                        out,
+                        step,
+                        run.policy.state_files(),
+                        {"step": step, "adapter": row["adapter_out"]},
+                    )
+                progress.step(row, config.steps)
+                write_report(out, history, identity)
+        except TrainStopped as err:
+            history = _read_metrics(out)
+            write_report(out, history, identity, stopped=str(err))
+            raise
+        finally:
+            progress.close()
+            for session in (run.sampler, run.policy):
+                if session is not None:
+                    session.close()
+        return history
 
 
 def _frozen(hook, model_dir: Path):
