@@ -28,7 +28,7 @@ pytestmark = [
 
 TOKENS = [5, 17, 200, 3, 999, 42, 7, 7, 610, 12, 88, 300, 1, 2, 450, 9, 77, 31]
 
-needs_4 = pytest.mark.skipif(GPUS < 4, reason=f"tp 2 x ep 2 needs 4 CUDA devices, {GPUS} here")
+needs_4 = pytest.mark.skipif(GPUS < 4, reason=f"needs 4 CUDA devices for tp 2 x ep 2, {GPUS} here")
 
 
 @pytest.fixture(scope="module")

@@ -560,7 +560,7 @@ def test_the_hopper_prefill_gives_the_triton_kernel_bytes(case, monkeypatch):
     v[s_len:] = float("inf")
     strided = torch.stack([pos, pos], 1)[:, 1]
     if not H.usable(q, k, v, block):
-        pytest.skip("the Hopper prefill needs an sm_90 GPU and triton's Gluon")
+        pytest.skip("needs an sm_90 GPU and triton's Gluon (the Hopper prefill)")
     kw = {"block": block, "split": False}
     hopper = A.attention(q, k, v, strided, **kw)
     assert torch.isfinite(hopper.float()).all()
