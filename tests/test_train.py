@@ -192,6 +192,29 @@ def test_train_refuses_a_non_empty_folder_it_did_not_make(tiny_dense, tmp_path, 
     _made_run(tiny_dense, empty)  # an empty folder is taken
 
 
+def test_a_run_or_resume_on_an_out_another_run_holds_is_refused(tiny_dense, tmp_path, capsys):
+    from lockstep_exact.train_loop import _locked
+
+    out = tmp_path / "o"
+    _made_run(tiny_dense, out)
+    (out / "engine.log").write_text("the running resume's log\n")
+    with prepare_train(manager(), tiny_dense, out, TrainConfig(), resume=True).claim():
+        err = _refused(tmp_path, tiny_dense, capsys, "--resume")  # while that resume runs
+    assert (
+        f"train: another lockstep train is running in {out} (it holds the folder's lock); "
+        "wait for it to finish, or choose another --out" in err
+    )
+    assert (out / "engine.log").read_text() == "the running resume's log\n"
+    with prepare_train(manager(), tiny_dense, out, TrainConfig(), resume=True).claim():
+        pass  # released: the next resume takes it
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    with _locked(fresh):  # a new run that has made fresh and not yet written run.json
+        rc = main(["train", "--model", str(tiny_dense), "--out", str(fresh)])
+    assert rc == 2 and "another lockstep train is running in" in capsys.readouterr().err
+    assert not any(fresh.iterdir())
+
+
 # ----------------------------------------------------------------------------- GRPO
 
 

@@ -32,7 +32,9 @@ uninterrupted run's (every seed and data position is a function of the step).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -561,6 +563,25 @@ def _check_out(out: Path, identity: dict, resume: bool) -> None:
         )
 
 
+@contextlib.contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the folder ``out`` (``flock`` on the directory itself: no
+    lock file, released by the kernel when the process ends however it ends), or refuse at
+    once when another run or resume holds it."""
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise TrainSetupError(
+                f"train: another lockstep train is running in {out} (it holds the folder's "
+                "lock); wait for it to finish, or choose another --out"
+            ) from None
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 @dataclass
 class TrainPlan:
     """A run that ``prepare_train`` admitted: ``claim()`` takes ``out`` for it, ``run()``
@@ -587,33 +608,35 @@ class TrainPlan:
 
     @contextlib.contextmanager
     def claim(self) -> Iterator[TrainPlan]:
-        """Create ``out`` if need be, check it again, then write the run record (a new run)
-        or read the last checkpoint and forget the steps after it (a resume). A refusal here
-        removes the folder if it made it (and it is still empty)."""
+        """Create ``out`` if need be and lock it for the run (``_locked``: a second run or
+        resume on the same ``out`` is refused while this one holds it), check it again under
+        the lock, then write the run record (a new run) or read the last checkpoint and forget
+        the steps after it (a resume). A refusal here removes the folder if it made it (and it
+        is still empty)."""
         out = self.out
         try:
             out.mkdir(parents=True)
             made = True
         except FileExistsError:
             made = False
-        claimed = False
-        try:
-            _check_out(out, self.identity, self.resume)
-            if self.resume:
-                found = _checkpoints(out)
-                if found:
-                    self.files, self.loop = load_checkpoint(found[-1])
-                    self.done = int(self.loop["step"])
-                _truncate(out, self.done)
-            else:
-                _write_json(out / "run.json", self.identity)
-                (out / "metrics.jsonl").write_text("")
-            claimed = True
+        with _locked(out):  # refused: another run holds out (and uses it, if this one made it)
+            try:
+                _check_out(out, self.identity, self.resume)
+                if self.resume:
+                    found = _checkpoints(out)
+                    if found:
+                        self.files, self.loop = load_checkpoint(found[-1])
+                        self.done = int(self.loop["step"])
+                    _truncate(out, self.done)
+                else:
+                    _write_json(out / "run.json", self.identity)
+                    (out / "metrics.jsonl").write_text("")
+            except BaseException:
+                if made:
+                    with contextlib.suppress(OSError):
+                        out.rmdir()  # only if still empty
+                raise
             yield self
-        finally:
-            if made and not claimed:
-                with contextlib.suppress(OSError):
-                    out.rmdir()  # only if still empty
 
     def run(self, progress: Progress | None = None) -> list[dict]:
         """The run's steps, from the last checkpoint to ``--steps`` (inside ``claim()``)."""
