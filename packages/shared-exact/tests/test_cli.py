@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -135,3 +136,38 @@ def test_capture_with_cuda_graphs_needs_the_cuda_backend_and_vllm(tmp_path, caps
         "it needs --backend cuda and the vLLM sampler" in err
     )
     assert not (tmp_path / "t").exists()
+
+
+def test_capture_refuses_an_existing_out_before_any_engine(tmp_path, capsys):
+    """A trace is never replaced: an existing --out (a trace, or any folder) is refused by
+    name at once, and the engine log beside it is left as it was."""
+    out = tmp_path / "t"
+    out.mkdir()
+    log = tmp_path / "t.log"
+    log.write_text("the first capture's engine output\n")
+    assert main(["capture", "--model", str(tmp_path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"lockstep capture: error: --out {out} exists: a capture writes a new trace and never "
+        "replaces one; choose another --out (or remove that one first)" in err
+    )
+    assert "overwrite=True" not in err and "engine log" not in err
+    assert log.read_text() == "the first capture's engine output\n"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--decisions", "-3"], "--decisions must be an int >= 1, got -3"),
+        (["--decisions", "0"], "--decisions must be an int >= 1, got 0"),
+        (["--prompts", "EMPTY"], "--prompts EMPTY holds no prompts (one prompt per line"),
+    ],
+)
+def test_capture_refuses_no_decisions_or_no_prompts_before_any_engine(
+    tmp_path, capsys, monkeypatch, extra, message
+):
+    monkeypatch.chdir(tmp_path)
+    Path("EMPTY").write_text("\n  \n")
+    assert main(["capture", "--model", str(tmp_path), "--out", "t", *extra]) == 2
+    assert f"lockstep capture: error: {message}" in capsys.readouterr().err
+    assert not Path("t").exists() and not Path("t.log").exists()

@@ -194,12 +194,25 @@ def _cmd_capture(args) -> int:
     from .requests import CaptureRequest
     from .tiny import default_prompts
 
+    # Refused before the engine starts (as train refuses the same values).
+    if args.decisions < 1:
+        raise ValueError(f"--decisions must be an int >= 1, got {args.decisions}")
     prompts = (
         tuple(Path(args.prompts).read_text().splitlines())
         if args.prompts
         else tuple(default_prompts(8))
     )
     prompts = tuple(p for p in prompts if p.strip())
+    if not prompts:
+        raise ValueError(
+            f"--prompts {args.prompts} holds no prompts (one prompt per line; blank lines are "
+            "skipped)"
+        )
+    if Path(args.out).exists():
+        raise ValueError(
+            f"--out {args.out} exists: a capture writes a new trace and never replaces one; "
+            "choose another --out (or remove that one first)"
+        )
     options = {}
     if args.cuda_graphs:
         if args.backend != "cuda" or args.engine == "sglang":
