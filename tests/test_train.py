@@ -136,6 +136,16 @@ def test_train_names_the_bad_line_of_a_data_file(tiny_dense, tmp_path, capsys):
     assert "line 2: 'completion' must be a non-empty string" in err
 
 
+def test_train_names_the_line_of_a_data_file_that_is_not_utf8(tiny_dense, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(b'{"prompt": "a"}\r\n\n{"prompt": "caf\xe9"}\n')  # latin-1, not UTF-8
+    err = _refused(tmp_path, tiny_dense, capsys, "--data", str(data))
+    assert (
+        f"train: --data {data}, line 3: not UTF-8 text (byte 0xe9 at offset 33: invalid "
+        "continuation byte); save the file as UTF-8" in err
+    )
+
+
 def test_a_teacher_with_another_tokenizer_is_refused(tiny_dense, tmp_path, capsys):
     other = make_tiny(tmp_path / "t", arch="qwen3", vocab=1280)
     err = _refused(tmp_path, tiny_dense, capsys, "--algo", "opd", "--teacher", str(other))

@@ -171,3 +171,16 @@ def test_capture_refuses_no_decisions_or_no_prompts_before_any_engine(
     assert main(["capture", "--model", str(tmp_path), "--out", "t", *extra]) == 2
     assert f"lockstep capture: error: {message}" in capsys.readouterr().err
     assert not Path("t").exists() and not Path("t.log").exists()
+
+
+def test_capture_names_the_line_of_a_prompts_file_that_is_not_utf8(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes("first\r\nsecond é\n\nthe third \xff\n".encode("latin-1"))
+    argv = ["capture", "--model", str(tmp_path), "--prompts", str(prompts)]
+    assert main([*argv, "--out", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"lockstep capture: error: --prompts {prompts}, line 2: not UTF-8 text (byte 0xe9 at "
+        "offset 14: invalid continuation byte); save the file as UTF-8" in err
+    )
+    assert "codec" not in err

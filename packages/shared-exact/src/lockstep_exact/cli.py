@@ -192,15 +192,14 @@ def _cmd_doctor(args) -> int:
 
 def _cmd_capture(args) -> int:
     from .requests import CaptureRequest
+    from .textfile import read_lines
     from .tiny import default_prompts
 
     # Refused before the engine starts (as train refuses the same values).
     if args.decisions < 1:
         raise ValueError(f"--decisions must be an int >= 1, got {args.decisions}")
     prompts = (
-        tuple(Path(args.prompts).read_text().splitlines())
-        if args.prompts
-        else tuple(default_prompts(8))
+        tuple(read_lines(args.prompts, "--prompts")) if args.prompts else tuple(default_prompts(8))
     )
     prompts = tuple(p for p in prompts if p.strip())
     if not prompts:

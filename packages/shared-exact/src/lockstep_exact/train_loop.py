@@ -52,6 +52,7 @@ from .model import ModelDir, model_hash, tokenizer_hash
 from .plugins import require_hook
 from .requests import SamplerSessionRequest, TrainerSessionRequest
 from .rewards import Completion, RewardError, ToyTask, hook_reward, load_function, score
+from .textfile import read_lines
 from .tiny import default_prompts
 from .trace import Trace
 
@@ -178,7 +179,7 @@ def read_data(path: str | Path, need_completion: bool) -> list[dict]:
     if not p.is_file():
         raise TrainSetupError(f"train: --data {p}: no such file")
     rows = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+    for n, line in enumerate(read_lines(p, "train: --data", TrainSetupError), start=1):
         if not line.strip():
             continue
         try:
