@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,6 +224,26 @@ def test_a_run_or_resume_on_an_out_another_run_holds_is_refused(tiny_dense, tmp_
         rc = main(["train", "--model", str(tiny_dense), "--out", str(fresh)])
     assert rc == 2 and "another lockstep train is running in" in capsys.readouterr().err
     assert not any(fresh.iterdir())
+
+
+def test_resume_compares_the_data_file_by_content_not_by_how_its_path_is_written(
+    tiny_dense, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    Path("prompts.jsonl").write_text('{"prompt": "ab"}\n{"prompt": "cd"}\n')
+    Path("other.jsonl").write_text('{"prompt": "ef"}\n')
+    _made_run(tiny_dense, tmp_path / "o", data="prompts.jsonl")
+    for same in ("./prompts.jsonl", str(tmp_path / "prompts.jsonl")):
+        config = TrainConfig(data=same)
+        prepare_train(manager(), tiny_dense, tmp_path / "o", config, resume=True)  # admitted
+    err = _refused(tmp_path, tiny_dense, capsys, "--resume", "--data", "other.jsonl")
+    recorded, other = sha256_file("prompts.jsonl"), sha256_file("other.jsonl")
+    assert (
+        f"was run with --data prompts.jsonl (data_sha256 {recorded}), this run's --data "
+        f"other.jsonl holds other content (data_sha256 {other}); refusing to resume" in err
+    )
+    err = _refused(tmp_path, tiny_dense, capsys, "--resume")
+    assert "was run with data = 'prompts.jsonl', this run has None" in err
 
 
 # ----------------------------------------------------------------------------- GRPO

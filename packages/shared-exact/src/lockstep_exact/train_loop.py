@@ -282,9 +282,29 @@ def _identity(config: TrainConfig, model: ModelDir, extra: dict) -> dict:
     }
 
 
+# The file and folder settings whose content the run records: a resume compares the content
+# (the same file under another path, ./data.jsonl for data.jsonl, is the same run).
+_CONTENT = {
+    "setting.data": "data_sha256",
+    "setting.adapter": "adapter_in_sha256",
+    "setting.teacher": "teacher_hash",
+}
+
+
 def _check_resume(recorded: dict, current: dict, where: Path) -> None:
     for key in [*current, *(k for k in recorded if k not in current)]:
         a, b = recorded.get(key, "<absent>"), current.get(key, "<absent>")
+        if key in _CONTENT and isinstance(a, str) and isinstance(b, str):
+            digest = _CONTENT[key]
+            old, new = recorded.get(digest), current.get(digest)
+            if old != new:
+                flag = _flag(key.removeprefix("setting."))
+                raise TrainSetupError(
+                    f"train --resume: {where} was run with --{flag} {a} ({digest} {old}), this "
+                    f"run's --{flag} {b} holds other content ({digest} {new}); refusing to "
+                    f"resume (give the same --{flag}, or another --out)"
+                )
+            continue
         if json.loads(json.dumps(a)) != json.loads(json.dumps(b)):
             name = key.removeprefix("setting.")
             raise TrainSetupError(
