@@ -246,6 +246,47 @@ def test_resume_compares_the_data_file_by_content_not_by_how_its_path_is_written
     assert "was run with data = 'prompts.jsonl', this run has None" in err
 
 
+class _FakeSampler:
+    adapter_id, starts = 1, 1
+
+    def sample(self, prompts, decisions, seed, adapter, temperature):
+        n = len(prompts)
+        lps = [torch.tensor([-0.5, -0.25], dtype=torch.float32)] * n
+        return Trace.from_sequences(
+            [[1, 2]] * n, [[3, 4]] * n, lps, contract_fingerprint="c" * 64, model_hash="m" * 64
+        )
+
+    def decode(self, ids):
+        return "x"
+
+
+class _FakePolicy:
+    def logprobs(self, trace):
+        return trace.logprobs
+
+    def update(self, seqs, old, loss, inner, micro):
+        return [0.5]
+
+
+def test_every_metrics_line_has_the_documented_fields_kl_and_reverse_kl_null_if_not_run(
+    tiny_dense, tmp_path
+):
+    """A GRPO step without --reference has no KL and no reverse KL: the line says so (null)
+    rather than leaving out fields docs/train.md lists."""
+    from lockstep_exact.model import ModelDir
+    from lockstep_exact.train_loop import _Run
+
+    config = TrainConfig(steps=1, group=2, prompts=1, decisions=2)
+    run = _Run(None, ModelDir(tiny_dense), tmp_path, config, Quiet(), lambda c: 0.25)
+    run.sampler, run.policy = _FakeSampler(), _FakePolicy()
+    row = run.step(1, tmp_path / "adapters" / "step-0000")
+    documented = "step reward_mean rewards k3_max decisions equal loss kl reverse_kl seconds"
+    documented += " adapter_in adapter_id engine_starts trace"
+    assert set(documented.split()) <= set(row)
+    assert row["kl"] is None and row["reverse_kl"] is None
+    assert json.loads(json.dumps(row))["kl"] is None  # written as null
+
+
 # ----------------------------------------------------------------------------- GRPO
 
 

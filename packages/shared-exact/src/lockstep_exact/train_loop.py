@@ -404,6 +404,10 @@ class _Run:
             "adapter_in": str(adapter.relative_to(self.out)),
             "adapter_id": getattr(self.sampler, "adapter_id", None),
             "engine_starts": getattr(self.sampler, "starts", None),
+            # Every line has both: null where the step has none (kl: no --reference;
+            # reverse_kl: not opd).
+            "kl": None,
+            "reverse_kl": None,
         }
         try:
             trainer_lps = self.policy.logprobs(trace)
