@@ -287,6 +287,20 @@ def test_every_metrics_line_has_the_documented_fields_kl_and_reverse_kl_null_if_
     assert json.loads(json.dumps(row))["kl"] is None  # written as null
 
 
+def test_the_default_rank_is_a_multiple_of_top_k_and_another_rank_is_refused(tmp_path, capsys):
+    moe = make_tiny(tmp_path / "moe", arch="qwen3-moe", topk=3)
+    config = TrainConfig()
+    prepare_train(manager(), moe, tmp_path / "o", config)
+    assert config.rank == 9  # 8 raised to a multiple of top-k 3, as the qualify ladder does
+    _made_run(moe, tmp_path / "six", rank=6)  # a multiple of top-k is taken as given
+    err = _refused(tmp_path, moe, capsys, "--rank", "8")
+    assert (
+        f"train: --rank 8 is not a multiple of {moe}'s top-k 3 (each routed expert's LoRA "
+        "gets rank // top-k): use --rank 9" in err
+    )
+    assert not (tmp_path / "o").exists()
+
+
 # ----------------------------------------------------------------------------- GRPO
 
 

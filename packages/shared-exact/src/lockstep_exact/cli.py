@@ -633,7 +633,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lr", type=float, help="AdamW learning rate (grpo 2e-2, opd and sft 5e-3)")
     tr.add_argument("--inner-steps", type=int, dest="inner_steps", help="optimizer steps/step")
     tr.add_argument("--micro-batch", type=int, default=4, dest="micro_batch")
-    tr.add_argument("--rank", type=int, default=8, help="LoRA rank of a fresh adapter")
+    tr.add_argument(
+        "--rank",
+        type=int,
+        help="LoRA rank of a fresh adapter (default: 8, raised to a multiple of an MoE's top-k)",
+    )
     tr.add_argument("--clip", type=float, default=0.2, help="PPO clip")
     tr.add_argument("--checkpoint-every", type=int, default=1, dest="checkpoint_every")
     tr.add_argument("--seed", type=int, default=0)

@@ -93,7 +93,7 @@ class TrainConfig:
     lr: float | None = None  # None: grpo 2e-2, opd and sft 5e-3
     inner_steps: int | None = None  # optimizer steps per training step; None: sft 1, else 4
     micro_batch: int = 4
-    rank: int = 8
+    rank: int | None = None  # a fresh adapter's; None: 8, raised to a multiple of top-k
     alpha: float = 16.0
     seed: int = 0
     clip: float = 0.2  # PPO clip (grpo, opd)
@@ -116,8 +116,10 @@ class TrainConfig:
             self.lr = 2e-2 if self.algo == "grpo" else 5e-3
         if self.inner_steps is None:
             self.inner_steps = 1 if self.algo == "sft" else 4
-        for name in ("steps", "decisions", "inner_steps", "rank", "prompts", "micro_batch"):
+        for name in ("steps", "decisions", "inner_steps", "prompts", "micro_batch"):
             _positive_int(name, getattr(self, name))
+        if self.rank is not None:
+            _positive_int("rank", self.rank)
         _positive_int("checkpoint_every", self.checkpoint_every)
         _positive_int("group", self.group)
         if self.algo == "grpo" and self.group < 2:
@@ -546,6 +548,7 @@ def prepare_train(
     config.check()
     out = Path(out_dir)
     model = ModelDir(model_dir)  # refuses, naming it, what the lane cannot run
+    _fit_rank(config, model)
     fn = _reward_function(pm, config, model, reward)
     rows = read_data(config.data, config.algo == "sft") if config.data else None
     extra: dict[str, Any] = {
@@ -561,6 +564,23 @@ def prepare_train(
     trainer_hook = require_hook(pm, "lockstep_trainer_session", "trainer", "lockstep-megatron")
     _check_out(out, identity, resume)
     return TrainPlan(pm, model, out, config, identity, fn, rows, sample_hook, trainer_hook, resume)
+
+
+def _fit_rank(config: TrainConfig, model: ModelDir) -> None:
+    """The rank of a fresh adapter: grouped expert LoRA gives each routed expert of an MoE
+    rank r // top-k, so r must be a multiple of top-k. No ``rank``: 8, raised to a multiple
+    of top-k (the qualify ladder's rule); a ``rank`` that is not one is refused, naming one
+    that is."""
+    geom = model.geometry
+    topk = geom.topk if geom.is_moe else 1
+    if config.rank is None:
+        config.rank = 8 + (-8) % topk
+    elif config.adapter is None and config.rank % topk:
+        raise TrainSetupError(
+            f"train: --rank {config.rank} is not a multiple of {model.path}'s top-k {topk} "
+            f"(each routed expert's LoRA gets rank // top-k): use --rank "
+            f"{config.rank + (-config.rank) % topk}"
+        )
 
 
 def _check_out(out: Path, identity: dict, resume: bool) -> None:
