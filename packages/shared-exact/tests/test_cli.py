@@ -184,3 +184,32 @@ def test_capture_names_the_line_of_a_prompts_file_that_is_not_utf8(tmp_path, cap
         "offset 14: invalid continuation byte); save the file as UTF-8" in err
     )
     assert "codec" not in err
+
+
+def test_train_help_shows_the_defaults(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # one line per option: no default is wrapped apart
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--help"])
+    assert exit_.value.code == 0
+    lines = {}  # each option's help, its wrapped lines joined
+    for line in capsys.readouterr().out.split("options:")[1].splitlines():
+        if line.startswith("  -"):
+            flag = line.split()[0]
+            lines[flag] = line
+        elif line.strip():
+            lines[flag] += " " + line.strip()
+    for flag, default in [
+        ("--algo", "grpo"),
+        ("--steps", "10"),
+        ("--group", "8"),
+        ("--kl-coef", "0.05"),
+        ("--micro-batch", "4"),
+        ("--checkpoint-every", "1"),
+        ("--clip", "0.2"),
+        ("--seed", "0"),
+        ("--out", "lockstep-train"),
+    ]:
+        assert f"(default: {default})" in lines[flag], lines[flag]
+    assert "(default: grpo 2e-2, opd and sft 5e-3)" in lines["--lr"]
+    assert "(default: 8, raised to a multiple of an MoE's top-k)" in lines["--rank"]
+    assert "(default: None)" not in str(lines) and "(default: False)" not in str(lines)

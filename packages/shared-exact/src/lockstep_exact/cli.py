@@ -498,6 +498,23 @@ def _cmd_bisect(args) -> int:
     return 0 if div is None else 1
 
 
+class _DefaultsHelp(argparse.HelpFormatter):
+    """Each option's help ends with its default, where it has one (not None or off) and the
+    help does not already say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or "default" in text
+            or action.default is None
+            or action.default is False
+            or action.default == argparse.SUPPRESS
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lockstep",
@@ -618,29 +635,50 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="SFT, GRPO or on-policy distillation on a LoRA adapter, exact every step"
     )
     tr.add_argument("--model", required=True)
-    tr.add_argument("--algo", default="grpo", help="grpo (default), opd or sft")
+    tr.add_argument("--algo", default="grpo", help="grpo, opd or sft")
     tr.add_argument("--task", default="toy", help="the built-in reward when --reward is absent")
     tr.add_argument("--reward", help="MODULE:FUNCTION taking a Completion, or 'hook'")
     tr.add_argument("--data", help='JSONL rows {"prompt": ...} (sft: and "completion")')
     tr.add_argument("--teacher", help="opd: the teacher's model directory (same tokenizer)")
     tr.add_argument("--reference", action="store_true", help="k3 KL to the frozen base model")
-    tr.add_argument("--kl-coef", type=float, default=0.05, dest="kl_coef")
+    tr.add_argument(
+        "--kl-coef", type=float, default=0.05, dest="kl_coef", help="--reference: the KL's weight"
+    )
     tr.add_argument("--adapter", help="start from this adapter (e.g. the last of an SFT run)")
-    tr.add_argument("--steps", type=int, default=10)
+    tr.add_argument("--steps", type=int, default=10, help="training steps (--resume: in all)")
     tr.add_argument("--group", type=int, default=8, help="completions per prompt")
     tr.add_argument("--prompts", type=int, default=4, help="prompts (sft: examples) per step")
     tr.add_argument("--decisions", type=int, default=8, help="sampled tokens per completion")
-    tr.add_argument("--lr", type=float, help="AdamW learning rate (grpo 2e-2, opd and sft 5e-3)")
-    tr.add_argument("--inner-steps", type=int, dest="inner_steps", help="optimizer steps/step")
-    tr.add_argument("--micro-batch", type=int, default=4, dest="micro_batch")
+    tr.add_argument(
+        "--lr", type=float, help="AdamW learning rate (default: grpo 2e-2, opd and sft 5e-3)"
+    )
+    tr.add_argument(
+        "--inner-steps",
+        type=int,
+        dest="inner_steps",
+        help="optimizer steps per training step (default: sft 1, grpo and opd 4)",
+    )
+    tr.add_argument(
+        "--micro-batch",
+        type=int,
+        default=4,
+        dest="micro_batch",
+        help="sequences per trainer micro-batch",
+    )
     tr.add_argument(
         "--rank",
         type=int,
         help="LoRA rank of a fresh adapter (default: 8, raised to a multiple of an MoE's top-k)",
     )
     tr.add_argument("--clip", type=float, default=0.2, help="PPO clip")
-    tr.add_argument("--checkpoint-every", type=int, default=1, dest="checkpoint_every")
-    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=1,
+        dest="checkpoint_every",
+        help="write a checkpoint every this many steps (and at the last)",
+    )
+    tr.add_argument("--seed", type=int, default=0, help="sampling seeds, data order, adapter init")
     tr.add_argument("--out", default="lockstep-train", help="metrics, traces, adapters, report")
     tr.add_argument("--resume", action="store_true", help="continue the run in --out")
     tr.set_defaults(func=_cmd_train)
@@ -652,6 +690,7 @@ def build_parser() -> argparse.ArgumentParser:
     bis.add_argument("--decision", type=int, required=True)
     bis.set_defaults(func=_cmd_bisect)
     for name, command in sub.choices.items():
+        command.formatter_class = _DefaultsHelp
         if name in QUIET_COMMANDS:
             command.add_argument(
                 "--verbose",
@@ -660,7 +699,7 @@ def build_parser() -> argparse.ArgumentParser:
             )
             command.add_argument(
                 "--log",
-                help="the engine log file (default: engine.log in --out for qualify, "
+                help="the engine log file (default: engine.log in --out for qualify and train, "
                 "<out>.log beside a capture's trace or a replay's --out, else "
                 "<trace>.<command>.log)",
             )
