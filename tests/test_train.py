@@ -681,3 +681,50 @@ def test_on_a_terminal_progress_is_one_bar_redrawn_in_place():
     bar.close()
     assert stream.text.count("\r\033[K[") == 2 and stream.text.endswith("\n")
     assert "[############............] step 2/4  reward 0.250  K3 max 0  equal 8/8" in stream.text
+
+
+def test_sft_progress_shows_the_loss_it_optimizes_not_the_probe_reward():
+    from lockstep_exact.cli import _Bar, _trained_line
+    from lockstep_exact.quiet import Console
+    from lockstep_exact.train_loop import step_line
+    from lockstep_exact.train_report import render
+
+    row = {"step": 1, "algo": "sft", "reward_mean": 0.25, "k3_max": 0.0, "equal": 8}
+    row.update(decisions=8, loss=1.5, seconds=1.5)
+    rows = [row, {**row, "step": 2, "loss": 0.5, "reward_mean": 0.75}]
+    assert step_line(rows[1], 2) == "step 2/2  loss +0.5000  equal 8/8  k3_max 0  1.5s"
+    assert _trained_line(rows, "sft") == (
+        "trained 2 steps (sft): loss 1.5000 -> 0.5000; every decision byte-equal: True"
+    )
+    stream = _Tty()
+    bar = _Bar(Console(stream, None), 0.0)
+    bar.step(rows[1], 2)
+    assert "step 2/2  loss +0.5000  K3 max 0" in stream.text and "reward" not in stream.text
+    grpo = [{**r, "algo": "grpo"} for r in rows]
+    assert "step 2/2  reward 0.750  equal 8/8" in step_line(grpo[1], 2)
+    assert "(grpo): reward 0.250 -> 0.750;" in _trained_line(grpo, "grpo")
+    report = render(rows, {"setting.algo": "sft"})
+    assert "reward of the sampled probe over steps (sft does not optimize it)" in report
+
+
+def test_resume_of_a_complete_run_says_so_and_starts_nothing(tiny_dense, tmp_path, capsys):
+    from lockstep_exact.train_loop import save_checkpoint
+
+    out = tmp_path / "o"
+    _made_run(tiny_dense, out)
+    row = {"step": 1, "algo": "grpo", "reward_mean": 0.25, "k3_max": 0.0, "equal": 8}
+    row.update(decisions=8, loss=0.5, seconds=1.0, adapter_out="adapters/step-0001")
+    rows = [row, {**row, "step": 2, "adapter_out": "adapters/step-0002"}]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    save_checkpoint(out, 2, {}, {"step": 2, "adapter": "adapters/step-0002"})
+    (out / "engine.log").write_text("the run's engine output\n")
+    argv = ["train", "--model", str(tiny_dense), "--out", str(out), "--resume"]
+    assert main([*argv, "--steps", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        f"{out}: run already complete at step 2; nothing to do (--steps 2; give a larger "
+        "--steps to train on)" in printed
+    )
+    assert "trained" not in printed and f"report: {out / 'report.html'}" in printed
+    assert (out / "engine.log").read_text() == "the run's engine output\n"
+    assert [r["step"] for r in _rows(out)] == [1, 2]

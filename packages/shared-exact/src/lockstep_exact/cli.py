@@ -374,7 +374,8 @@ def _sampler_process(args, python):
 
 class _Bar:
     """``lockstep train``'s progress: on a terminal, one bar line redrawn in place (step,
-    reward, K3 max, step time); elsewhere (a pipe, a log, CI), one line per step."""
+    reward (sft: loss), K3 max, step time); elsewhere (a pipe, a log, CI), one line per
+    step."""
 
     def __init__(self, console, t0: float):
         self.console, self.t0 = console, t0
@@ -407,7 +408,7 @@ class _Bar:
         filled = round(width * self.done / max(total, 1))
         bar = "#" * filled + "." * (width - filled)
         self.console.stream.write(
-            f"\r\033[K[{bar}] step {self.done}/{total}  reward {row['reward_mean']:.3f}  "
+            f"\r\033[K[{bar}] step {self.done}/{total}  {_objective(row)}  "
             f"K3 max {row['k3_max']:g}  equal {row['equal']}/{row['decisions']}  "
             f"{row['seconds']:.1f}s/step"
         )
@@ -421,9 +422,26 @@ class _Bar:
             self.live = False
 
 
+def _objective(row: dict) -> str:
+    """What a step optimized: GRPO and OPD a reward, SFT a loss (the reward of its sampled
+    probe is in metrics.jsonl, not shown as if it were trained for)."""
+    if row.get("algo") == "sft":
+        return f"loss {row['loss']:+.4f}"
+    return f"reward {row['reward_mean']:.3f}"
+
+
+def _trained_line(rows: list[dict], algo: str) -> str:
+    if algo == "sft":
+        moved = f"loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}"
+    else:
+        moved = f"reward {rows[0]['reward_mean']:.3f} -> {rows[-1]['reward_mean']:.3f}"
+    exact = all(r["equal"] == r["decisions"] for r in rows)
+    return f"trained {len(rows)} steps ({algo}): {moved}; every decision byte-equal: {exact}"
+
+
 def _cmd_train(args) -> int:
     from .plugins import manager
-    from .train_loop import TrainConfig, TrainStopped, prepare_train
+    from .train_loop import Progress, TrainConfig, TrainStopped, prepare_train
 
     config = TrainConfig(
         algo=args.algo,
@@ -453,20 +471,20 @@ def _cmd_train(args) -> int:
     # Refusals (the settings, the model, what --out holds) come before anything is written:
     # a refused run leaves --out, its engine log included, as it was.
     plan = prepare_train(manager(), Path(args.model), out, config, resume=args.resume)
-    with plan.claim(), _engines(args) as console:
-        bar = _Bar(console, t0)
-        try:
-            rows = plan.run(progress=bar)
-        except TrainStopped as err:
-            stopped, rows = err, []
+    with plan.claim():
+        if plan.complete:  # a resume with no step left: no engine starts, the log is kept
+            plan.run(progress=Progress())  # says so; the report is rewritten
+            print(f"report: {out / 'report.html'} (and metrics.jsonl)")
+            return 0
+        with _engines(args) as console:
+            bar = _Bar(console, t0)
+            try:
+                rows = plan.run(progress=bar)
+            except TrainStopped as err:
+                stopped, rows = err, []
     if rows:
-        last = rows[-1]
-        print(
-            f"trained {len(rows)} steps ({config.algo}): reward {rows[0]['reward_mean']:.3f} -> "
-            f"{last['reward_mean']:.3f}; every decision byte-equal: "
-            f"{all(r['equal'] == r['decisions'] for r in rows)}"
-        )
-        print(f"adapter: {out / last['adapter_out']}")
+        print(_trained_line(rows, config.algo))
+        print(f"adapter: {out / rows[-1]['adapter_out']}")
     print(f"report: {out / 'report.html'} (and metrics.jsonl)")
     print(f"engine log: {args.engine_log}")
     if stopped is not None:

@@ -237,6 +237,14 @@ class Progress:
 
 
 def step_line(row: dict, total: int) -> str:
+    """One step's progress line. SFT optimizes no reward: its line leads with the loss and
+    leaves out the reward of the sampled probe (it is in metrics.jsonl)."""
+    if row.get("algo") == "sft":
+        return (
+            f"step {row['step']}/{total}  loss {row['loss']:+.4f}  "
+            f"equal {row['equal']}/{row['decisions']}  k3_max {row['k3_max']:g}  "
+            f"{row['seconds']:.1f}s"
+        )
     extra = ""
     if row.get("reverse_kl") is not None:
         extra += f"  rkl {row['reverse_kl']:.4f}"
@@ -690,7 +698,10 @@ class TrainPlan:
         done, loop, files = self.done, self.loop, self.files
         history = _read_metrics(out)
         if self.complete:
-            progress.say(f"{out}: {done} steps done already (--steps {config.steps})")
+            progress.say(
+                f"{out}: run already complete at step {done}; nothing to do (--steps "
+                f"{config.steps}; give a larger --steps to train on)"
+            )
             write_report(out, history, identity)
             return history
 

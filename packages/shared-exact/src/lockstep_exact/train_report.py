@@ -109,7 +109,10 @@ def render(rows: list[dict], identity: dict, stopped: str | None = None) -> str:
     series = [("reward_mean", "#2364aa", [r.get("reward_mean") for r in rows])]
     if any(r.get("reverse_kl") is not None for r in rows):
         series.append(("reverse KL", "#aa6f23", [r.get("reverse_kl") for r in rows]))
-    out.append(_plot("reward over steps", steps, series))
+    title = "reward over steps"
+    if algo == "sft":  # measured on the sampled probe; SFT does not optimize it
+        title = "reward of the sampled probe over steps (sft does not optimize it)"
+    out.append(_plot(title, steps, series))
     out.append(
         _plot(
             "K3 max over steps (log scale; 0 on the floor line: byte-equal)",
