@@ -27,6 +27,10 @@ One sampling engine (the serving plugin's ``lockstep_sampler_session``) and one 
 ``--resume`` continues the run in ``out`` up to ``--steps``: same settings or a refusal naming
 the one that differs; the adapters and log-probabilities are byte-identical to an
 uninterrupted run's (every seed and data position is a function of the step).
+
+Before anything is written, ``prepare_train`` refuses what it can know (settings, model, data,
+what ``out`` holds: a new run takes only an empty or new folder); a run or a resume then holds
+a lock on ``out`` until it ends, and a second one on the same ``out`` is refused.
 """
 
 from __future__ import annotations
