@@ -21,7 +21,7 @@ from lockstep_exact.plugins import manager
 from lockstep_exact.requests import ReplayRequest
 from lockstep_exact.tiny import make_tiny
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

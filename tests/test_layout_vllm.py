@@ -16,7 +16,7 @@ from lockstep_exact.model import model_hash as dir_hash
 from lockstep_exact.plugins import manager
 from lockstep_exact.tiny import make_tiny
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

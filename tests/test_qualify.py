@@ -233,6 +233,7 @@ def test_the_ladder_hands_each_half_its_own_layout(tmp_path):
     assert ladder.layouts == {"sampler": {"tp": 2}, "trainer": {"tp": 2, "ep": 4}}
 
 
+@pytest.mark.slow
 def test_qualify_runs_the_trainer_at_its_own_layout(tmp_path, capsys):
     """The base ruler with the trainer at tp 2 (Megatron in two gloo ranks) against the sampler
     at tp 1: byte-equal replays, and the report names both layouts."""

@@ -18,7 +18,7 @@ from lockstep_exact.parity import nudge_ulp, same_bytes
 from lockstep_exact.sites import recording
 from lockstep_exact.tiny import default_prompts, make_tiny
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 GATES = ["base ruler", "adapter A join", "training gate", "adapter B join", "promotion"]
 GDN = ("in_proj_qkvz", "in_proj_ba", "out_proj")

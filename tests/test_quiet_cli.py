@@ -12,7 +12,7 @@ import pytest
 
 from lockstep_exact.tiny import make_tiny
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
 def _start(model, out, *extra) -> subprocess.Popen:

@@ -42,6 +42,7 @@ def sglang_python() -> str | None:
 
 PYTHON = sglang_python()
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.engine,
     pytest.mark.skipif(
         PYTHON is None,

@@ -327,6 +327,7 @@ def test_grpo_on_the_toy_task_is_exact_at_every_step_and_learns(grpo_run):
     load_checkpoint(out / "checkpoints" / "step-0010")  # intact
 
 
+@pytest.mark.slow
 @pytest.mark.engine
 def test_control_the_inverted_reward_drives_the_target_share_down(tiny_dense, tmp_path):
     """Rewarding the complement of the target block: the block's share falls, so the rise
@@ -510,6 +511,7 @@ class _ToyHook:
         return ToyTask(vocab=1024)(completion)
 
 
+@pytest.mark.slow
 @pytest.mark.engine
 def test_on_policy_distillation_learns_from_a_finetuned_teacher(tiny_dense, grpo_run, tmp_path):
     """The teacher is the base model with a GRPO adapter merged in: distilling it lowers the
@@ -557,6 +559,7 @@ SFT_ROWS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.engine
 def test_sft_then_grpo_then_opd_on_one_adapter(tiny_dense, grpo_run, tmp_path, capsys):
     data = tmp_path / "sft.jsonl"

@@ -276,6 +276,7 @@ def _decisions(out):
     return list(out.outputs[0].token_ids), sampled_logprobs(out.outputs[0])
 
 
+@pytest.mark.slow
 @pytest.mark.engine
 def test_head_dim_16_at_block_size_5_gives_the_same_bytes_on_cache_hits_and_chunks(tmp_path):
     """head_dim 16 (refused by vLLM's CPU kernels with AVX2 only) in 5-token pages: a prefix

@@ -22,6 +22,8 @@ from lockstep_exact.contract import lane_contract
 from lockstep_exact.plugins import manager
 from lockstep_exact.requests import CaptureRequest
 
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
 PROMPT = "The lighthouse keeper climbs the steps every night"
 DECISIONS, SEED = 5, 21
 

@@ -72,6 +72,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_speculative_decoding_is_refused(dense):
     # In a child process: the ngram drafter leaves vLLM's kernel registry unable to start
     # another engine in the same process (an upstream quirk, not the lane's refusal).

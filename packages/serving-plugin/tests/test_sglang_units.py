@@ -1095,6 +1095,7 @@ def test_qualify_with_sglang_refuses_what_its_sampler_cannot_run_before_anything
     assert not (tmp_path / "q").exists()  # nothing was made
 
 
+@pytest.mark.slow
 def test_the_sampler_process_answers_over_its_pipe_and_names_refusals(tiny):
     """The SGLang worker run by the workspace's python (no SGLang here): the contract comes
     back whole, the rest is refused by name, the process serves on, and a dead one is named."""

@@ -12,6 +12,8 @@ import pytest
 import torch
 from serving_support import assert_same_bytes_and_control
 
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
 _CHILD = """
 import json, sys
 sys.path.insert(0, sys.argv[2])

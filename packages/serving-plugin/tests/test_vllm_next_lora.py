@@ -24,6 +24,8 @@ from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes
 from lockstep_exact.tiny import make_tiny
 from lockstep_serving.patches import LaneRefused
 
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
 DECISIONS = 6
 LENGTHS = (5, 61, 70)
 BUDGET = 24  # the chunked engine's token budget

@@ -23,6 +23,8 @@ from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.programs.cpu import gdn as G
 from lockstep_exact.programs.cpu import hybrid as H
 
+pytestmark = pytest.mark.slow
+
 BF16, F32 = torch.bfloat16, torch.float32
 META = torch.device("meta")
 

@@ -26,6 +26,8 @@ from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes
 from lockstep_exact.sites import recording
 from lockstep_exact.tiny import make_tiny, tiny_config
 
+pytestmark = pytest.mark.slow
+
 CHUNK = 16
 ODD = {
     "hidden": 96,

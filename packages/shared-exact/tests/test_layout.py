@@ -16,6 +16,8 @@ from lockstep_exact.model import ModelDir
 from lockstep_exact.parity import nudge_ulp, same_bytes
 from lockstep_exact.tiny import make_tiny
 
+pytestmark = pytest.mark.slow
+
 TOKENS = [5, 17, 200, 3, 999, 42, 7, 7, 610, 12, 88, 300, 1, 2, 450, 9, 77, 31]
 
 

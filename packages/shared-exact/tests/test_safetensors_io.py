@@ -169,6 +169,7 @@ def _child(tmp_path, tiny_dir, tag: str, mode: str = "same") -> list[str]:
     return proc.stdout.split()
 
 
+@pytest.mark.slow
 def test_two_processes_write_the_same_bytes(tmp_path):
     """The library's metadata order varied per process, so the check needs two processes: a
     many-key header and a real adapter export give the same sha256 in both; one ulp does not."""

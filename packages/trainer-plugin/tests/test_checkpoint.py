@@ -17,6 +17,8 @@ from lockstep_megatron.checkpoint import CheckpointError, load_checkpoint, save_
 from lockstep_megatron.convert import build
 from lockstep_megatron.train import TrainConfig, Trainer
 
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).parent
 CONFIG = TrainConfig(rank=4, alpha=8.0, lr=1e-2, micro_batch=3, seed=11)
 

@@ -30,6 +30,8 @@ from lockstep_megatron import gdn
 from lockstep_megatron.convert import build, load_hf_weights
 from lockstep_megatron.replay import replay
 
+pytestmark = pytest.mark.slow
+
 ODD = {
     "hidden": 96,
     "layers": 4,

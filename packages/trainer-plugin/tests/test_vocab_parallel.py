@@ -16,6 +16,8 @@ from lockstep_exact.tiny import make_tiny
 from lockstep_megatron.convert import load_hf_weights
 from lockstep_megatron.spec import vocab_rows, vocab_shard
 
+pytestmark = pytest.mark.slow
+
 TOKENS = [[5, 17, 200, 3, 99, 42, 7, 7, 61], [12, 88, 30, 1, 2, 45, 9, 77, 31]]
 
 
