@@ -162,10 +162,11 @@ def kpart_partial(x, w, *, bk: int = 32, parts: int = 1):
             f"gemm.kpart: {parts} partitions must be a power of two dividing K = {k_dim}"
         )
     size = k_dim // parts
-    one_launch = getattr(backend_module(backend_of(x, w)), "kpart_partial", None)
-    if one_launch is not None and parts > 1 and x.numel() // max(k_dim, 1) <= one_launch.rows:
+    module = backend_module(backend_of(x, w))
+    rows = x.numel() // max(k_dim, 1)
+    if parts > 1 and rows <= getattr(module, "KPART_ONE_LAUNCH_ROWS", 0):
         # The backend's one-launch form of the same partitions and fold (gated bitwise).
-        return one_launch(x, w, bk=bk, parts=parts)
+        return module.kpart_partial(x, w, bk=bk, parts=parts)
     # K-slices as views: the cuda gemm reads them in place (a row stride), the cpu gemm's
     # elementwise fp32 operations give the same bytes whatever the operands' layout.
     sums = [

@@ -17,7 +17,7 @@ from .activation import swiglu
 from .arith import round_bf16
 from .attention import attention, attention_decode_paged, write_pages
 from .gemm import TILINGS, gemm, pick_tiling
-from .grouped import gemm_grouped, kpart_partial
+from .grouped import KPART_ONE_LAUNCH_ROWS, gemm_grouped, kpart_partial
 from .hybrid import (
     conv1d_causal,
     gdn_chunked,
@@ -52,6 +52,7 @@ def environment(device: torch.device | int | None = None) -> dict[str, str]:
 
 
 __all__ = [
+    "KPART_ONE_LAUNCH_ROWS",
     "TILINGS",
     "attention",
     "attention_decode_paged",

@@ -229,7 +229,7 @@ def kpart_partial(x: torch.Tensor, w: torch.Tensor, *, bk: int = 32, parts: int 
 
 # Up to this many rows ``programs.kpart_partial`` takes the one-launch kernel; above it the
 # partitions run as the plain gemm's wide tilings (the same bytes, gated).
-kpart_partial.rows = 256
+KPART_ONE_LAUNCH_ROWS = 256
 
 
-__all__ = ["MAX_PARTS", "gemm_grouped", "kpart_partial"]
+__all__ = ["KPART_ONE_LAUNCH_ROWS", "MAX_PARTS", "gemm_grouped", "kpart_partial"]
