@@ -45,6 +45,7 @@ from torch import nn
 
 from lockstep_exact.contract import lane_contract
 from lockstep_exact.lanes import qwen3
+from lockstep_exact.lanes.config import FAMILIES, HYBRID_FAMILIES
 from lockstep_exact.lanes.ops import Ops
 from lockstep_exact.sites import is_recording, paused
 
@@ -64,10 +65,9 @@ REPORT_ENV = "LOCKSTEP_SGLANG_REPORT"  # a file the model keeps its invoked cont
 # Lane models alive in this process; while one lives, the lane's sampler applies its rule.
 LIVE: weakref.WeakSet = weakref.WeakSet()
 
-LANE_OF_HF = {
-    "Qwen3ForCausalLM": "LockstepQwen3ForCausalLM",
-    "Qwen3MoeForCausalLM": "LockstepQwen3MoeForCausalLM",
-}
+# The lanes SGLang serves: lockstep_exact's Qwen3 / Qwen3-MoE families (its one table); the
+# hybrid families (Qwen3-Next) are served by the vLLM plugin only, and refused here by name.
+LANE_OF_HF = {hf: f"Lockstep{hf}" for hf in FAMILIES}
 # The engine settings the lane needs, and the values it accepts (server args name -> values).
 # SGLang's torch_native attention backend on both devices: the lane attends itself (its
 # attention site over the pool, ``pool_attention``); the backend only has to leave the pool's
@@ -478,9 +478,15 @@ def architecture_for(model_dir) -> str:
     """The lane architecture serving ``model_dir`` (from its config.json), or refuse."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     arch = (cfg.get("architectures") or ["?"])[0]
+    if arch in HYBRID_FAMILIES:
+        _refuse(
+            f"architecture {arch!r}: its exact lane is served by the vLLM plugin "
+            f"(lockstep_serving.vllm_next), not SGLang; SGLang serves {sorted(LANE_OF_HF)}"
+        )
     if arch not in LANE_OF_HF:
         _refuse(f"architecture {arch!r} has no exact lane; supported: {sorted(LANE_OF_HF)}")
     return LANE_OF_HF[arch]
 
 
 EntryClass = [LockstepQwen3ForCausalLM, LockstepQwen3MoeForCausalLM]
+assert {c.lane_arch for c in EntryClass} == set(LANE_OF_HF.values()), "a lane has no SGLang class"

@@ -17,16 +17,16 @@ admits only the sampling parameters that rule implements.
 
 from __future__ import annotations
 
+from lockstep_exact.lanes.config import supported_architectures
+
 ARCHITECTURES = {
     "LockstepQwen3ForCausalLM": "lockstep_serving.vllm_model:LockstepQwen3ForCausalLM",
     "LockstepQwen3MoeForCausalLM": "lockstep_serving.vllm_model:LockstepQwen3MoeForCausalLM",
     "LockstepQwen3NextForCausalLM": "lockstep_serving.vllm_next:LockstepQwen3NextForCausalLM",
 }
-LANE_OF_HF = {
-    "Qwen3ForCausalLM": "LockstepQwen3ForCausalLM",
-    "Qwen3MoeForCausalLM": "LockstepQwen3MoeForCausalLM",
-    "Qwen3NextForCausalLM": "LockstepQwen3NextForCausalLM",
-}
+# Every architecture lockstep_exact has a lane for (its one table), served as Lockstep<arch>.
+LANE_OF_HF = {hf: f"Lockstep{hf}" for hf in supported_architectures()}
+assert set(LANE_OF_HF.values()) == set(ARCHITECTURES), "a lane architecture has no vLLM class"
 
 _state = {"registered": False}
 

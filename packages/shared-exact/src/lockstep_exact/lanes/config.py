@@ -189,7 +189,7 @@ def check_config(cfg: Mapping) -> dict[str, Any]:
         )
     if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in FAMILIES:
         raise UnsupportedModel(
-            f"architecture {archs!r} has no exact lane; supported: {sorted(FAMILIES)}"
+            f"architecture {archs!r} has no exact lane; supported: {supported_architectures()}"
         )
     family, model_type = FAMILIES[archs[0]]
     moe = family == "qwen3-moe"
@@ -285,6 +285,14 @@ def check_config(cfg: Mapping) -> dict[str, Any]:
 # rmsnorm.zero_centered, rmsnorm.gated, gate.sigmoid, moe.shared_gate, rope.partial);
 # ``check_config`` (the Qwen3 lane's check) refuses it, ``check_next_config`` is its check.
 HYBRID_FAMILIES = {"Qwen3NextForCausalLM": ("qwen3-next", "qwen3_next")}
+
+
+def supported_architectures() -> list[str]:
+    """Every HF architecture some exact lane runs (``FAMILIES`` and ``HYBRID_FAMILIES``),
+    sorted: the one list a refusal of an unknown architecture names."""
+    return sorted({**FAMILIES, **HYBRID_FAMILIES})
+
+
 HF_NEXT_FULL_ATTENTION_INTERVAL = 4  # Qwen3NextConfig's layer_types when the config has none
 _NEXT_LAYER_TYPES = ("linear_attention", "full_attention")
 
