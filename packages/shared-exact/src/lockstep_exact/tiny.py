@@ -32,7 +32,7 @@ variance. torch's own ``randn`` is not used because its vectorised path evaluate
 - RMSNorm weights (all of them, q_norm and k_norm too): ``1 + 0.1 * z``, so they matter;
   Qwen3-Next's zero-centered norms store ``w - 1``: ``0.1 * z``.
 
-Qwen3-Next (``arch="qwen3-next"``, issue 16): Gated DeltaNet layers alternate with gated full
+Qwen3-Next (``arch="qwen3-next"``): Gated DeltaNet layers alternate with gated full
 attention (``NEXT_FULL_ATTENTION_INTERVAL``), every layer an MoE block with a shared expert and
 its gate. The DeltaNet layers have ``kv_heads`` key heads and ``heads`` value heads of
 ``NEXT_LINEAR_HEAD_DIM``; ``A_log`` is ``0.5 * z``, ``dt_bias`` ``1 + 0.1 * z``, the conv std

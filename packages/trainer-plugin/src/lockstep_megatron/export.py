@@ -46,12 +46,12 @@ def export_peft(
     the serving half checks an adapter against the lane it serves)."""
     if getattr(model, "tp", 1) > 1:
         raise NotImplementedError(
-            "exporting an adapter from Megatron at tp > 1 is not wired yet (issue 14): the "
+            "exporting an adapter from Megatron at tp > 1 is not wired yet: the "
             "column-parallel B factors would need gathering; train and export at tp 1"
         )
     if getattr(model, "ep", 1) > 1:
         raise NotImplementedError(
-            "exporting an adapter from Megatron at ep > 1 is not wired yet (issue 14): each "
+            "exporting an adapter from Megatron at ep > 1 is not wired yet: each "
             "rank holds its own experts' adapters; train and export at ep 1"
         )
     cfg = model.lora_config

@@ -1,4 +1,4 @@
-"""Megatron's Qwen3-Next model for the qwen3-next lane (issue 16): megatron-core's own
+"""Megatron's Qwen3-Next model for the qwen3-next lane: megatron-core's own
 ``GatedDeltaNet``, ``SelfAttention`` with its output gate and ``MoELayer`` with its shared expert,
 the lane's programs in their slots.
 
@@ -77,8 +77,9 @@ from .spec import (
 )
 
 SESSION_REFUSED = (
-    "the trainer session (policy / frozen) on the hybrid lane (qwen3-next) is not built yet "
-    "(issue 16): train its adapter with lockstep train"
+    "the trainer session (policy / frozen) on the hybrid lane (qwen3-next) is not built yet, so "
+    "lockstep train does not take a Qwen3-Next model; the qualification ladder trains its "
+    "adapter (lockstep qualify --model DIR, its training gate)"
 )
 BACKEND_REFUSED = "the hybrid lane (qwen3-next) runs in Megatron on cpu only so far, not {!r}"
 

@@ -184,8 +184,9 @@ def check_config(cfg: Mapping) -> dict[str, Any]:
         raise UnsupportedModel(
             f"architecture {archs[0]!r} is not a Qwen3 / Qwen3-MoE model: its lane is qwen3-next "
             "(lanes.qwen3_next, config check check_next_config), which the vLLM and Megatron "
-            "plugins serve (lockstep_serving.vllm_next, lockstep_megatron.gdn); this path and "
-            "the SGLang plugin do not take it yet (issue 16)"
+            "plugins serve (lockstep_serving.vllm_next, lockstep_megatron.gdn); read it with "
+            "lockstep_exact.model.ModelDir(path, hybrid=True) or lanes.qwen3_next.Geometry; the "
+            "SGLang plugin does not take it yet"
         )
     if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in FAMILIES:
         raise UnsupportedModel(
@@ -280,7 +281,7 @@ def check_config(cfg: Mapping) -> dict[str, Any]:
     return geom
 
 
-# --- the hybrid family (Qwen3-Next, issue 16) ----------------------------------------------------
+# --- the hybrid family (Qwen3-Next) -------------------------------------------------------------
 # Its lane is ``lanes.qwen3_next`` (gdn.chunked, gdn.gating, gdn.l2norm, conv1d.causal,
 # rmsnorm.zero_centered, rmsnorm.gated, gate.sigmoid, moe.shared_gate, rope.partial);
 # ``check_config`` (the Qwen3 lane's check) refuses it, ``check_next_config`` is its check.

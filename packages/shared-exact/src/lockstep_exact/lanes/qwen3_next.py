@@ -1,4 +1,4 @@
-"""The Qwen3-Next lane (issue 16): geometry, op-site programs, the per-sequence cache and the
+"""The Qwen3-Next lane: geometry, op-site programs, the per-sequence cache and the
 layer composition, on the cpu backend.
 
 The composition follows HF Qwen3Next. Layers alternate Gated DeltaNet (``linear_attn``: the

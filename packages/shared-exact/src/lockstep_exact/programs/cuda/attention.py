@@ -603,8 +603,8 @@ def attention_paged(
     ``key_cache``/``value_cache`` [num_blocks, Hkv, page, D] bf16 (vLLM's pages, viewed per
     half), ``block_table`` the sequence's block ids, ``seq_len`` its keys in the cache. The
     pages are gathered into contiguous [seq_len, Hkv, D] copies and ``attention`` runs on
-    them, so every row has the contiguous program's bytes by construction (issue 11); a
-    kernel reading the pages in place is issue 12's work."""
+    them, so every row has the contiguous program's bytes by construction; a kernel reading
+    the pages in place is not written yet."""
     k = gather_pages(key_cache, block_table, seq_len)
     v = gather_pages(value_cache, block_table, seq_len)
     return attention(q, k, v, positions, scale=scale, block=block, segment=segment)

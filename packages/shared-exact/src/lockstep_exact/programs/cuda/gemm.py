@@ -45,11 +45,11 @@ TILINGS: dict[str, Tiles] = {
     "m64n64s6": Tiles(64, 64, 4, 6),
     "m64n32": Tiles(64, 32, 4, 5),
     "m64n32s8": Tiles(64, 32, 4, 8),
-    # Issue 12's small-M sweep (docs/gpu.md): deeper pipelines for the one-wave picks below.
+    # The small-M sweep (docs/gpu.md): deeper pipelines for the one-wave picks below.
     "m64n32s10": Tiles(64, 32, 4, 10),
     "m64n64s8": Tiles(64, 64, 4, 8),
     "m64n128s6": Tiles(64, 128, 4, 6),
-    # Persistent, TMA-fed (issue 12: M >= 512 ran at 0.63-0.80x cuBLAS with the tilings
+    # Persistent, TMA-fed (M >= 512 ran at 0.63-0.80x cuBLAS with the tilings
     # above; these at 0.85-0.97x in the H200 sweep, docs/gpu.md). Gated like every other tiling.
     # A 128 x 256 tile with an fp32 output and 3 stages asks for 278,552 B of shared memory
     # (H200: 232,448 B per block), so those take 2 stages there.
@@ -61,7 +61,7 @@ TILINGS: dict[str, Tiles] = {
     "p64n128": Tiles(64, 128, 4, 6, persistent=True),
 }
 
-# Multiprocessors of the H200 the small-M choice below was timed on (issue 12, docs/gpu.md).
+# Multiprocessors of the H200 the small-M choice below was timed on (docs/gpu.md).
 _SMS = 132
 
 
