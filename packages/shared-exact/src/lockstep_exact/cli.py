@@ -1,7 +1,8 @@
 """The ``lockstep`` command line. It drives engine plugins through the pluggy hooks only.
 
-``qualify``, ``capture``, ``replay`` and ``bisect`` are quiet by default: while the engines
-work, their output (vLLM's warnings, C++ prints, megatron-core's warnings) goes to a log file
+``qualify``, ``capture``, ``replay``, ``bisect``, ``train`` and ``doctor`` are quiet by default:
+while the engines work (or, for ``doctor``, are imported and asked what they serve), their
+output (vLLM's warnings, C++ prints, megatron-core's and torch's warnings) goes to a log file
 (``quiet.engine_output``) and only the command's progress and results reach the terminal; the
 last line names the log. ``--verbose`` streams the engine output to the terminal as well.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -17,13 +19,17 @@ from pathlib import Path
 
 from . import __version__
 
-QUIET_COMMANDS = ("qualify", "capture", "replay", "bisect", "train")
+QUIET_COMMANDS = ("qualify", "capture", "replay", "bisect", "train", "doctor")
 
 
 def _engine_log(args) -> Path:
     """Where a command's engine output goes: ``--log``, else in or beside its output."""
     if args.log:
         return Path(args.log)
+    if args.command == "doctor":  # it writes nothing else: a new file in the temp directory
+        fd, name = tempfile.mkstemp(prefix="lockstep-doctor-", suffix=".log")
+        os.close(fd)
+        return Path(name)
     if args.command in ("qualify", "train"):
         return Path(args.out) / "engine.log"
     if args.command == "capture":  # the trace directory is written whole: the log goes beside
@@ -131,33 +137,38 @@ def _cmd_contract_show(args) -> int:
 
 
 def _cmd_doctor(args) -> int:
+    with _engines(args) as console:  # importing the engines warns (megatron-core, torch)
+        rc = _doctor(args, console.say)
+    print(f"engine log: {args.engine_log}")
+    return rc
+
+
+def _doctor(args, say) -> int:
     import torch
 
     from .model import ModelDir
     from .plugins import manager
 
-    print(
-        f"lockstep-exact {__version__}  python {sys.version.split()[0]}  torch {torch.__version__}"
-    )
+    say(f"lockstep-exact {__version__}  python {sys.version.split()[0]}  torch {torch.__version__}")
     backends = ["cpu"]
     if torch.cuda.is_available():
         backends.append(f"cuda ({torch.cuda.get_device_name()})")
-    print(f"backends      {', '.join(backends)}")
+    say(f"backends      {', '.join(backends)}")
     pm = manager()
     infos = [i for i in pm.hook.lockstep_engine_info() if i is not None]
     roles = {}
     if not infos:
-        print("plugins       none installed (install lockstep-serving and lockstep-megatron)")
+        say("plugins       none installed (install lockstep-serving and lockstep-megatron)")
     for info in sorted(infos, key=lambda i: i.role):
         roles[info.role] = info
         state = "ok" if info.problem is None else f"UNUSABLE: {info.problem}"
-        print(
+        say(
             f"plugin        {info.plugin} ({info.role}): {info.engine} {info.engine_version}, "
             f"plugin {info.plugin_version}, backends {','.join(info.backends)}: {state}"
         )
     for half in ("sampler", "trainer"):
         if half not in roles:
-            print(f"missing       no {half} plugin is installed")
+            say(f"missing       no {half} plugin is installed")
     models = [Path(args.model)] if args.model else None
     with tempfile.TemporaryDirectory() as tmp:
         if models is None:
@@ -183,9 +194,9 @@ def _cmd_doctor(args) -> int:
                     continue
                 same = theirs is not None and theirs.fingerprint == contract.fingerprint
                 line += f"  {name}={'same' if same else 'DIFFERENT'}"
-            print(line)
+            say(line)
         for why in refused:
-            print(why)
+            say(why)
     problems = [i for i in infos if i.problem] or len(roles) < 2 or refused
     return 1 if problems else 0
 
@@ -718,7 +729,8 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument(
                 "--log",
                 help="the engine log file (default: engine.log in --out for qualify and train, "
-                "<out>.log beside a capture's trace or a replay's --out, else "
+                "<out>.log beside a capture's trace or a replay's --out, a new "
+                "lockstep-doctor-*.log in the temp directory for doctor, else "
                 "<trace>.<command>.log)",
             )
     return parser
