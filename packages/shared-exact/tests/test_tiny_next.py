@@ -135,6 +135,9 @@ def test_the_engines_refuse_a_qwen3_next_model_by_name(tmp_path):
     from lockstep_exact.model import ModelDir
 
     model = make_tiny(tmp_path / "m", arch="qwen3-next")
-    with pytest.raises(UnsupportedModel, match=r"SGLang plugin do not take it yet \(issue 16\)"):
+    with pytest.raises(
+        UnsupportedModel,
+        match=r"the SGLang plugin do not take it yet: use a Qwen3 or Qwen3-MoE model here",
+    ):
         ModelDir(model)
     assert ModelDir(model, hybrid=True).family == "qwen3-next"
