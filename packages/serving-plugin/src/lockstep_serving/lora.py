@@ -68,6 +68,7 @@ class LaneLoRAManager:
                 lora_request.lora_path,
                 self.model.geom,
                 contract=self.model.contract.fingerprint,
+                model_dir=getattr(self.model, "model_dir", None),
                 model_hash=self._model_hash(),
             )
         except AdapterError as err:

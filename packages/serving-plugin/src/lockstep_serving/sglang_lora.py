@@ -71,6 +71,7 @@ class SglangLaneLoRAManager:
                 ref.lora_path,
                 self.model.geom,
                 contract=self.model.contract.fingerprint,
+                model_dir=getattr(self.model, "model_dir", None),
                 model_hash=self.model.model_hash(),
             )
         except AdapterError as err:

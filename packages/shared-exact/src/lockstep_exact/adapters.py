@@ -222,6 +222,27 @@ def adapter_sha256(tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> 
     )
 
 
+def adapter_record(adapter_dir) -> dict[str, str | None]:
+    """What an adapter directory says about itself, checked against no model: ``sha256``, its
+    hash computed as ``load_adapter`` computes it (what traces record), and what a Lockstep
+    export recorded: ``recorded_sha256``, ``contract`` (the lane fingerprint it was made for)
+    and ``model_hash`` (its base model's), each None where absent (a peft-made adapter).
+    ``lockstep contract show --adapter`` prints it; ``AdapterError`` if the files cannot be read.
+    """
+    config, tensors, meta = _read(Path(adapter_dir))
+    return {
+        "sha256": adapter_sha256(tensors, config),
+        "recorded_sha256": meta.get(HASH_KEY),
+        "contract": meta.get(CONTRACT_KEY),
+        "model_hash": meta.get(MODEL_KEY),
+    }
+
+
+def show_command(adapter_dir, model_dir=None) -> str:
+    """The command that prints an adapter's hashes beside a model's (named by refusals)."""
+    return f"`lockstep contract show --model {model_dir or 'MODEL'} --adapter {adapter_dir}`"
+
+
 def _pattern_value(patterns: dict[str, Any], key: str, default):
     """PEFT's rule: the first pattern ``p`` with ``(.*\\.)?(p)$`` matching ``key`` wins."""
     for pattern, value in patterns.items():
@@ -488,9 +509,11 @@ def load_adapter(
     model,
     contract: str | None = None,
     model_hash: str | None = None,
+    model_dir: str | Path | None = None,
 ) -> Adapter:
     """Read and validate an adapter for ``model`` (a ``ModelDir`` or a ``Geometry`` of the
-    qwen3 or the qwen3-next lane).
+    qwen3 or the qwen3-next lane). ``model_dir``: the directory a refusal names for a
+    ``Geometry`` (a ``ModelDir`` names its own).
 
     ``modules`` maps HF weight names to (A, B, scale). Given a ``ModelDir`` (or
     ``model_hash``), a Lockstep export bound to another base model is refused; given
@@ -500,6 +523,7 @@ def load_adapter(
 
     bare = isinstance(model, (Geometry, NextGeometry))
     geom = model if bare else model.geometry
+    shown = model_dir if bare else model.path
     if model_hash is None and not bare:
         model_hash = model.model_hash
     path = Path(adapter_dir)
@@ -520,11 +544,17 @@ def load_adapter(
         )
     made_for = meta.get(CONTRACT_KEY)
     if contract is not None and made_for is not None and made_for != contract:
-        raise AdapterError(f"adapter was made for contract {made_for}, this lane is {contract}")
+        raise AdapterError(
+            f"adapter was made for contract {made_for}, this lane is {contract}: it was trained "
+            "for another lane (another model family, geometry or backend); "
+            f"{show_command(path, shown)} prints both"
+        )
     bound_to = meta.get(MODEL_KEY)
     if bound_to is not None and model_hash is not None and bound_to != model_hash:
         raise AdapterError(
-            f"adapter was made for base model {bound_to}; this base model is {model_hash}"
+            f"adapter was made for base model {bound_to}; this base model is {model_hash}: "
+            f"use the adapter with the model it was trained on; {show_command(path, shown)} "
+            "prints both"
         )
     shapes = module_shapes(geom)
     rank_pattern = config.get("rank_pattern") or {}

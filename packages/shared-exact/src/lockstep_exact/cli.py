@@ -120,7 +120,13 @@ def _cmd_tiny(args) -> int:
 def _cmd_contract_show(args) -> int:
     from .model import ModelDir
 
-    contract = ModelDir(args.model, hybrid=True).contract(args.backend)
+    if args.json and (args.adapter or args.model_hash):
+        raise ValueError(
+            "--json prints the contract's canonical JSON only: drop --adapter and "
+            "--model-hash, or --json"
+        )
+    model = ModelDir(args.model, hybrid=True)
+    contract = model.contract(args.backend)
     if args.json:
         print(json.dumps(contract.to_json(), indent=2, sort_keys=True))
         return 0
@@ -129,11 +135,35 @@ def _cmd_contract_show(args) -> int:
     print(f"pins         {', '.join(f'{k}={v}' for k, v in sorted(contract.pins.items()))}")
     geom = ", ".join(f"{k}={v}" for k, v in contract.geometry.items() if v not in (0, ""))
     print(f"geometry     {geom}")
+    if args.model_hash or args.adapter:  # reads every weight file
+        print(f"model hash   {model.model_hash}")
+    if args.adapter:
+        _show_adapter(args.adapter, model, contract.fingerprint)
     print("op sites")
     width = max(map(len, contract.sites))
     for site in sorted(contract.sites):
         print(f"  {site:<{width}}  {contract.sites[site].ident}")
     return 0
+
+
+def _show_adapter(adapter_dir, model, fingerprint: str) -> None:
+    """The hashes adapter refusals name: the adapter's own (traces record it), the contract
+    and base model a Lockstep export was made for, each beside this model's and lane's."""
+    from .adapters import adapter_record
+
+    rec = adapter_record(adapter_dir)
+
+    def versus(recorded, mine):
+        if recorded is None:
+            return "none recorded (not a Lockstep export)"
+        return f"{recorded} ({'this' if recorded == mine else 'NOT this'} one)"
+
+    print(f"adapter      {adapter_dir}")
+    print(f"adapter hash {rec['sha256']}")
+    if rec["recorded_sha256"] not in (None, rec["sha256"]):
+        print(f"  recorded   {rec['recorded_sha256']} (DIFFERS: the files were edited)")
+    print(f"  for lane   {versus(rec['contract'], fingerprint)}")
+    print(f"  for model  {versus(rec['model_hash'], model.model_hash)}")
 
 
 def _cmd_doctor(args) -> int:
@@ -582,6 +612,10 @@ def build_parser() -> argparse.ArgumentParser:
     show = csub.add_parser("show", help="print a model's lane contract and fingerprint")
     show.add_argument("--model", required=True)
     show.add_argument("--backend", default="cpu", choices=("cpu", "cuda"))
+    show.add_argument("--adapter", help="also print this adapter's hash and what it was made for")
+    show.add_argument(
+        "--model-hash", action="store_true", help="also print the model hash (reads the weights)"
+    )
     show.add_argument("--json", action="store_true", help="print the canonical JSON")
     show.set_defaults(func=_cmd_contract_show)
 

@@ -22,7 +22,7 @@ from lockstep_exact.contract import (
 )
 from lockstep_exact.lanes.ops import check_invoked
 from lockstep_exact.model import ModelDir
-from lockstep_exact.trace import Trace
+from lockstep_exact.trace import MANIFEST, Trace
 
 from . import export
 from .convert import build
@@ -121,7 +121,9 @@ def admit_trace(
     if trace.model_hash != base.model_hash:
         raise AdmissionError(
             f"model hash: the trace was sampled from {trace.model_hash}, "
-            f"{base.path} hashes to {base.model_hash}"
+            f"{base.path} hashes to {base.model_hash}: replay with the model the trace was "
+            f"captured from (`lockstep contract show --model DIR --model-hash` prints a "
+            f"model's hash; the trace's is model_hash in its {MANIFEST})"
         )
     vocab = int(declared.geometry["vocab"])
     for name in ("prompt_tokens", "sampled_tokens"):
@@ -136,7 +138,10 @@ def admit_trace(
     if not control and trace.adapter_hash != adapter_hash:
         raise AdmissionError(
             f"adapter hash: the trace was sampled with adapter {trace.adapter_hash}, "
-            f"the trainer has {adapter_hash}"
+            f"the trainer has {adapter_hash}: replay with the adapter the trace was captured "
+            f"with (--adapter; none if it was captured without one). "
+            f"`lockstep contract show --model {base.path} --adapter DIR` prints an adapter's "
+            f"hash; the trace's is adapter_hash in its {MANIFEST}"
         )
 
 
