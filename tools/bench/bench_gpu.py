@@ -19,7 +19,7 @@ rows are also timed as twenty calls a replay, each on its own weight, as a model
     PYTHONPATH=packages/shared-exact/src python3 tools/bench/bench_gpu.py [--sweep] [--json F]
         [--only gemm|attention|norms] [--block 32]
 
-Targets (issue 12): gemm >= 0.9x cuBLAS at M >= 1024 and M <= 128; attention >= 0.8x SDPA;
+Targets: gemm >= 0.9x cuBLAS at M >= 1024 and M <= 128; attention >= 0.8x SDPA;
 rmsnorm and log_softmax >= 1.0x torch.
 """
 

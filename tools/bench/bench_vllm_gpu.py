@@ -56,7 +56,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-# make_tiny arguments per (device, arch). cuda: the shapes of issue 11 item 5.
+# make_tiny arguments per (device, arch). cuda: 4 layers of real model shapes.
 SHAPES: dict[str, dict[str, dict]] = {
     "cuda": {
         # 4 layers of Qwen3-8B shape

@@ -1,4 +1,4 @@
-"""A measurement probe, not a program: the paged decode's segment in two passes (issue 12).
+"""A measurement probe, not a program: the paged decode's segment in two passes.
 
 The one-request decode misses its target at 2048 keys: each program walks its segment's 16
 key blocks in one chain (QK product, row max, exps, row sum, rescale, PV product). This probe

@@ -1,6 +1,6 @@
 """A measurement probe, not a program: attention.blocked's prefill as a Gluon kernel (Hopper).
 
-Issue 12. The committed cuda program (programs/cuda/attention.py) is Triton: its layouts, its
+The committed cuda program (programs/cuda/attention.py) is Triton: its layouts, its
 waits on the tensor cores and its register use are the compiler's. This kernel computes the
 same arithmetic with each of them written out: the 64-row tile of one warpgroup (wgmma
 m64n{block}k16 for QK from shared Q, m64n{D}k16 for PV with P in registers), the key block and
