@@ -7,7 +7,7 @@ m64n{block}k16 for QK from shared Q, m64n{D}k16 for PV with P in registers), the
 segment of the lanes' contract, the masked block's ``where``s, the in-order segment merges,
 ``div_rn`` at the end; K and V come by TMA into a ring of shared buffers (each block is
 requested two blocks ahead). On the H200 it gives the Triton program's bytes (docs/gpu.md,
-"A Gluon prefill" and the twelfth session), so it measures what a schedule buys before any
+"The probes: a Gluon prefill and a split decode"), so it measures what a schedule buys before any
 program carries it.
 
 Variants (constexprs of the one tile, ``_tile``, run by one warpgroup a program or by the

@@ -46,7 +46,7 @@ _TABLE_HELD_MAX = 64  # table entries the paged decode's 64-row tile holds (page
 # by 32 columns of the head. Its merges run in sequence, so a long row's time is the chain of
 # one program: few elements a thread keep each step short. Against 16 rows by the whole head,
 # one request on the H200: 1.12-1.18x faster replayed among twenty calls, 64 requests the
-# same (docs/gpu.md, ninth session). Each column merges on its own: every cut, the same bytes.
+# same (gated on the GPU, docs/gpu.md). Each column merges on its own: every cut, the same bytes.
 _COMBINE_ROWS = 4
 _COMBINE_COLS = 32
 # The prefill without the split runs attention_hopper's kernel where it is usable (an sm_90

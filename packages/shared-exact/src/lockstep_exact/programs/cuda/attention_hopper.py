@@ -26,7 +26,7 @@ the two kernels byte for byte (test_the_hopper_prefill_gives_the_triton_kernel_b
 ``usable`` says when it runs: an sm_90 device, heads of 64 or 128, blocks of 32 or 64, a
 prefill without the split (enough tiles to fill the GPU), 16-byte aligned K and V, and a
 triton with Gluon's Hopper API. Everything else runs the Triton kernel, whose bytes these
-are. H200 timings: docs/gpu.md ("The Hopper prefill in the program").
+are. H200 timings: docs/gpu.md ("Kernel speed").
 """
 
 from __future__ import annotations
