@@ -5,13 +5,11 @@ run as subprocesses; no engine starts."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_support import finish_cli, start_cli
 
 pytestmark = pytest.mark.slow  # two CLI processes that import vLLM and megatron-core
 
@@ -20,30 +18,9 @@ pytestmark = pytest.mark.slow  # two CLI processes that import vLLM and megatron
 ENGINE = re.compile(
     r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d |UserWarning|warnings\.warn|^[WIE]\d{4} "
 )
+# vLLM's logger at its loudest: none of it may reach the terminal of a quiet run
+LOUDEST = {"VLLM_LOGGING_LEVEL": "DEBUG"}
 REPORT = ("lockstep-exact ", "backends ", "plugin ", "missing ", "contract ", "refused ")
-
-
-def _start(cwd: Path, *extra: str) -> subprocess.Popen:
-    # vLLM's logger at its loudest: none of it may reach the terminal of a quiet run
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "DEBUG"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "lockstep_exact.cli", "doctor", *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=cwd,
-    )
-
-
-def _finish(child: subprocess.Popen) -> tuple[str, str]:
-    try:
-        out, err = child.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        out, err = child.communicate()
-    assert child.returncode == 0, err[-4000:]
-    return out, err
 
 
 def _engine_lines(text: str) -> list[str]:
@@ -53,10 +30,12 @@ def _engine_lines(text: str) -> list[str]:
 def test_doctor_is_quiet_by_default_and_verbose_streams_the_engines(tmp_path):
     here = tmp_path / "here"
     here.mkdir()
-    quiet = _start(here)
-    loud = _start(tmp_path, "--verbose", "--log", str(tmp_path / "loud.log"))
+    quiet = start_cli("doctor", cwd=here, env=LOUDEST)
+    loud = start_cli(
+        "doctor", "--verbose", "--log", str(tmp_path / "loud.log"), cwd=tmp_path, env=LOUDEST
+    )
 
-    out, err = _finish(quiet)
+    out, err = finish_cli(quiet)
     lines = out.splitlines()
     assert err == ""
     assert not _engine_lines(out)
@@ -70,7 +49,7 @@ def test_doctor_is_quiet_by_default_and_verbose_streams_the_engines(tmp_path):
     log.unlink()
     assert list(here.iterdir()) == []  # a quiet doctor writes nothing where it runs
 
-    out, err = _finish(loud)
+    out, err = finish_cli(loud)
     assert out.splitlines()[:-1] == lines[:-1]  # the same report
     assert out.splitlines()[-1] == f"engine log: {tmp_path / 'loud.log'}"
     loud_engine = _engine_lines((tmp_path / "loud.log").read_text())

@@ -4,11 +4,10 @@ engine output to the terminal as well."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 
 import pytest
+from cli_support import finish_cli, start_cli
 
 from lockstep_exact.tiny import make_tiny
 
@@ -16,25 +15,9 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
 def _start(model, out, *extra) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "lockstep_exact.cli", "capture", "--model", str(model)]
-        + ["--decisions", "2", "--out", str(out), *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
+    return start_cli(
+        "capture", "--model", str(model), "--decisions", "2", "--out", str(out), *extra
     )
-
-
-def _finish(child: subprocess.Popen) -> tuple[str, str]:
-    try:
-        out, err = child.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        out, err = child.communicate()
-    assert child.returncode == 0, err[-4000:]
-    return out, err
 
 
 def _engine_lines(text: str) -> list[str]:
@@ -48,7 +31,7 @@ def test_capture_is_quiet_by_default_and_verbose_streams_the_engine(tmp_path):
     # both captures at once (one engine thread each): the two engine starts overlap
     quiet = _start(model, tmp_path / "quiet")
     loud = _start(model, tmp_path / "loud", "--verbose")
-    out, err = _finish(quiet)
+    out, err = finish_cli(quiet)
     log = tmp_path / "quiet.log"
     assert out.splitlines() == [
         "capturing 2 decisions per prompt from 8 prompts",
@@ -58,7 +41,7 @@ def test_capture_is_quiet_by_default_and_verbose_streams_the_engine(tmp_path):
     assert err == ""
     assert len(_engine_lines(log.read_text())) >= 3  # vLLM's start-up warnings are there
 
-    out, err = _finish(loud)
+    out, err = finish_cli(loud)
     log = tmp_path / "loud.log"
     assert out.splitlines()[-1] == f"engine log: {log}"
     engine = _engine_lines(log.read_text())
