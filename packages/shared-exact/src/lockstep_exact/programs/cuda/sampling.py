@@ -28,16 +28,16 @@ from ..cpu import arith as _arith
 from ..cpu import sampling as _cpu
 from .arith import EXACT, require_cuda
 
-_K = _cpu._KEY
 _BLOCK = 2048
 
 
 @triton.jit
 def _fmix32(x):
+    """``cpu.sampling.fmix32`` on uint32 words (the products wrap as the definition's do)."""
     x = x ^ (x >> 16)
-    x = x * 0x85EBCA6B
+    x = x * _FMIX_A
     x = x ^ (x >> 13)
-    x = x * 0xC2B2AE35
+    x = x * _FMIX_B
     return x ^ (x >> 16)
 
 
@@ -70,7 +70,9 @@ def _log_f32(x):
 _P0, _P1, _P2, _P3, _P4, _P5, _P6, _P7, _P8 = (tl.constexpr(c) for c in _arith._LOG_F32_POLY)
 _LO, _HI = tl.constexpr(_arith._LN2_LO_F32), tl.constexpr(_arith._LN2_HI_F32)
 _SQRT_HALF_F32 = tl.constexpr(_arith._SQRT_HALF)
-_K0, _K1, _K2, _K3, _K4, _K5 = (tl.constexpr(k) for k in _K)
+_K0, _K1, _K2, _K3, _K4, _K5 = (tl.constexpr(k) for k in _cpu._KEY)
+_FMIX_A, _FMIX_B = tl.constexpr(_cpu._FMIX_A), tl.constexpr(_cpu._FMIX_B)
+_U_SCALE = tl.constexpr(_cpu._U_SCALE)
 
 
 @triton.jit
@@ -130,7 +132,7 @@ def _sample_kernel(
             x = _fmix32(x ^ key2)
         if ROUNDS > 3:
             x = _fmix32(x ^ key3)
-        u = ((x >> 9) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+        u = ((x >> 9) * 2 + 1).to(tl.float32) * _U_SCALE  # the definition's uniforms
         gumbel = _log_f32(-_log_f32(u))
         z = tl.math.div_rn(lp, safe_temp)
         score = tl.where(greedy, lp, z - gumbel)
