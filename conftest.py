@@ -13,6 +13,7 @@ they pass or fail.
 import pytest
 
 ALLOWED_GPU_SKIPS = ("needs ", "not applicable: ")
+_HAS_GPU = pytest.StashKey[bool]()  # whether this run sees a usable CUDA device
 
 
 def _has_gpu() -> bool:
@@ -47,9 +48,6 @@ def pytest_configure(config):
             f"({_torch_build()}); run them on the GPU machine (tools/gpu/suite), where a test "
             "that cannot run fails instead of skipping"
         )
-
-
-_HAS_GPU = pytest.StashKey[bool]()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -111,11 +111,10 @@ def test_an_expert_plan_sorts_pairs_by_expert_in_row_order_and_tiles_them():
         assert 1 <= n <= TILE_M and all(int(flat[want[first + i]]) == e for i in range(n))
         covered += range(first, first + n)
     assert covered == list(range(rows * k))
-    y = torch.arange(rows * k, dtype=torch.float32)[:, None].expand(-1, 2)
-    back = unsort(y[plan.order.argsort()][plan.order.argsort().argsort()], plan)
+    # Sorted position i holds pair want[i]; unsort puts it back at (row, slot) of that pair.
+    back = unsort(torch.tensor(want, dtype=torch.float32)[:, None].expand(-1, 2), plan)
     assert back.shape == (rows, k, 2)
-    assert torch.equal(unsort(torch.tensor(want, dtype=torch.float32)[:, None], plan)[..., 0],
-                       torch.arange(rows * k, dtype=torch.float32).view(rows, k))  # fmt: skip
+    assert torch.equal(back[..., 0], torch.arange(rows * k, dtype=torch.float32).view(rows, k))
 
 
 @pytest.mark.parametrize("owned", [None, {0, 3, 5}])

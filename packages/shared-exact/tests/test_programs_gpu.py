@@ -986,6 +986,12 @@ def test_kpart_in_one_launch_gives_the_bytes_of_its_partitions(m, n, k, parts):
     assert_same_bytes(got, want, f"{m}x{n}x{k} in {parts}")
     assert_same_bytes(P.kpart_partial(x, w, parts=parts), want, "through the dispatch")
     assert_detects_one_ulp(want, got, index=2)
+    # Control on an input: one element of row 0 moved by one ulp moves that row only.
+    moved = x.clone()
+    moved[0] = nudge_ulp(x[0], index=1)
+    shifted = cuda.kpart_partial(moved, w, parts=parts)
+    assert not same_bytes(shifted[0], got[0])
+    assert_same_bytes(shifted[1:], got[1:], "the other rows")
 
 
 # --- sample.gumbel_topp in one kernel ---------------------------------------------------------
