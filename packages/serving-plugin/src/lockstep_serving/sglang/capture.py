@@ -23,14 +23,18 @@ import os
 import tempfile
 from pathlib import Path
 
+import torch
+
+from lockstep_exact.contract import contract_from_json
+from lockstep_exact.lanes.ops import check_invoked
 from lockstep_exact.model import ModelDir
 from lockstep_exact.trace import SamplingSettings, Trace
 
-from . import __version__
-from .capture import TOKENIZERS
-from .lora import adapter_hash
-from .patches import LaneRefused
-from .sglang_model import CONTRACT_OVERRIDE, REPORT_ENV, architecture_for
+from .. import __version__
+from ..common.capture import TOKENIZERS, adapter_hash
+from ..common.errors import LaneRefused
+from . import patches
+from .model import CONTRACT_OVERRIDE, REPORT_ENV, architecture_for
 
 
 def _refuse(msg: str):
@@ -133,9 +137,6 @@ def sampled(out: dict) -> tuple[list[int], list[float]]:
 def invoked_contract(report: Path):
     """The contract the engine's lane actually ran, checked against the one it was started
     with (a site run with another program, or one the contract lacks, is refused)."""
-    from lockstep_exact.contract import contract_from_json
-    from lockstep_exact.lanes.ops import check_invoked
-
     if not report.is_file():
         raise LaneRefused(
             "Lockstep exact lane: SGLang served the requests but no lane model reported what it "
@@ -154,13 +155,8 @@ def check_backend(backend: str) -> None:
     """cpu runs on SGLang's CPU engine; cuda needs a CUDA device (SGLang 0.5.17 on the GPU)."""
     if backend not in BACKENDS:
         _refuse(f"backend {backend!r}: the SGLang lane serves the {BACKENDS} lanes only")
-    if backend == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            _refuse(
-                "backend 'cuda': no CUDA device here (SGLang 0.5.17 on a GPU serves the cuda lane)"
-            )
+    if backend == "cuda" and not torch.cuda.is_available():
+        _refuse("backend 'cuda': no CUDA device here (SGLang 0.5.17 on a GPU serves the cuda lane)")
 
 
 def preflight(request) -> ModelDir:
@@ -178,9 +174,7 @@ def preflight(request) -> ModelDir:
         # Checked here too, so that a bad adapter is named before an engine starts.
         adapter_hash(request.adapter_dir, model.path, request.backend)
     architecture_for(model.path)
-    from .sglang_patches import check
-
-    check()
+    patches.check()
     return model
 
 

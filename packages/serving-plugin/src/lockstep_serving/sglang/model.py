@@ -47,23 +47,27 @@ from lockstep_exact.contract import lane_contract
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.lanes.config import FAMILIES, HYBRID_FAMILIES
 from lockstep_exact.lanes.ops import Ops
+from lockstep_exact.model import model_hash
 from lockstep_exact.sites import is_recording, paused
 
-from .patches import LaneRefused
-from .vllm_model import (  # plain definitions: vllm_model imports no vLLM at module level
+from .._release import check as check_release
+from ..common.errors import LaneRefused, _refuse
+from ..common.lane import (
     CONTRACT_OVERRIDE,
     _expected_names,
-    _refuse,
     admit_requested,
     lane_geometry,
     lane_weights,
 )
+from . import patches
 
 # CONTRACT_OVERRIDE is also the json_model_override_args key carrying the fingerprint asked for.
 REPORT_ENV = "LOCKSTEP_SGLANG_REPORT"  # a file the model keeps its invoked contract in
 
 # Lane models alive in this process; while one lives, the lane's sampler applies its rule.
 LIVE: weakref.WeakSet = weakref.WeakSet()
+# Lane samplers built in this process (the lane model checks one exists).
+SAMPLERS: weakref.WeakSet = weakref.WeakSet()
 
 # The lanes SGLang serves: lockstep_exact's Qwen3 / Qwen3-MoE families (its one table); the
 # hybrid families (Qwen3-Next) are served by the vLLM plugin only, and refused here by name.
@@ -148,12 +152,9 @@ def _validate(config, quant_config, arch: str) -> tuple[qwen3.Geometry, Path, st
     model directory and backend (the engine's device)."""
     from sglang.srt.runtime_context import get_server_args
 
-    from ._release import check as check_release
-    from .sglang_patches import check
-
     check_release()  # never start beside a lockstep-exact this release was not built against
     try:
-        check()
+        patches.check()
     except LaneRefused as err:
         _refuse(str(err))
     sa = get_server_args()
@@ -174,9 +175,7 @@ def _validate(config, quant_config, arch: str) -> tuple[qwen3.Geometry, Path, st
     model_dir = Path(sa.model_path)
     if not (model_dir / "config.json").is_file():
         _refuse(f"{sa.model_path!r} is not a local HF model directory (config.json missing)")
-    from . import sglang_sampler
-
-    if not any(True for _ in sglang_sampler.SAMPLERS):
+    if not any(True for _ in SAMPLERS):
         _refuse(
             "SGLang did not build the lane's sampler in this process (sampling_backend "
             f"{getattr(sa, 'sampling_backend', None)!r}); the lockstep SGLang plugin registers "
@@ -220,8 +219,6 @@ class LockstepQwen3ForCausalLM(nn.Module):
     def model_hash(self) -> str:
         """The served model's hash (adapters bound to another base model are refused)."""
         if not hasattr(self, "_model_hash"):
-            from lockstep_exact.model import model_hash
-
             self._model_hash = model_hash(self.model_dir)
         return self._model_hash
 

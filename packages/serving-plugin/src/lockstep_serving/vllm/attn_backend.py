@@ -35,7 +35,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-from .patches import LaneRefused
+from ..common.errors import LaneRefused
 
 BACKEND_PATH = f"{__name__}.LaneAttentionBackend"
 KV_CACHE_DTYPES = ("auto", "bfloat16")

@@ -47,13 +47,13 @@ from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.lanes.config import UnsupportedModel
 from lockstep_exact.sites import is_recording, paused
 
-from .patches import LaneRefused
-from .vllm_model import (
+from .._release import check as check_release
+from ..common.errors import LaneRefused, _refuse
+from ..common.lane import lane_weights
+from .model import (
     LIVE,
-    _refuse,
     _validate_config,
     lane_backend,
-    lane_weights,
     paged_attention,
 )
 
@@ -246,9 +246,8 @@ class LockstepQwen3NextForCausalLM(nn.Module):
         from vllm.model_executor.layers.attention import Attention
 
         from . import attn_backend, next_state  # import vLLM: only ever inside an engine
-        from ._release import check
 
-        check()  # never start beside a lockstep-exact this release was not built against
+        check_release()  # never start beside a lockstep-exact this release was not built against
 
         self.geom, self.model_dir = _validate(vllm_config)
         g = self.geom

@@ -23,7 +23,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from .patches import LaneRefused
+from ..common.errors import LaneRefused
 
 BACKEND_NAME = "LOCKSTEP_GDN_STATE"
 BACKEND_PATH = f"{__name__}.LaneStateBackend"
