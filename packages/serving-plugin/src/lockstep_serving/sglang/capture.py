@@ -2,7 +2,7 @@
 
 The backend is the engine's device: ``backend="cpu"`` starts SGLang's CPU engine (0.5.21 on
 the CPU machines), ``backend="cuda"`` a CUDA one (0.5.17 on the GPU machine, eager: no CUDA
-graphs); the lane model runs that backend's programs and contract (``sglang_model``).
+graphs); the lane model runs that backend's programs and contract (``model``).
 
 The same trace as the vLLM capture (``capture.py``): the prompts' token ids, one seed per
 prompt (``seed + i``), exactly ``decisions`` tokens per prompt (EOS ignored), the raw FP32
@@ -12,7 +12,7 @@ and the rule that drew the tokens, so Megatron replays it and checks every token
 Prompts are tokenized here with the model directory's tokenizer (as vLLM does: special tokens
 added by the tokenizer's own rule) and handed to SGLang as token ids, so the trace records
 exactly what the engine saw. SGLang's scheduler runs in its own process; the lane model there
-keeps its invoked contract in a file (``sglang_model.REPORT_ENV``) which the capture reads
+keeps its invoked contract in a file (``model.REPORT_ENV``) which the capture reads
 after the last request.
 """
 
@@ -89,7 +89,7 @@ def engine_args(
     args = {
         "model_path": str(model_dir),
         "json_model_override_args": json.dumps(override),
-        "attention_backend": "torch_native",  # the lane attends itself (sglang_model)
+        "attention_backend": "torch_native",  # the lane attends itself (model.py)
         "sampling_backend": "pytorch",  # the lane's sampler is registered under this name
         "disable_cuda_graph": True,  # the lane's forward reads the batch on the host
         "dtype": "bfloat16",

@@ -10,7 +10,7 @@ runner's ``lora_manager`` is ``SglangLaneLoRAManager`` instead of SGLang's ``LoR
 contract, this base model; anything else refused by name: the lane's contract is its
 backend's, so a cuda engine takes adapters made for the cuda lane) and hands the model the
 loaded adapters, on the engine's device; the model applies each request's through
-``lora.shrink`` / ``lora.expand`` in the shared composition (``sglang_model``). SGLang's
+``lora.shrink`` / ``lora.expand`` in the shared composition (``model``). SGLang's
 LoRA memory pool, backends and kernels are never built.
 
 An adapter that fails the checks is never loaded: given at start (``--lora-paths``), the

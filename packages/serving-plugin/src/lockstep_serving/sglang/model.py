@@ -7,10 +7,10 @@ engine's ``MHATokenToKVPool`` at the batch's ``out_cache_loc``, and each request
 values read back through ``req_to_token`` (the radix cache: a prefix hit is simply a request
 whose first positions were written by an earlier one), then the composition's attention site
 over them. The forward returns SGLang's ``LogitsProcessorOutput`` holding the lane's fp32
-logits of each request's last row; the lane's sampler (``sglang_sampler``) takes it from there.
+logits of each request's last row; the lane's sampler (``sampler``) takes it from there.
 LoRA: requests are grouped by the adapter SGLang assigned them (``ForwardBatch.lora_ids``), and
 each group runs the composition with its adapter's factors, from the lane's LoRA manager
-(``sglang_lora``).
+(``lora``).
 
 The lane is selected per engine, as in vLLM, by naming its architecture::
 
@@ -22,7 +22,7 @@ The lane is selected per engine, as in vLLM, by naming its architecture::
         ...,
     )
 
-(``sglang_capture.engine_args`` builds these). Everything the lane cannot run exactly is
+(``capture.engine_args`` builds these). Everything the lane cannot run exactly is
 refused when the model is built, naming the setting.
 
 The lane's backend is the engine's device, as in vLLM: ``device="cpu"`` (SGLang's CPU engine,
@@ -213,7 +213,7 @@ class LockstepQwen3ForCausalLM(nn.Module):
         self._reported: tuple[int, int] | None = None
         self.steps = 0
         self.samples = 0
-        self.lora_manager = None  # sglang_lora.SglangLaneLoRAManager, under --enable-lora
+        self.lora_manager = None  # lora.SglangLaneLoRAManager, under --enable-lora
         LIVE.add(self)
 
     def model_hash(self) -> str:

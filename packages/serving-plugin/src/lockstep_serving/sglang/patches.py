@@ -9,7 +9,7 @@ between the two). ``TABLE`` is the installed SGLang's table, chosen on first use
 this module imports no SGLang); any other version gets a table whose only problem names both
 supported versions, and a target that is missing or changed shape makes the lane refuse to
 start (``LaneRefused``) naming each problem. Stock SGLang keeps working either way: the
-general plugin (``sglang_plugin.register``) leaves SGLang untouched when the table has
+general plugin (``plugin.register``) leaves SGLang untouched when the table has
 problems, and only a lane model refuses.
 """
 
@@ -51,7 +51,7 @@ def _bound(symbol: str) -> Callable[[], Any]:
     return build
 
 
-# What the lane model reads of SGLang's server arguments (sglang_model._validate).
+# What the lane model reads of SGLang's server arguments (model._validate).
 SERVER_ARGS = (
     "model_path",
     "device",

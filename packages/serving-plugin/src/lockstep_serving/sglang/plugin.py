@@ -2,9 +2,9 @@
 
 SGLang runs it in every one of its processes (entry point ``sglang.srt.plugins``), before
 the model is built. It never changes what a stock model does: the lane is activated per
-engine by naming its architecture (``json_model_override_args``, see ``sglang_model``); the
+engine by naming its architecture (``json_model_override_args``, see ``model``); the
 sampler registered under ``pytorch`` is SGLang's own for every other model, and the batch
-patch (``sglang_sampler.from_schedule_batch``) is inert without a lane model. When the
+patch (``sampler.from_schedule_batch``) is inert without a lane model. When the
 installed SGLang does not fit the patch table (another version, a moved symbol), nothing is
 registered and the lane refuses to start, naming each problem.
 
@@ -51,7 +51,7 @@ def register() -> None:
         return
     _state["registered"] = True
     found = patches.TABLE.problems()
-    if found:  # stock SGLang stays untouched; the lane refuses when asked for (sglang_model)
+    if found:  # stock SGLang stays untouched; the lane refuses when asked for (model.py)
         log.warning("lockstep: SGLang lane not registered: %s", "; ".join(found))
         return
     from sglang.srt.layers.sampler import register_sampler_backend

@@ -1,16 +1,16 @@
 """The lane's sampler in SGLang: every token of a lane model is drawn by ``sample.gumbel_topp``.
 
 SGLang's CPU platform forces ``sampling_backend="pytorch"`` whatever the engine was started
-with, so the lane's sampler is registered under that name (``sglang_plugin.register``): SGLang's
+with, so the lane's sampler is registered under that name (``plugin.register``): SGLang's
 ``create_sampler`` looks registered factories up before its built-in names. A cuda engine must
-be started with ``sampling_backend="pytorch"`` (``sglang_capture.engine_args`` does; the lane
+be started with ``sampling_backend="pytorch"`` (``capture.engine_args`` does; the lane
 model refuses another). The rule runs on the logits' device: the cuda programs on a cuda
 engine. ``LaneSampler`` draws with the lane's rule only while a lane model lives in the
 process; for any other model it is SGLang's own ``Sampler``, unchanged. That it really is the
 sampler in use is checked at run time: the lane model refuses to start unless a
 ``LaneSampler`` was built in its process (SGLang builds the sampler just before the model),
 and refuses a forward step whose previous logits no ``LaneSampler`` consumed
-(``sglang_model``).
+(``model``).
 
 Per row: ``log_softmax.tree`` of the lane's fp32 logits (the raw row, what SGLang reports as
 the token's logprob), then the contract's ``sample`` site with the request's temperature,

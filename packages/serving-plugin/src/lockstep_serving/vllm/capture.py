@@ -66,7 +66,7 @@ def check_model(request) -> ModelDir:
         # model on V2. An engine this plugin starts asks for V1 unless the caller chose (a
         # caller's VLLM_USE_V2_MODEL_RUNNER=1 is refused by the lane model, naming it).
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    model = ModelDir(request.model_dir, hybrid=True)  # vllm_next serves Qwen3-Next
+    model = ModelDir(request.model_dir, hybrid=True)  # next.py serves Qwen3-Next
     _check_tokenizer(model)
     return model
 

@@ -47,7 +47,7 @@ class LockstepEndpoint:
             state.lockstep_contract = {"lane_active": False, "architectures": archs}
             return
         # The model's family's lane (Qwen3-Next too) on the engine's device: the cuda lane's
-        # contract on a GPU engine, as the lane model itself runs (vllm_model.lane_backend).
+        # contract on a GPU engine, as the lane model itself runs (model.lane_backend).
         config = getattr(engine_client, "vllm_config", None)
         backend = config.device_config.device_type if config is not None else "cpu"
         c = model_contract(mc.model, backend)

@@ -79,7 +79,7 @@ def engine_args(
         "seed": 0,
     }
     if arch == "Qwen3NextForCausalLM":
-        # The hybrid lane refuses vLLM's prefix caching (vllm_next.py), which vLLM turns on
+        # The hybrid lane refuses vLLM's prefix caching (next.py), which vLLM turns on
         # for it by default.
         args["enable_prefix_caching"] = False
     if cuda_graphs:

@@ -5,7 +5,7 @@ One table, so the whole surface the plugin touches is visible in one place: a
 too). ``check()`` verifies each target exists with the expected parameters in the installed
 vLLM; the exact lane refuses to start (``LaneRefused``) when a target is missing, instead of
 running on whatever vLLM happens to do there. Stock vLLM keeps working either way: only the
-lane fails closed. The ``patch`` rows carry their replacement; ``vllm_plugin.register()``
+lane fails closed. The ``patch`` rows carry their replacement; ``plugin.register()``
 applies the table (``TABLE.apply()``), and a patch calls through to what it replaced with
 ``TABLE.original(...)``.
 

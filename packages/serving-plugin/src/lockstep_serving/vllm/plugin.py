@@ -7,7 +7,7 @@ stock model does: the lane is activated explicitly, per engine, by naming its ar
         dtype="bfloat16", logprobs_mode="raw_logprobs")
 
 (``LockstepQwen3MoeForCausalLM`` for Qwen3-MoE, ``LockstepQwen3NextForCausalLM`` for
-Qwen3-Next, in ``vllm_next``; ``lockstep_serving.offline.engine_args`` builds these
+Qwen3-Next, in ``next``; ``lockstep_serving.vllm.offline.engine_args`` builds these
 arguments). The Sampler's logprob computation is log_softmax.tree while a lane model lives in
 the process (a stock engine sharing that process would get it too); otherwise
 the original runs. The LoRA patch acts on lane models only, and so does the sampler patch
