@@ -1,4 +1,6 @@
-"""Replay: recompute every decision of a trace in Megatron (teacher forcing).
+"""Replay's scoring, in this process: recompute every decision of a trace in Megatron (teacher
+forcing). ``replay.replay`` is the entry point (it runs ``replay_in_process`` here, or
+``parallel.replay_tp``'s ranks, each of which runs it).
 
 Admission first (contract fingerprint, model hash, adapter hash; the first mismatch is named),
 then each sequence (prompt + sampled tokens) is teacher-forced in micro-batches of the
@@ -26,7 +28,7 @@ from lockstep_exact.trace import MANIFEST, Trace
 
 from . import export
 from .convert import build
-from .gdn import check_replay as check_hybrid_replay
+from .gdn.refusals import check_replay as check_hybrid_replay
 from .spec import LockstepGPT
 
 
@@ -268,7 +270,7 @@ def score(
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float32)
 
 
-def replay(
+def replay_in_process(
     model_dir: Path,
     trace_dir: Path,
     adapter_dir: Path | None = None,
@@ -278,20 +280,15 @@ def replay(
     tp: int = 1,
     ep: int = 1,
 ) -> tuple[torch.Tensor, float]:
-    """(fp32 logprob per decision in trace order, seconds). ``tp`` or ``ep`` > 1: Megatron's
-    tensor and expert parallelism in ``tp * ep`` processes (``parallel.replay_tp``): each
-    expert-parallel rank scores its share of the micro-batches (``share_of``), its
-    tensor-parallel peers must agree, and the shares are put back in trace order."""
+    """``replay.replay`` in this process: (fp32 logprob per decision in trace order,
+    seconds). At ``tp`` or ``ep`` > 1 this runs in each of ``parallel.replay_tp``'s ranks, on
+    its share of the micro-batches (``share_of``)."""
     check_replay_backend(backend, tp * ep)
     check_hybrid_replay(model_dir, adapter_dir, backend, tp, ep)  # what the hybrid lane lacks
-    if tp * ep > 1 and not _inside_ranks(tp * ep):
-        from .parallel import replay_tp
-
-        return replay_tp(model_dir, trace_dir, adapter_dir, backend, micro_batch, control, tp, ep)
     trace = Trace.load(trace_dir)
     adapter = Path(adapter_dir) if adapter_dir else None
     # Parsed and hashed once for every check below; the Megatron half scores the hybrid lane
-    # (Qwen3-Next, gdn.py) too.
+    # (Qwen3-Next, gdn/) too.
     base = ModelDir(model_dir, hybrid=True)
     admit_trace(trace, base, adapter, backend, control)
     t0 = time.perf_counter()
@@ -324,10 +321,3 @@ def check_replay_backend(backend: str, world: int = 1) -> None:
             )
         if not torch.cuda.is_available():
             raise NotImplementedError("replay on cuda: no CUDA device here")
-
-
-def _inside_ranks(world: int) -> bool:
-    """True in one of ``parallel.replay_tp``'s ranks (a process group of ``world`` is up)."""
-    import torch.distributed as dist
-
-    return dist.is_initialized() and dist.get_world_size() == world
