@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(tempfile.mkdtemp(prefix="lockstep-cross-"))
 try:
-    from lockstep_serving.offline import isolate
+    from lockstep_serving.vllm.offline import isolate
 except ImportError:  # a machine without the serving plugin (the GPU box) runs only -m gpu
     pass
 else:

@@ -18,7 +18,7 @@ The test (``test_sglang.py``, in the workspace environment where Megatron is) co
 with each other, with vLLM's trace of the same requests, and with Megatron's replay.
 
 ``python tests/sglang_support.py lora MODEL OUT ADAPTERS [DECISIONS] [SEED]`` starts one SGLang
-CPU engine with per-request LoRA (``sglang_capture.LORA_ARGS``), loads the adapters ``A`` and
+CPU engine with per-request LoRA (``sglang.capture.LORA_ARGS``), loads the adapters ``A`` and
 ``B`` from the directory ADAPTERS, and writes under OUT:
 
 - ``base``, ``A``, ``B``: traces of the 8 requests, one at a time, on the base model, on A,
@@ -44,7 +44,7 @@ from pathlib import Path
 def main(argv: list[str]) -> int:
     from lockstep_exact.model import ModelDir
     from lockstep_exact.tiny import default_prompts
-    from lockstep_serving.sglang_capture import SglangLane
+    from lockstep_serving.sglang.capture import SglangLane
 
     backend = BACKEND[0]
     model, out = ModelDir(argv[0]), Path(argv[1])
@@ -96,8 +96,8 @@ def main(argv: list[str]) -> int:
 def lora_main(argv: list[str]) -> int:
     from lockstep_exact.model import ModelDir
     from lockstep_exact.tiny import default_prompts
-    from lockstep_serving.patches import LaneRefused
-    from lockstep_serving.sglang_capture import LORA_ARGS, SglangLane, sampled, tokenize
+    from lockstep_serving.sglang.capture import LORA_ARGS, SglangLane, sampled, tokenize
+    from lockstep_serving.vllm.patches import LaneRefused
 
     backend = BACKEND[0]
     model, out, adapters = ModelDir(argv[0]), Path(argv[1]), Path(argv[2])
@@ -136,7 +136,7 @@ def lora_main(argv: list[str]) -> int:
         lane.flush_cache()
         order = [(None, "A", "B")[i % 3] for i in range(len(prompts))]
         ids = tokenize(model, prompts)
-        from lockstep_serving.sglang_capture import sampling_params
+        from lockstep_serving.sglang.capture import sampling_params
 
         params = sampling_params(len(prompts), decisions, seed, 1.0, 1.0)
         t = time.monotonic()

@@ -70,7 +70,7 @@ def test_control_one_ulp_on_the_trainer_side_parts_from_the_tp2_bytes(pm, tp2):
 
 
 def test_a_tp_that_does_not_divide_the_partitions_is_refused_before_any_worker(pm, tmp_path):
-    from lockstep_serving.patches import LaneRefused
+    from lockstep_serving.vllm.patches import LaneRefused
 
     model = make_tiny(tmp_path / "m", arch="qwen3", seed=1)
     with pytest.raises(LaneRefused, match="refused --tp 3: layout: tp 3 does not divide the 8 K"):

@@ -103,12 +103,12 @@ def _tiny(tmp_path):
 
 
 def test_qualify_without_the_trainer_plugin_names_the_missing_half(tmp_path):
-    import lockstep_serving.plugin
+    import lockstep_serving.vllm.hooks
     from lockstep_exact.plugins import MissingHalf, manager
     from lockstep_exact.qualify import Ladder
 
     pm = manager(load_entry_points=False)
-    pm.register(lockstep_serving.plugin)
+    pm.register(lockstep_serving.vllm.hooks)
     with pytest.raises(MissingHalf, match="trainer half.*install lockstep-megatron"):
         Ladder(pm, _tiny(tmp_path), tmp_path / "q")
 

@@ -19,7 +19,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-# The lane's sampler lives on vLLM's V1 model runner (vllm_model refuses V2, naming this).
+# The lane's sampler lives on vLLM's V1 model runner (vllm/model.py refuses V2, naming this).
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 

@@ -287,7 +287,7 @@ def test_vllm_and_sglang_lora_traces_of_the_same_requests_are_byte_equal(pm, lor
 
 def test_adapters_the_lane_refuses_are_named_and_never_served(lora_lane):
     from lockstep_exact.adapters import AdapterError
-    from lockstep_serving.lora import adapter_hash
+    from lockstep_serving.common.capture import adapter_hash
 
     _, model, adapters, _, info = lora_lane
     assert sorted(info["refused"]) == list(BAD_ADAPTERS)

@@ -80,7 +80,7 @@ def _replay(model, trace_dir, adapter=None, control=False):
 
 def test_the_0_5_17_patch_table_holds_on_the_installed_sglang():
     code = (
-        "import json; from lockstep_serving import sglang_patches as sp; "
+        "import json; from lockstep_serving.sglang import patches as sp; "
         "print(json.dumps([sp.installed_version(), sp.problems(), "
         "sp.TABLE is sp.TABLES.get(sp.installed_version())]))"
     )
@@ -191,7 +191,7 @@ def test_vllm_026_and_sglang_0517_cuda_traces_of_the_same_requests_are_byte_equa
     from lockstep_exact.requests import CaptureRequest
     from lockstep_exact.tiny import default_prompts
     from lockstep_exact.trace import Trace
-    from lockstep_serving.capture import capture
+    from lockstep_serving.vllm.capture import capture
 
     h = _helpers()
     root, model, out, _ = lane
@@ -300,7 +300,7 @@ def test_base_a_and_b_in_one_cuda_batch_each_equal_their_solo_runs(lora_lane):
 
 def test_adapters_the_cuda_lane_refuses_are_named_and_never_served(lora_lane):
     from lockstep_exact.adapters import AdapterError
-    from lockstep_serving.lora import adapter_hash
+    from lockstep_serving.common.capture import adapter_hash
 
     _, model, adapters, _, info = lora_lane
     assert sorted(info["refused"]) == list(BAD_ADAPTERS)

@@ -32,7 +32,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-# The lane's sampler lives on vLLM's V1 model runner (vllm_model refuses V2, naming this).
+# The lane's sampler lives on vLLM's V1 model runner (vllm/model.py refuses V2, naming this).
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
@@ -61,7 +61,7 @@ def _control(a, b, what):
 # --- the patch table ---------------------------------------------------------------------------
 def test_the_0_26_patch_table_holds_on_the_installed_vllm():
     vllm = _vllm()
-    from lockstep_serving import patches
+    from lockstep_serving.vllm import patches
 
     if vllm.__version__ != "0.26.0":
         pytest.skip(f"vLLM {vllm.__version__} here; this checks the 0.26.0 table")
@@ -122,12 +122,12 @@ def test_attention_paged_gives_the_contiguous_programs_bytes(block):
 
 
 def test_the_lane_models_paged_attention_gives_the_contiguous_programs_bytes():
-    """vllm_model.paged_attention: new rows written through the slot mapping, then each
+    """vllm.model.paged_attention: new rows written through the slot mapping, then each
     request attends over its pages; a batch of five requests of every kind at once."""
     _vllm()
     from lockstep_exact import programs as P
-    from lockstep_serving.attn_backend import LaneAttentionMetadata
-    from lockstep_serving.vllm_model import paged_attention
+    from lockstep_serving.vllm.attn_backend import LaneAttentionMetadata
+    from lockstep_serving.vllm.model import paged_attention
 
     ks, vs, key_cache, value_cache, tables = _paged(SEQS, seed=5)
     kv_cache = torch.cat([key_cache, value_cache], dim=-1)  # the lane's [.., K|V] layout
@@ -211,7 +211,7 @@ def test_megatron_on_cuda_replays_a_trace_captured_from_vllm_026(
     from lockstep_exact.tiny import default_prompts
     from lockstep_megatron.convert import build
     from lockstep_megatron.replay import replay, score
-    from lockstep_serving.capture import capture
+    from lockstep_serving.vllm.capture import capture
 
     model_dir = gpu_models[arch]
     trace = capture(
@@ -248,7 +248,7 @@ def test_decode_steps_replayed_from_cuda_graphs_give_the_eager_bytes(arch, gpu_m
     decision byte-equal, and with graphs no decode step ran the Python forward (each was a
     graph replay), while the eager engine ran them all."""
     from lockstep_exact.tiny import default_prompts
-    from lockstep_serving.offline import python_decode_steps
+    from lockstep_serving.vllm.offline import python_decode_steps
 
     prompts = default_prompts(8)
     runs = {}
@@ -273,7 +273,7 @@ import os, sys
 sys.path.insert(0, sys.argv[2])
 os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
 import serving_support
-from lockstep_serving.patches import LaneRefused
+from lockstep_serving.vllm.patches import LaneRefused
 if __name__ == "__main__":
     try:
         serving_support.start_engine(sys.argv[1], gpu_memory_utilization=0.2)
@@ -310,7 +310,7 @@ def _params(n, greedy=False, seed=7):
 
 
 def _decisions(out):
-    from lockstep_serving.offline import sampled_logprobs
+    from lockstep_serving.vllm.offline import sampled_logprobs
 
     return list(out.outputs[0].token_ids), sampled_logprobs(out.outputs[0])
 
@@ -330,7 +330,7 @@ def engine_runs(request, gpu_models, tmp_path_factory):
     from lockstep_exact.adapters import make_adapter
     from lockstep_exact.model import ModelDir
     from lockstep_exact.tiny import default_prompts
-    from lockstep_serving.lora import lora_request_for
+    from lockstep_serving.vllm.lora import lora_request_for
 
     model_dir = gpu_models[request.param]
     tmp = tmp_path_factory.mktemp(f"gpu-adapters-{request.param}")

@@ -44,7 +44,7 @@ ENGINES = ("stock", "exact")
 
 
 def _engine_kwargs(name: str, model: str) -> dict:
-    from lockstep_serving.offline import engine_args
+    from lockstep_serving.vllm.offline import engine_args
 
     if name == "exact":
         kwargs = engine_args(model)
@@ -88,7 +88,7 @@ def child(args) -> None:
     out = Path(args.out)
     result: dict = {"engine": args.child}
     try:
-        from lockstep_serving.offline import isolate
+        from lockstep_serving.vllm.offline import isolate
 
         isolate(Path(args.root))
         import torch

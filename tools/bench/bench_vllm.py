@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def _env(root: Path) -> None:
-    from lockstep_serving.offline import isolate
+    from lockstep_serving.vllm.offline import isolate
 
     isolate(root)
 
@@ -43,7 +43,7 @@ def main() -> None:
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     from lockstep_exact.tiny import default_prompts, make_tiny
-    from lockstep_serving.offline import engine_args
+    from lockstep_serving.vllm.offline import engine_args
 
     model = make_tiny(root / "model", arch=args.arch)
     prompts = default_prompts(8)

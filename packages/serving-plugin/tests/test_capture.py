@@ -19,18 +19,18 @@ from lockstep_exact.trace import Trace
 
 
 def _hook():
-    import lockstep_serving.plugin
+    import lockstep_serving.vllm.hooks
 
     pm = manager(load_entry_points=False)
-    pm.register(lockstep_serving.plugin)
+    pm.register(lockstep_serving.vllm.hooks)
     return pm.hook
 
 
 def test_the_plugin_is_installed_under_the_lockstep_entry_point_group():
     names = {ep.name: ep.value for ep in entry_points(group="lockstep")}
-    assert names.get("vllm") == "lockstep_serving.plugin"
+    assert names.get("vllm") == "lockstep_serving.vllm.hooks"
     general = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert general.get("lockstep") == "lockstep_serving.vllm_plugin:register"
+    assert general.get("lockstep") == "lockstep_serving.vllm.plugin:register"
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def test_the_default_max_model_len_stays_within_the_models_positions(tiny_models
     import shutil
 
     from lockstep_exact.model import ModelDir
-    from lockstep_serving.capture import _default_max_model_len
+    from lockstep_serving.vllm.capture import _default_max_model_len
 
     short = tmp_path / "short"
     shutil.copytree(tiny_models["qwen3"], short)
@@ -156,7 +156,7 @@ def test_a_model_with_512_positions_captures(tiny_models, tmp_path):
 def test_a_model_without_a_tokenizer_is_refused_before_the_engine_starts(tiny_models, tmp_path):
     import shutil
 
-    from lockstep_serving.patches import LaneRefused
+    from lockstep_serving.vllm.patches import LaneRefused
 
     bare = tmp_path / "bare"
     shutil.copytree(tiny_models["qwen3"], bare)
@@ -179,7 +179,7 @@ def test_a_cuda_capture_sizes_its_kv_cache_for_its_sequences(tmp_path):
     from lockstep_exact.model import ModelDir
     from lockstep_exact.requests import CaptureRequest
     from lockstep_exact.tiny import make_tiny
-    from lockstep_serving.capture import capture_options
+    from lockstep_serving.vllm.capture import capture_options
 
     model = ModelDir(make_tiny(tmp_path / "m", arch="qwen3"), hybrid=True)
 

@@ -17,11 +17,11 @@ TOKENS = (5, 300, 17, 42, 999, 64, 128, 7, 260, 3, 511, 90, 33, 700, 21, 8, 44, 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3-moe"])
 def test_every_op_site_of_the_engine_equals_the_reference_forward(tiny_models, family):
-    import lockstep_serving.plugin
+    import lockstep_serving.vllm.hooks
 
     model_dir = tiny_models[family]
     pm = manager(load_entry_points=False)
-    pm.register(lockstep_serving.plugin)
+    pm.register(lockstep_serving.vllm.hooks)
     position = 17
     request = DumpRequest(role="sampler", model_dir=model_dir, tokens=TOKENS, position=position)
     engine = pm.hook.lockstep_dump_sites(request=request)

@@ -27,14 +27,14 @@ def _params(**kw):
 
 
 def _decisions(out):
-    from lockstep_serving.offline import sampled_logprobs
+    from lockstep_serving.vllm.offline import sampled_logprobs
 
     return list(out.outputs[0].token_ids), sampled_logprobs(out.outputs[0])
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def runs(request, tiny_models, tmp_path_factory):
-    from lockstep_serving.lora import lora_request_for
+    from lockstep_serving.vllm.lora import lora_request_for
 
     model_dir = tiny_models[request.param]
     tmp = tmp_path_factory.mktemp(f"adapters-{request.param}")
@@ -116,7 +116,7 @@ def test_a_factor_moved_by_2_to_the_minus_9_changes_the_bytes(runs):
 
 
 def test_prompt_logprobs_of_two_lora_prompts_equal_the_reference_forward(runs):
-    from lockstep_serving.offline import prompt_logprobs
+    from lockstep_serving.vllm.offline import prompt_logprobs
 
     model_dir = runs["model_dir"]
     geom = qwen3.Geometry.from_model_dir(model_dir)
@@ -131,7 +131,7 @@ def test_prompt_logprobs_of_two_lora_prompts_equal_the_reference_forward(runs):
 
 
 def test_an_adapter_made_for_another_contract_is_refused(tiny_models, tmp_path):
-    from lockstep_serving.lora import adapter_hash
+    from lockstep_serving.common.capture import adapter_hash
 
     model_dir = tiny_models["qwen3"]
     bad = make_adapter(model_dir, tmp_path / "other", rank=8, contract="sha256:" + "3" * 64)
@@ -141,7 +141,7 @@ def test_an_adapter_made_for_another_contract_is_refused(tiny_models, tmp_path):
 
 def test_an_export_for_another_base_model_is_refused(tiny_models, tmp_path):
     from lockstep_exact.tiny import make_tiny
-    from lockstep_serving.lora import adapter_hash
+    from lockstep_serving.common.capture import adapter_hash
 
     model_dir = tiny_models["qwen3"]
     other = make_tiny(tmp_path / "other", arch="qwen3", seed=9)  # same shapes, other bytes
@@ -155,7 +155,7 @@ def test_a_peft_adapter_is_hashed_on_load(tiny_models, tmp_path):
     from peft_support import peft_adapter
 
     from lockstep_exact.model import ModelDir
-    from lockstep_serving.lora import adapter_hash
+    from lockstep_serving.common.capture import adapter_hash
 
     model_dir = tiny_models["qwen3-moe"]
     ad = peft_adapter(model_dir, tmp_path / "p", r=4, lora_alpha=8, target_modules=["v_proj"])
@@ -167,8 +167,8 @@ def test_the_lora_manager_refuses_an_adapter_of_another_base_model(tiny_models, 
 
     from lockstep_exact.model import ModelDir
     from lockstep_exact.tiny import make_tiny
-    from lockstep_serving.lora import LaneLoRAManager, lora_request_for
-    from lockstep_serving.patches import LaneRefused
+    from lockstep_serving.vllm.lora import LaneLoRAManager, lora_request_for
+    from lockstep_serving.vllm.patches import LaneRefused
 
     model_dir = tiny_models["qwen3"]
     other = ModelDir(make_tiny(tmp_path / "other", arch="qwen3", seed=9))
@@ -182,7 +182,7 @@ def test_the_lora_manager_refuses_an_adapter_of_another_base_model(tiny_models, 
 def test_a_sampler_session_checks_adapters_against_its_own_backend(tmp_path, monkeypatch):
     """``lockstep train``'s long-lived engine hands each adapter to the check of its backend's
     lane (a cuda session once checked against the cpu lane and refused every cuda export)."""
-    from lockstep_serving import session
+    from lockstep_serving.vllm import session
 
     seen = []
     monkeypatch.setattr(session, "adapter_hash", lambda *a: seen.append(a) or "sha")

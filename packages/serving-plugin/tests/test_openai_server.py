@@ -107,7 +107,7 @@ def test_the_server_reports_the_lane_contract_fingerprint(server):
 
 
 def test_a_served_completion_has_the_logprobs_of_the_offline_capture(server):
-    import lockstep_serving.plugin
+    import lockstep_serving.vllm.hooks
 
     base, model_dir = server
     body = {
@@ -128,7 +128,7 @@ def test_a_served_completion_has_the_logprobs_of_the_offline_capture(server):
     assert torch.equal(served, served.to(torch.float32).to(torch.float64))
 
     pm = manager(load_entry_points=False)
-    pm.register(lockstep_serving.plugin)
+    pm.register(lockstep_serving.vllm.hooks)
     request = CaptureRequest(model_dir=model_dir, prompts=(PROMPT,), decisions=DECISIONS, seed=SEED)
     trace = pm.hook.lockstep_capture(request=request)
     assert trace.sampled(0).tolist() == served_tokens

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lockstep_serving import patches
+from lockstep_serving.vllm import patches
 
 
 def test_every_patch_table_target_exists_with_its_expected_signature():
@@ -41,7 +41,7 @@ def test_check_fails_closed_naming_the_missing_target(monkeypatch):
 def test_the_plugin_patches_only_what_the_table_lists():
     from vllm.v1.sample.sampler import Sampler
 
-    from lockstep_serving import vllm_plugin
+    from lockstep_serving.vllm import plugin as vllm_plugin
 
     vllm_plugin.register()
     patched = {(t.module, t.symbol) for t in patches.TABLE if t.kind == "patch"}
@@ -60,7 +60,8 @@ def test_the_vllm_table_is_the_shared_type_and_restores_what_it_patched():
     from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
 
     from lockstep_exact.patching import PatchTable
-    from lockstep_serving import lora, vllm_plugin
+    from lockstep_serving.vllm import lora
+    from lockstep_serving.vllm import plugin as vllm_plugin
 
     assert isinstance(patches.TABLE, PatchTable)
     vllm_plugin.register()

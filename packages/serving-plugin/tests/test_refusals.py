@@ -12,8 +12,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 from serving_support import start_engine, stop_engine
 
-from lockstep_serving.offline import engine_args
-from lockstep_serving.patches import LaneRefused
+from lockstep_serving.vllm.offline import engine_args
+from lockstep_serving.vllm.patches import LaneRefused
 
 
 def _copy(model_dir, tmp_path, name, **config_changes):
@@ -62,7 +62,7 @@ _SPECULATIVE_CHILD = """
 import sys
 sys.path.insert(0, sys.argv[2])
 import serving_support as conftest
-from lockstep_serving.patches import LaneRefused
+from lockstep_serving.vllm.patches import LaneRefused
 if __name__ == "__main__":
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
     try:
@@ -114,7 +114,7 @@ def test_processed_logprobs_are_refused(dense):
 
 
 def test_a_vllm_without_a_patched_target_is_refused_at_start(dense, monkeypatch):
-    from lockstep_serving import patches
+    from lockstep_serving.vllm import patches
 
     gone = patches.Target("vllm.v1.sample.sampler", "Sampler.gone_in_this_vllm", "patch", "test")
     monkeypatch.setattr(patches, "TABLE", patches.TABLE + (gone,))
@@ -124,7 +124,7 @@ def test_a_vllm_without_a_patched_target_is_refused_at_start(dense, monkeypatch)
 def test_a_vllm_version_without_a_patch_table_is_refused_at_start_naming_the_supported(
     dense, monkeypatch
 ):
-    from lockstep_serving import patches
+    from lockstep_serving.vllm import patches
 
     monkeypatch.setattr(patches, "TABLE", patches.table_for("0.27.0"))
     _refused(
@@ -137,7 +137,7 @@ def test_a_vllm_version_without_a_patch_table_is_refused_at_start_naming_the_sup
 def test_a_device_without_lane_programs_is_refused():
     from types import SimpleNamespace
 
-    from lockstep_serving.vllm_model import lane_backend
+    from lockstep_serving.vllm.model import lane_backend
 
     config = SimpleNamespace(device_config=SimpleNamespace(device_type="xpu"))
     with pytest.raises(LaneRefused) as err:
@@ -152,7 +152,7 @@ def test_a_device_without_lane_programs_is_refused():
 def test_capture_refuses_a_backend_it_has_no_engine_for(monkeypatch):
     import torch
 
-    from lockstep_serving.capture import check_backend
+    from lockstep_serving.vllm.capture import check_backend
 
     with pytest.raises(LaneRefused) as err:
         check_backend("tpu")
@@ -169,7 +169,7 @@ def test_capture_refuses_a_trace_whose_engine_ran_another_backend(dense, monkeyp
     """A CUDA device beside a CPU vLLM: the engine runs the cpu lane, so a capture asked for
     cuda is refused once the engine reports what it ran (here the device check is bypassed)."""
     from lockstep_exact.requests import CaptureRequest
-    from lockstep_serving import capture as cap
+    from lockstep_serving.vllm import capture as cap
 
     monkeypatch.setattr(cap, "check_backend", lambda backend: None)
     request = CaptureRequest(model_dir=dense, prompts=("Hello",), decisions=2, backend="cuda")
@@ -196,7 +196,7 @@ def _graph_config(mode=0, graphs="FULL_DECODE_ONLY", lora=None, tp=1):
 def test_cuda_graphs_with_what_a_graph_cannot_hold_are_refused():
     """CUDA graphs capture the lane's one-token decode steps only: LoRA (an adapter choice per
     request) and tp > 1 are refused with graphs on, and whole-model torch.compile always."""
-    from lockstep_serving.vllm_model import _check_graphs
+    from lockstep_serving.vllm.model import _check_graphs
 
     _check_graphs(_graph_config())  # graphs alone: accepted
     _check_graphs(_graph_config(graphs="NONE", lora=object(), tp=2))  # eager: accepted
@@ -235,7 +235,7 @@ def test_a_trace_whose_engine_never_ran_the_lanes_sampling_rule_is_refused():
     when vLLM's own sampler took over), capture writes no trace and says why."""
     from types import SimpleNamespace
 
-    from lockstep_serving.capture import build_trace
+    from lockstep_serving.vllm.capture import build_trace
 
     ran = SimpleNamespace(sites={"logprobs": object()})  # logprobs ran, the rule did not
     with pytest.raises(LaneRefused) as err:

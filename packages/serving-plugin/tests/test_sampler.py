@@ -50,7 +50,7 @@ def _params(i: int):
 
 
 def _decisions(out):
-    from lockstep_serving.offline import sampled_logprobs
+    from lockstep_serving.vllm.offline import sampled_logprobs
 
     c = out.outputs[0]
     return list(c.token_ids), sampled_logprobs(c)
@@ -181,8 +181,8 @@ def test_the_sampler_finds_the_lane_model_behind_a_cuda_graph_wrapper():
     own rule while the lane model runs (the defect the GPU graph tests first showed)."""
     from types import SimpleNamespace
 
-    from lockstep_serving.sampler import _is_lane_runner, runner_model
-    from lockstep_serving.vllm_model import LIVE
+    from lockstep_serving.vllm.model import LIVE
+    from lockstep_serving.vllm.sampler import _is_lane_runner, runner_model
 
     inner = torch.nn.Linear(1, 1)
     LIVE.add(inner)

@@ -9,8 +9,8 @@ import pytest
 import serving_support  # noqa: F401  (the environment, before vLLM is imported)
 import torch
 
-from lockstep_serving.patches import LaneRefused
-from lockstep_serving.sampler import prepare, refusal, rows_of
+from lockstep_serving.vllm.patches import LaneRefused
+from lockstep_serving.vllm.sampler import prepare, refusal, rows_of
 
 
 def params(**kw):

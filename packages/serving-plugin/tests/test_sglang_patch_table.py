@@ -15,8 +15,9 @@ import pytest
 from test_patch_table import _source_reader, _SourceTree
 
 from lockstep_exact.patching import PatchTable
-from lockstep_serving import sglang_hooks, sglang_patches
-from lockstep_serving.patches import LaneRefused
+from lockstep_serving.sglang import hooks as sglang_hooks
+from lockstep_serving.sglang import patches as sglang_patches
+from lockstep_serving.vllm.patches import LaneRefused
 
 SOURCE_ENV = "LOCKSTEP_SGLANG_0_5_17_SOURCE"
 
@@ -90,7 +91,7 @@ def test_the_table_module_imports_no_sglang():
     import sys
 
     code = (
-        "import sys; import lockstep_serving.sglang_patches as sp; "
+        "import sys; import lockstep_serving.sglang.patches as sp; "
         "assert sp.TABLES and 'sglang' not in sys.modules, sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -22,8 +22,11 @@ import torch
 from lockstep_exact.plugins import manager as _MANAGER  # the real one, before any patch
 from lockstep_exact.requests import CaptureRequest
 from lockstep_exact.tiny import make_tiny
-from lockstep_serving import sglang_capture, sglang_hooks, sglang_model, sglang_sampler
-from lockstep_serving.patches import LaneRefused
+from lockstep_serving.sglang import capture as sglang_capture
+from lockstep_serving.sglang import hooks as sglang_hooks
+from lockstep_serving.sglang import model as sglang_model
+from lockstep_serving.sglang import sampler as sglang_sampler
+from lockstep_serving.vllm.patches import LaneRefused
 
 STANDINS = Path(__file__).resolve().parents[2] / "sglang-cpu-standins" / "src"
 
@@ -236,10 +239,10 @@ def fake_sglang(monkeypatch, tmp_path):
     for name in ("sglang", "sglang.srt", "sglang.srt.runtime_context"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     sys.modules["sglang.srt.runtime_context"].get_server_args = lambda: args
-    monkeypatch.setattr("lockstep_serving.sglang_patches.check", lambda: None)
+    monkeypatch.setattr("lockstep_serving.sglang.patches.check", lambda: None)
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
     sampler = object.__new__(type("FakeLaneSampler", (), {}))
-    monkeypatch.setattr(sglang_sampler, "SAMPLERS", [sampler])
+    monkeypatch.setattr(sglang_model, "SAMPLERS", [sampler])
     return args, model
 
 
@@ -421,7 +424,7 @@ def test_cuda_graph_phases_reads_sglangs_resolved_settings():
 
 
 def test_a_model_without_the_lane_sampler_is_refused(fake_sglang, monkeypatch):
-    monkeypatch.setattr(sglang_sampler, "SAMPLERS", [])
+    monkeypatch.setattr(sglang_model, "SAMPLERS", [])
     with pytest.raises(LaneRefused) as err:
         _validate()
     assert str(err.value) == (
@@ -802,7 +805,7 @@ def test_weights_outside_the_lane_are_refused(tiny):
 
 
 def test_the_batch_patch_seeds_random_requests_and_refuses_the_rest(monkeypatch):
-    from lockstep_serving.sglang_patches import TABLE
+    from lockstep_serving.sglang.patches import TABLE
 
     calls = []
 
@@ -866,7 +869,7 @@ def test_the_lane_sampler_draws_with_the_rule_and_refuses_foreign_logits(tiny):
 
 
 def test_the_front_end_refuses_a_lane_request_and_passes_others(monkeypatch):
-    from lockstep_serving.sglang_patches import TABLE
+    from lockstep_serving.sglang.patches import TABLE
 
     made = SimpleNamespace(sampling_params=_sp(top_k=5))
     monkeypatch.setattr(TABLE, "original", lambda name: lambda self, obj, *a, **k: made)
@@ -953,7 +956,7 @@ def test_the_lane_lora_manager_loads_adapters_through_the_lanes_checks(
     fake_lora_sglang, tiny, tmp_path
 ):
     from lockstep_exact.adapters import load_adapter, make_adapter
-    from lockstep_serving.sglang_lora import SglangLaneLoRAManager
+    from lockstep_serving.sglang.lora import SglangLaneLoRAManager
 
     model = _lane_model(tiny)
     manager = SglangLaneLoRAManager(model, 3)
@@ -983,7 +986,7 @@ def test_the_lane_lora_manager_loads_adapters_through_the_lanes_checks(
 def test_the_lane_lora_manager_refuses_adapters_by_name(fake_lora_sglang, tiny, tmp_path):
     from lockstep_exact.adapters import make_adapter
     from lockstep_exact.tiny import make_tiny
-    from lockstep_serving.sglang_lora import SglangLaneLoRAManager
+    from lockstep_serving.sglang.lora import SglangLaneLoRAManager
 
     manager = SglangLaneLoRAManager(_lane_model(tiny), 2)
     other = make_tiny(tmp_path / "other", arch="qwen3", seed=9)  # same shapes, other bytes
@@ -1023,8 +1026,8 @@ def test_the_runner_gets_the_lane_manager_for_a_lane_model_only(
     fake_lora_sglang, tiny, tmp_path, monkeypatch
 ):
     from lockstep_exact.adapters import make_adapter
-    from lockstep_serving import sglang_lora
-    from lockstep_serving.sglang_patches import TABLE
+    from lockstep_serving.sglang import lora as sglang_lora
+    from lockstep_serving.sglang.patches import TABLE
 
     stock = []
     originals = {"ModelRunner.init_lora_manager": stock.append}

@@ -9,10 +9,10 @@ import json
 import pytest
 
 from lockstep_exact.lanes.config import FAMILIES, supported_architectures
-from lockstep_serving import sglang_model
-from lockstep_serving.offline import engine_args
-from lockstep_serving.patches import LaneRefused
-from lockstep_serving.vllm_plugin import ARCHITECTURES, LANE_OF_HF
+from lockstep_serving.sglang import model as sglang_model
+from lockstep_serving.vllm.offline import engine_args
+from lockstep_serving.vllm.patches import LaneRefused
+from lockstep_serving.vllm.plugin import ARCHITECTURES, LANE_OF_HF
 
 
 def _model(tmp_path, arch):

@@ -22,7 +22,7 @@ if __name__ == "__main__":
     import torch
     from vllm import SamplingParams
     from lockstep_exact.tiny import default_prompts
-    from lockstep_serving.offline import sampled_logprobs
+    from lockstep_serving.vllm.offline import sampled_logprobs
     result = {}
     for model_dir in sys.argv[3:]:
         llm = conftest.start_engine(model_dir)

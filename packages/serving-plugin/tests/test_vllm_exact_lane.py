@@ -31,7 +31,7 @@ def _params(greedy: bool = False):
 
 
 def _decisions(out):
-    from lockstep_serving.offline import sampled_logprobs
+    from lockstep_serving.vllm.offline import sampled_logprobs
 
     c = out.outputs[0]
     return list(c.token_ids), sampled_logprobs(c)
@@ -41,7 +41,7 @@ def _decisions(out):
 def runs(request, tiny_models):
     from vllm.inputs import TokensPrompt
 
-    from lockstep_serving.offline import lane_fingerprint, prompt_logprobs
+    from lockstep_serving.vllm.offline import lane_fingerprint, prompt_logprobs
 
     model_dir = tiny_models[request.param]
     r = {"family": request.param, "model_dir": model_dir}

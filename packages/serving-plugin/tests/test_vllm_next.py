@@ -1,4 +1,4 @@
-"""The qwen3-next lane inside the real vLLM engine (``vllm_next``), byte for byte.
+"""The qwen3-next lane inside the real vLLM engine (``vllm.next``), byte for byte.
 
 One engine (one prefill per prompt) samples a batch, a prompt alone, a greedy batch and the
 prompt logprobs of prompt + decisions; a second one with a 24-token budget chunks every
@@ -23,7 +23,7 @@ from lockstep_exact.contract import geometry_contract
 from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes
 from lockstep_exact.tiny import default_prompts, make_tiny
-from lockstep_serving.patches import LaneRefused
+from lockstep_serving.vllm.patches import LaneRefused
 
 DECISIONS = 8
 LENGTHS = (5, 61, 64, 100, 200)
@@ -56,7 +56,7 @@ def _params(greedy: bool = False, seed: int = 7):
 
 
 def _decisions(out):
-    from lockstep_serving.offline import sampled_logprobs
+    from lockstep_serving.vllm.offline import sampled_logprobs
 
     c = out.outputs[0]
     return list(c.token_ids), sampled_logprobs(c)
@@ -86,7 +86,7 @@ def runs(model_dir):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from lockstep_serving.offline import lane_fingerprint, prompt_logprobs
+    from lockstep_serving.vllm.offline import lane_fingerprint, prompt_logprobs
 
     prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts()]
     r = {"prompts": _prompts()}
@@ -179,13 +179,13 @@ def test_the_engine_reports_the_contract_of_the_qwen3_next_lane(runs, model_dir)
 # --- capture ------------------------------------------------------------------------------------
 @pytest.mark.engine
 def test_lockstep_capture_records_the_lanes_logprobs(model_dir, tmp_path):
-    import lockstep_serving.plugin
+    import lockstep_serving.vllm.hooks
     from lockstep_exact.plugins import manager
     from lockstep_exact.requests import CaptureRequest
     from lockstep_exact.trace import Trace
 
     pm = manager(load_entry_points=False)
-    pm.register(lockstep_serving.plugin)
+    pm.register(lockstep_serving.vllm.hooks)
     request = CaptureRequest(
         model_dir=model_dir,
         prompts=tuple(default_prompts(2)),
@@ -258,7 +258,7 @@ def _config(**changes):
     ],
 )
 def test_what_the_hybrid_lane_does_not_cover_is_refused_by_name(model_dir, changes, message):
-    from lockstep_serving.vllm_next import check_hybrid
+    from lockstep_serving.vllm.next import check_hybrid
 
     geom = N.Geometry.from_model_dir(model_dir)
     check_hybrid(_config(), geom)  # a plain engine passes
@@ -267,7 +267,7 @@ def test_what_the_hybrid_lane_does_not_cover_is_refused_by_name(model_dir, chang
 
 
 def test_engine_args_turn_prefix_caching_off_for_qwen3_next_only(model_dir):
-    from lockstep_serving.offline import engine_args
+    from lockstep_serving.vllm.offline import engine_args
 
     args = engine_args(model_dir)
     assert args["enable_prefix_caching"] is False
@@ -278,7 +278,7 @@ def test_engine_args_turn_prefix_caching_off_for_qwen3_next_only(model_dir):
 
 # --- the state pages, without an engine ---------------------------------------------------------
 def _fake_pages(geom, n_pages: int = 3):
-    from lockstep_serving.vllm_next import state_layout
+    from lockstep_serving.vllm.next import state_layout
 
     layers = [i for i, k in enumerate(geom.layer_types) if k == N.LINEAR]
     return {
@@ -293,7 +293,7 @@ def _fake_pages(geom, n_pages: int = 3):
 def test_a_state_page_round_trip_keeps_every_byte_and_the_next_step(model_dir):
     """store_cache then load_cache gives back the composition's cache byte for byte, and
     continuing from it gives the bytes of continuing from the original."""
-    from lockstep_serving.vllm_next import load_cache, store_cache
+    from lockstep_serving.vllm.next import load_cache, store_cache
 
     weights = load_file(str(model_dir / "model.safetensors"))
     geom = N.Geometry.from_model_dir(model_dir)
@@ -318,7 +318,7 @@ def test_a_state_page_round_trip_keeps_every_byte_and_the_next_step(model_dir):
 
 
 def test_a_page_of_another_position_is_refused(model_dir):
-    from lockstep_serving.vllm_next import load_cache, store_cache
+    from lockstep_serving.vllm.next import load_cache, store_cache
 
     geom = N.Geometry.from_model_dir(model_dir)
     pages = _fake_pages(geom)
@@ -335,7 +335,7 @@ def test_a_page_of_another_position_is_refused(model_dir):
 
 
 def test_a_state_at_another_position_is_not_stored(model_dir):
-    from lockstep_serving.vllm_next import store_cache
+    from lockstep_serving.vllm.next import store_cache
 
     geom = N.Geometry.from_model_dir(model_dir)
     cache = N.NextCache.empty(geom)
@@ -345,8 +345,8 @@ def test_a_state_at_another_position_is_not_stored(model_dir):
 
 
 def test_the_state_layer_refuses_a_binding_of_another_layout(model_dir):
-    from lockstep_serving.next_state import LaneStateLayer, LaneStateMetadataBuilder
-    from lockstep_serving.vllm_next import LockstepQwen3NextForCausalLM, state_layout
+    from lockstep_serving.vllm.next import LockstepQwen3NextForCausalLM, state_layout
+    from lockstep_serving.vllm.next_state import LaneStateLayer, LaneStateMetadataBuilder
 
     geom = N.Geometry.from_model_dir(model_dir)
     config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={}))
@@ -375,7 +375,7 @@ def _bare_model(model_dir, by_layer, monkeypatch):
     import vllm.forward_context as fc
     from torch import nn
 
-    from lockstep_serving import vllm_next as V
+    from lockstep_serving.vllm import next as V
 
     geom = N.Geometry.from_model_dir(model_dir)
     model = V.LockstepQwen3NextForCausalLM.__new__(V.LockstepQwen3NextForCausalLM)
@@ -390,7 +390,7 @@ def _bare_model(model_dir, by_layer, monkeypatch):
 
 
 def _state_md(qsl, seq_lens):
-    from lockstep_serving.next_state import LaneStateMetadata
+    from lockstep_serving.vllm.next_state import LaneStateMetadata
 
     return LaneStateMetadata(
         num_reqs=len(seq_lens),
@@ -402,7 +402,7 @@ def _state_md(qsl, seq_lens):
 
 
 def test_a_step_the_state_cannot_continue_is_refused(model_dir, monkeypatch):
-    from lockstep_serving.vllm_next import ATTN_PREFIX, STATE_PREFIX
+    from lockstep_serving.vllm.next import ATTN_PREFIX, STATE_PREFIX
 
     ids = torch.tensor([5, 6, 7])
     smd = _state_md([0, 3], [3])

@@ -22,7 +22,7 @@ from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.model import ModelDir
 from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes
 from lockstep_exact.tiny import make_tiny
-from lockstep_serving.patches import LaneRefused
+from lockstep_serving.vllm.patches import LaneRefused
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -47,7 +47,7 @@ def _params(greedy: bool = False):
 
 
 def _decisions(out):
-    from lockstep_serving.offline import sampled_logprobs
+    from lockstep_serving.vllm.offline import sampled_logprobs
 
     c = out.outputs[0]
     return list(c.token_ids), sampled_logprobs(c)
@@ -60,7 +60,7 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def runs(model_dir, tmp_path_factory):
-    from lockstep_serving.lora import lora_request_for
+    from lockstep_serving.vllm.lora import lora_request_for
 
     tmp = tmp_path_factory.mktemp("next-adapters")
     a = make_adapter(model_dir, tmp / "a", rank=8, seed=1)
@@ -157,7 +157,7 @@ def test_the_lora_manager_refuses_an_adapter_of_another_contract(model_dir, tmp_
     from types import SimpleNamespace
 
     from lockstep_exact.contract import geometry_contract
-    from lockstep_serving.lora import LaneLoRAManager, lora_request_for
+    from lockstep_serving.vllm.lora import LaneLoRAManager, lora_request_for
 
     geom = N.Geometry.from_model_dir(model_dir)
     model = SimpleNamespace(
@@ -176,7 +176,7 @@ def test_the_lora_manager_refuses_an_adapter_of_another_contract(model_dir, tmp_
 def test_lora_is_no_longer_refused_at_start(model_dir):
     from types import SimpleNamespace
 
-    from lockstep_serving.vllm_next import check_hybrid
+    from lockstep_serving.vllm.next import check_hybrid
 
     geom = N.Geometry.from_model_dir(model_dir)
     config = SimpleNamespace(
@@ -193,7 +193,7 @@ def test_lora_is_no_longer_refused_at_start(model_dir):
 def test_tokens_of_an_adapter_not_loaded_are_refused(model_dir, monkeypatch):
     from test_vllm_next import _bare_model, _state_md
 
-    from lockstep_serving.vllm_next import STATE_PREFIX
+    from lockstep_serving.vllm.next import STATE_PREFIX
 
     model = _bare_model(model_dir, {STATE_PREFIX.format(0): _state_md([0, 3], [3])}, monkeypatch)
     model.set_token_adapters((7, 7, 7), {})

@@ -126,7 +126,7 @@ def test_megatron_batch_caches_are_made_on_the_rows_device():
     from types import SimpleNamespace
 
     from lockstep_exact.tiny import tiny_config
-    from lockstep_megatron.gdn import _sequence_rows
+    from lockstep_megatron.gdn.spec import _sequence_rows
 
     geom = N.Geometry.from_hf_config(tiny_config("qwen3-next"))
     x = torch.empty(5, 2, geom.hidden, dtype=torch.bfloat16, device="meta")

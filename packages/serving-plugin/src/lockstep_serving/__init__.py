@@ -1,3 +1,4 @@
-"""Lockstep serving plugins (vLLM)."""
+"""Lockstep serving plugins: the vLLM room (``vllm``), the SGLang room (``sglang``) and what
+both use (``common``)."""
 
 __version__ = "0.1.0"

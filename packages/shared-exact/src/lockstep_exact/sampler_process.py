@@ -3,7 +3,7 @@
 SGLang cannot share an environment with vLLM, nor, here, with Megatron's (docs/sglang.md): the
 ladder's trainer stages run in this python and its sampler stages in the SGLang environment's,
 through ``SamplerProcess``. It starts the engine's worker module there
-(``python -m lockstep_serving.<engine>_worker``: a module run by name, nothing imported here),
+(``python -m lockstep_serving.<engine>.worker``: a module run by name, nothing imported here),
 sends it one JSON request per line and reads one answer per line. A refusal on the far side
 comes back as ``SamplerRefused`` with its text; a worker that died as ``SamplerRefused``
 naming its exit status. The worker's own output (the engine's logs) goes to this process's
@@ -68,7 +68,7 @@ class SamplerProcess:
         self.engine = engine
         self.python = Path(python)
         self.proc = subprocess.Popen(
-            [str(self.python), "-m", f"lockstep_serving.{engine}_worker"],
+            [str(self.python), "-m", f"lockstep_serving.{engine}.worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -12,14 +12,17 @@ its own ranks and alphas. Every adapter has PEFT's scale ``alpha / its rank``
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from lockstep_exact import programs as P
 from lockstep_exact.adapters import module_rank, module_shapes
 from lockstep_exact.hashing import tensor_sha256
 
+from .gdn.spec import NextSlots
 from .spec import ExactLinear, LockstepGPT
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -60,8 +63,6 @@ def _next_sites(model) -> Iterator[Site]:
     """The hybrid lane's (``gdn.LockstepNext``): every projection ``module_shapes`` lists for
     its geometry (GDN in_proj parts and out_proj, attention q/k/v/o, routed and shared
     experts' gate/up/down), on the Megatron linear that holds it (``gdn.NextSlots.proj``)."""
-    from .gdn import NextSlots
-
     slots = NextSlots(model)
     for module in module_shapes(model.geom):
         layer, name = module.removeprefix("model.layers.").split(".", 1)
@@ -110,8 +111,6 @@ def adapter_parameters(model: LockstepGPT) -> list[torch.nn.Parameter]:
 
 def backbone_hash(model: LockstepGPT) -> str:
     """sha256 over every non-adapter tensor of the model, by name (frozen means unchanged)."""
-    import hashlib
-
     h = hashlib.sha256(b"lockstep.backbone.v1\0")
     for name, t in sorted(model.gpt.state_dict().items()):
         if ".lora." in name or name.endswith("_extra_state"):
@@ -122,8 +121,6 @@ def backbone_hash(model: LockstepGPT) -> str:
 
 def bf16_adapters(model: LockstepGPT) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
     """``{hf_module.weight: (A, B, scale)}`` in bf16: the reference forward's ``adapters``."""
-    from lockstep_exact import programs as P
-
     out = {}
     for s in sites(model):
         if s.part in s.linear.lora:

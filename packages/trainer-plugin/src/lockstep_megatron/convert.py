@@ -13,14 +13,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.lanes.qwen3 import Geometry
-from lockstep_exact.layout import shard_weight
 
+from .fuse import ConversionError, _fuse
+from .gdn.convert import megatron_state as hybrid_state
+from .gdn.refusals import is_hybrid
+from .gdn.spec import LockstepNext
 from .spec import LockstepGPT, vocab_rows
-
-
-class ConversionError(ValueError):
-    """The HF checkpoint does not fill the Megatron model exactly (missing, extra, dtype)."""
 
 
 def load_hf_weights(model_dir: str | Path, keep=None) -> dict[str, torch.Tensor]:
@@ -43,24 +43,9 @@ def load_hf_weights(model_dir: str | Path, keep=None) -> dict[str, torch.Tensor]
     return weights
 
 
-def _fuse(linear, hf: dict[str, torch.Tensor], prefix: str, used: set[str], rank=0, tp=1):
-    """The module's (fused) weight from the HF projections; under tensor parallelism this
-    rank's shard of each (``layout.shard_weight``: column sites by rows, row sites by K)."""
-    fused = torch.empty_like(linear.weight)
-    for part, cols in linear.parts.items():
-        key = f"{prefix}{part}.weight"
-        if key not in hf:
-            raise ConversionError(f"missing HF weight {key}")
-        fused[cols] = shard_weight(key, hf[key], rank, tp)
-        used.add(key)
-    return fused
-
-
 def megatron_state(model: LockstepGPT, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The GPTModel state dict (names as ``model.gpt.state_dict()``) built from HF weights."""
-    if model.geom.family == "qwen3-next":  # the hybrid lane's modules (gdn.py)
-        from .gdn import megatron_state as hybrid_state
-
+    if model.geom.family == "qwen3-next":  # the hybrid lane's modules (gdn/)
         return hybrid_state(model, hf)
     g: Geometry = model.geom
     gpt = model.gpt
@@ -151,11 +136,13 @@ def build(model_dir: str | Path, tp: int = 1, ep: int = 1) -> LockstepGPT:
     """The exact-lane Megatron model of an HF Qwen3 / Qwen3-MoE directory, weights loaded
     (``tp`` / ``ep`` > 1: this rank's shards and experts; Megatron's parallel state must be
     set up with those sizes). A Qwen3-Next directory builds the hybrid lane's model
-    (``gdn.build``: tp 1, ep 1)."""
-    from .gdn import build as build_hybrid
-    from .gdn import is_hybrid
-
+    (``build_hybrid``: tp 1, ep 1)."""
     if is_hybrid(model_dir):
         return build_hybrid(model_dir, tp, ep)
     geom = Geometry.from_model_dir(model_dir)
     return load_into(LockstepGPT(geom, tp, ep), model_dir)
+
+
+def build_hybrid(model_dir: str | Path, tp: int = 1, ep: int = 1) -> LockstepNext:
+    """The Megatron model of an HF Qwen3-Next directory, weights loaded (load_into)."""
+    return load_into(LockstepNext(N.Geometry.from_model_dir(model_dir), tp, ep), model_dir)

@@ -16,6 +16,7 @@ import torch
 
 from lockstep_exact import programs as P
 from lockstep_exact.adapters import PREFIX, Adapter, AdapterError, load_adapter, write_adapter
+from lockstep_exact.layout import shard_lora
 from lockstep_exact.model import ModelDir
 
 from . import adapters as AD
@@ -104,8 +105,6 @@ def load_into(
         a, b, scale = adapter.modules[key]
         tp = getattr(model, "tp", 1)
         if tp > 1:  # this rank's rows of a column-parallel site's B (A and row sites whole)
-            from lockstep_exact.layout import shard_lora
-
             a, b, scale = shard_lora(key, (a, b, scale), model.tp_rank, tp)
         if scale != ad.scale:
             raise AdapterError(f"{s.hf_module}: scale {scale} vs the lane's {ad.scale}")

@@ -26,10 +26,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 
 from lockstep_exact.lanes.qwen3 import local_dispatch
 
-from .spec import _cols, fc1_parts, parallel_linear
+from .linear import _cols, fc1_parts, parallel_linear
 
 
 def expert_tp_size(config) -> int:
@@ -183,8 +184,6 @@ def classes() -> dict[str, type]:
             d = self.token_dispatcher
             if d.ep_size == 1:
                 return local_dispatch(h, ids, expert)
-            import torch.distributed as dist
-
             t, k = ids.shape
             # The all-gather takes as many rows from every rank: pad to the group's most with
             # rows routed to no expert (they are not dispatched).

@@ -16,10 +16,17 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from lockstep_exact.contract import check_layout
 from lockstep_exact.model import ModelDir
 from lockstep_exact.parity import same_bytes
+from lockstep_exact.trace import Trace
+
+from .cpu import ensure_cpu_megatron
+from .moe import rows_received
+from .scoring import replay_in_process, share_of
 
 
 class RanksDisagree(RuntimeError):
@@ -27,10 +34,6 @@ class RanksDisagree(RuntimeError):
 
 
 def _rank(rank: int, tp: int, ep: int, store: str, args: tuple, out: str) -> None:
-    import torch.distributed as dist
-
-    from .cpu import ensure_cpu_megatron
-
     ensure_cpu_megatron()
     torch.set_num_threads(1)
     world = tp * ep
@@ -43,11 +46,7 @@ def _rank(rank: int, tp: int, ep: int, store: str, args: tuple, out: str) -> Non
         # expert-parallel rank, split by the tensor-parallel group (Megatron's default).
         parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
         mrandom.model_parallel_cuda_manual_seed(0)
-        from .replay import replay
-
-        lps, seconds = replay(*args, tp=tp, ep=ep)
-        from .moe import rows_received
-
+        lps, seconds = replay_in_process(*args, tp=tp, ep=ep)
         result = {"logprobs": lps, "seconds": seconds, "rows_received": rows_received()}
         torch.save(result, f"{out}.{rank}")
     finally:
@@ -67,12 +66,6 @@ def replay_tp(
 ) -> tuple[torch.Tensor, float]:
     """(logprobs in trace order, seconds). ``stats``, if given, receives ``rows_received``:
     per rank, the expert rows it ran of tokens another expert-parallel rank held."""
-    import torch.multiprocessing as mp
-
-    from lockstep_exact.trace import Trace
-
-    from .replay import share_of
-
     model = ModelDir(model_dir)
     check_layout(model.contract(backend), tp=tp, ep=ep)  # refuses, naming both numbers
     world = tp * ep

@@ -11,6 +11,8 @@ from lockstep_exact.model import ModelDir
 from lockstep_exact.requests import EngineInfo, ReplayResult, TrainResult
 
 from . import __version__
+from ._release import problem as skew
+from .gdn.refusals import check_replay
 
 ROLE = "trainer"
 
@@ -19,8 +21,6 @@ ROLE = "trainer"
 def lockstep_engine_info():
     try:
         import megatron.core
-
-        from ._release import problem as skew
 
         version, problem = megatron.core.__version__, skew()
     except ImportError as err:
@@ -40,9 +40,8 @@ def lockstep_engine_info():
 
 @hookimpl
 def lockstep_trainer_contract(model_dir, adapter_dir, backend):
-    from .gdn import check_replay
 
-    check_replay(model_dir, adapter_dir, backend, 1, 1)  # what the hybrid lane lacks (gdn.py)
+    check_replay(model_dir, adapter_dir, backend, 1, 1)  # what the hybrid lane lacks (gdn/)
     model = ModelDir(model_dir, hybrid=True)  # the trainer scores Qwen3-Next (forward only)
     contract = model.contract(backend)
     if adapter_dir is not None:

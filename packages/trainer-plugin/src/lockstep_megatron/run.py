@@ -14,8 +14,8 @@ from . import adapters as AD
 from . import export
 from .checkpoint import check_resume, load_checkpoint, save_checkpoint
 from .convert import build
-from .gdn import refuse_training
-from .replay import admit_invoked, admit_trace
+from .gdn.refusals import refuse_training
+from .scoring import admit_invoked, admit_trace
 from .train import TrainConfig, Trainer
 
 

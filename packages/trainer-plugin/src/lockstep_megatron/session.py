@@ -28,7 +28,8 @@ from lockstep_exact.trace import Trace
 from . import adapters as AD
 from . import export
 from .convert import build
-from .replay import AdmissionError, admit_invoked, admit_trace, sampled_logprobs, score
+from .gdn.refusals import refuse_session
+from .scoring import AdmissionError, admit_invoked, admit_trace, sampled_logprobs, score
 
 STATE_FORMAT = "lockstep.megatron.session/1"
 
@@ -212,8 +213,6 @@ class FrozenSession:
 
 
 def open_session(request):
-    from .gdn import refuse_session
-
     refuse_session(request.model_dir)  # before anything is read or built
     if request.role == "policy":
         return PolicySession(request)

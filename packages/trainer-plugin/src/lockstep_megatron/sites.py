@@ -22,7 +22,7 @@ from .convert import build
 def dump_sites(
     model_dir: Path, tokens: torch.Tensor, position: int, adapter_dir: Path | None = None
 ) -> dict[str, torch.Tensor]:
-    base = ModelDir(model_dir, hybrid=True)  # a Qwen3-Next model dumps its sites too (gdn.py)
+    base = ModelDir(model_dir, hybrid=True)  # a Qwen3-Next model dumps its sites too (gdn/)
     model = build(base.path).eval()
     if adapter_dir is not None:
         export.load_into(model, adapter_dir, base)

@@ -25,8 +25,21 @@ from lockstep_exact.contract import geometry_contract
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.lanes.ops import Ops, to_bf16
 from lockstep_exact.lanes.qwen3 import Geometry
+from lockstep_exact.layout import DistGather
 
-BF16 = torch.bfloat16
+from ._release import check as check_release
+from .cpu import init_single_process
+from .linear import (  # noqa: F401 (BF16, ExactLinear, LoRA, _Exact: read as spec.X too)
+    BF16,
+    ExactLinear,
+    LoRA,
+    _cols,
+    _Exact,
+    fc1_parts,
+    parallel_linear,
+    tp_size,
+)
+from .moe import expert_linear, moe_config, moe_spec
 
 
 class _Slot(nn.Module):
@@ -60,99 +73,6 @@ class ExactCoreAttention(_Slot):
     """Megatron's core-attention slot: rope + attention.blocked run in the composition."""
 
 
-# --- linear layers -------------------------------------------------------------------------------
-class _Exact:
-    """What every exact linear holds beside its weight: the named output parts (the HF
-    projections of a fused weight, this rank's rows under tensor parallelism), LoRA per part,
-    and no forward of its own (the composition reads the weight)."""
-
-    def _exact_init(self, parts: dict[str, torch.Tensor], input_full: int) -> None:
-        self.weight.requires_grad_(False)
-        self.parts = dict(parts)
-        self.input_full = input_full  # K of the whole matrix (a row-parallel LoRA A is whole)
-        self.lora = nn.ModuleDict()
-
-    def add_lora(self, part: str, rank: int, alpha: float, generator: torch.Generator):
-        """A ~ kaiming-like uniform, B = 0 (PEFT's init): a new adapter changes no byte."""
-        k = self.input_full
-        bound = 1.0 / k**0.5
-        a = (torch.rand(rank, k, generator=generator, dtype=torch.float32) * 2 - 1) * bound
-        b = torch.zeros(len(self.parts[part]), rank, dtype=torch.float32)
-        self.lora[part] = LoRA(a, b, alpha / rank)
-
-    def part_weight(self, part: str) -> torch.Tensor:
-        if len(self.parts) == 1:
-            return self.weight
-        return self.weight[self.parts[part].to(self.weight.device)]
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError("exact linears run inside the lane composition (ExactLayer)")
-
-
-class ExactLinear(_Exact, nn.Module):
-    """A (possibly fused) whole weight [N, K] (tensor-parallel size 1, and the experts)."""
-
-    def __init__(self, input_size: int, parts: dict[str, torch.Tensor]):
-        nn.Module.__init__(self)
-        out = sum(len(c) for c in parts.values())
-        self.weight = nn.Parameter(torch.zeros(out, input_size, dtype=BF16), requires_grad=False)
-        self._exact_init(parts, input_size)
-
-
-_PARALLEL: dict[str, type] = {}
-
-
-def parallel_linear(kind: str) -> type:
-    """Megatron's own ``ColumnParallelLinear`` / ``RowParallelLinear`` holding this rank's
-    shard (Megatron allocates and marks it: ``partition_dim``, ``tensor_model_parallel``), with
-    the exact-linear parts; built lazily (Megatron is imported only when a model is built)."""
-    if kind not in _PARALLEL:
-        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-        base = ColumnParallelLinear if kind == "column" else RowParallelLinear
-
-        # Column: the output stays split (the next op reads this rank's rows); row: the
-        # input arrives split. Zero init: the weights are loaded right after.
-        where = {"gather_output": False} if kind == "column" else {"input_is_parallel": True}
-
-        def __init__(self, input_size, output_size, parts, *, config, **group):
-            # group: is_expert / tp_group for an expert's linear (moe.py)
-            base.__init__(
-                self,
-                input_size,
-                output_size,
-                config=config,
-                init_method=nn.init.zeros_,
-                bias=False,
-                skip_bias_add=True,
-                **where,
-                **group,
-            )
-            self._exact_init(parts, input_size)
-
-        methods = {"__init__": __init__, "forward": _Exact.forward}
-        _PARALLEL[kind] = type(f"Exact{base.__name__}", (_Exact, base), methods)
-    return _PARALLEL[kind]
-
-
-def tp_size(config) -> int:
-    return int(getattr(config, "tensor_model_parallel_size", 1) or 1)
-
-
-class LoRA(nn.Module):
-    """fp32 master weights A [r, K], B [N, r]; the forward sees them rounded to bf16."""
-
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, scale: float):
-        super().__init__()
-        self.A = nn.Parameter(a)
-        self.B = nn.Parameter(b)
-        self.scale = float(scale)
-
-
-def _cols(start: int, n: int) -> torch.Tensor:
-    return torch.arange(start, start + n)
-
-
 def qkv_parts(config) -> dict[str, torch.Tensor]:
     """Megatron's fused QKV rows: per query group g, [q heads of g | k_g | v_g] (this rank's
     groups under tensor parallelism)."""
@@ -182,11 +102,6 @@ class ExactProj:
     def __new__(cls, input_size, output_size, *, config, **_):
         parts = {"o_proj": _cols(0, output_size)}
         return parallel_linear("row")(input_size, output_size, parts, config=config)
-
-
-def fc1_parts(ffn: int) -> dict[str, torch.Tensor]:
-    """Megatron's gated fc1: [gate; up] along the output."""
-    return {"gate_proj": _cols(0, ffn), "up_proj": _cols(ffn, ffn)}
 
 
 class ExactMLP(nn.Module):
@@ -233,8 +148,6 @@ class MegatronSlots(qwen3.Slots):
             att = mod.self_attention
             return (att.linear_proj if part == "o_proj" else att.linear_qkv), part
         if parts[1] == "experts":  # a global expert id: this rank's expert (moe.py)
-            from .moe import expert_linear
-
             moe = mod.mlp
             return expert_linear(
                 moe.experts.local_experts[moe.local_index(int(parts[2]))], part
@@ -410,12 +323,7 @@ def layer_spec(geom: Geometry):
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-    if geom.is_moe:
-        from .moe import moe_spec
-
-        mlp = moe_spec()
-    else:
-        mlp = ExactMLP
+    mlp = moe_spec() if geom.is_moe else ExactMLP
     return ModuleSpec(
         module=_layer_class(),
         submodules=TransformerLayerSubmodules(
@@ -471,8 +379,6 @@ def base_config(geom, ffn_hidden_size: int, tp: int = 1) -> dict:
 def transformer_config(geom: Geometry, tp: int = 1, ep: int = 1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from .moe import moe_config
-
     return TransformerConfig(
         **moe_config(geom, ep), **base_config(geom, geom.intermediate or geom.moe_intermediate, tp)
     )
@@ -486,18 +392,13 @@ class LockstepGPT(nn.Module):
         from megatron.core.models.gpt import GPTModel
         from megatron.core.transformer.module import Float16Module
 
-        from ._release import check
-        from .cpu import init_single_process
-
-        check()  # never run beside a lockstep-exact this release was not built against
+        check_release()  # never run beside a lockstep-exact this release was not built against
         self.gather = P.LOCAL
         self.tp, self.ep, self.tp_rank = tp, ep, 0
         if tp == 1 and ep == 1:
             init_single_process()
         else:  # the caller's ranks (parallel.py): Megatron's parallel groups are set up
             from megatron.core import parallel_state
-
-            from lockstep_exact.layout import DistGather
 
             have = parallel_state.get_tensor_model_parallel_world_size()
             if have != tp:

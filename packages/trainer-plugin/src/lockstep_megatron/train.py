@@ -21,7 +21,7 @@ from lockstep_exact.trace import Trace
 
 from . import adapters as AD
 from .checkpoint import check_resume
-from .replay import sampled_logprobs, sequences
+from .scoring import sampled_logprobs, sequences
 from .spec import LockstepGPT
 
 

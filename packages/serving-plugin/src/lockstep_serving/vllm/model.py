@@ -8,7 +8,6 @@ sequence through its block table (exact copies), and the composition's attention
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,75 +18,28 @@ from torch import nn
 from lockstep_exact import programs as P
 from lockstep_exact.contract import (
     ContractMismatch,
-    admit,
     check_layout,
-    geometry_contract,
     lane_contract,
 )
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.lanes.ops import Ops
-from lockstep_exact.layout import shard_lora, shard_weight
+from lockstep_exact.layout import DistGather, shard_lora, shard_weight
 from lockstep_exact.sites import is_recording, paused
 
-from .patches import LaneRefused, check
-
-CONTRACT_ENV = "LOCKSTEP_CONTRACT"
-CONTRACT_OVERRIDE = "lockstep_contract"  # hf_overrides key carrying the requested fingerprint
+from .._release import check as check_release
+from ..common.errors import LaneRefused, _refuse
+from ..common.lane import (
+    CONTRACT_OVERRIDE,
+    _expected_names,
+    admit_requested,
+    lane_geometry,
+    lane_weights,
+    model_contract,
+)
+from .patches import check
 
 # Lane models alive in this process; while any lives, the Sampler's logprobs are exact.
 LIVE: weakref.WeakSet = weakref.WeakSet()
-
-# The lane's model classes (one name in vLLM and in SGLang) and the family each serves.
-FAMILY_OF = {
-    "LockstepQwen3ForCausalLM": "qwen3",
-    "LockstepQwen3MoeForCausalLM": "qwen3-moe",
-    "LockstepQwen3NextForCausalLM": "qwen3-next",  # vllm_next.py (vLLM only)
-}
-
-
-def _refuse(msg: str):
-    raise LaneRefused(f"Lockstep exact lane refused to start: {msg}")
-
-
-def lane_geometry(arch: str, model_dir: Path) -> qwen3.Geometry:
-    """The lane geometry of ``model_dir`` served as the lane class ``arch``; refuses, by name,
-    a model the lane cannot run and one of another family than ``arch`` serves."""
-    want = FAMILY_OF[arch]
-    try:
-        if want == "qwen3-next":
-            from lockstep_exact.lanes import qwen3_next
-
-            geom = qwen3_next.Geometry.from_model_dir(model_dir)
-        else:
-            geom = qwen3.Geometry.from_model_dir(model_dir)
-    except qwen3.UnsupportedModel as err:
-        _refuse(str(err))
-    if geom.family != want:
-        _refuse(f"{arch} serves the {want} family but {model_dir} is {geom.family}")
-    return geom
-
-
-def admit_requested(model_dir: Path, backend: str, requested: str | None) -> None:
-    """The contract fingerprint the engine was asked for (its config override, else
-    LOCKSTEP_CONTRACT), admitted against this model's lane contract; nothing asked, nothing
-    checked."""
-    requested = requested or os.environ.get(CONTRACT_ENV)
-    if requested:
-        try:
-            admit(model_contract(model_dir, backend), requested)
-        except ContractMismatch as err:
-            _refuse(str(err))
-
-
-def model_contract(model_dir: Path, backend: str):
-    """The lane contract of ``model_dir``, of its family's lane (``lane_contract`` for Qwen3
-    and Qwen3-MoE, the qwen3-next lane's for Qwen3-Next)."""
-    import json
-
-    from lockstep_exact.model import geometry_of
-
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return geometry_contract(geometry_of(config), backend=backend)
 
 
 def lane_backend(vllm_config) -> str:
@@ -177,50 +129,6 @@ def _check_graphs(vllm_config) -> None:
         )
 
 
-def lane_weights(weights: Iterable[tuple[str, torch.Tensor]], expected: set[str], skip=()):
-    """The checkpoint's (name, tensor) pairs, each refused by name unless it is one of
-    ``expected`` and bf16 (names starting with a ``skip`` prefix are passed over); once all
-    are read, a checkpoint lacking an expected tensor is refused, naming the first."""
-    seen: set[str] = set()
-    for name, t in weights:
-        if skip and name.startswith(tuple(skip)):
-            continue
-        if name not in expected:
-            _refuse(f"unexpected tensor {name!r} in the checkpoint (not part of the lane)")
-        if t.dtype != torch.bfloat16:
-            _refuse(f"tensor {name!r} is {t.dtype}; the exact lane loads bf16 weights only")
-        seen.add(name)
-        yield name, t
-    missing = sorted(expected - seen)
-    if missing:
-        _refuse(f"checkpoint lacks {len(missing)} tensor(s), first {missing[0]!r}")
-
-
-def _expected_names(geom: qwen3.Geometry) -> set[str]:
-    names = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not geom.tie_embeddings:
-        names.add("lm_head.weight")
-    per = [
-        "input_layernorm.weight",
-        "post_attention_layernorm.weight",
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight",
-        "self_attn.q_norm.weight",
-        "self_attn.k_norm.weight",
-    ]
-    if geom.is_moe:
-        per.append("mlp.gate.weight")
-        for e in range(geom.experts):
-            per += [f"mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
-    else:
-        per += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
-    for i in range(geom.layers):
-        names.update(f"model.layers.{i}.{p}" for p in per)
-    return names
-
-
 class LockstepQwen3ForCausalLM(nn.Module):
     """Qwen3 on the exact lane (activate with hf_overrides architectures; see README)."""
 
@@ -235,9 +143,8 @@ class LockstepQwen3ForCausalLM(nn.Module):
         from vllm.model_executor.layers.attention import Attention
 
         from . import attn_backend  # imports vLLM: only ever inside an engine
-        from ._release import check
 
-        check()  # never start beside a lockstep-exact this release was not built against
+        check_release()  # never start beside a lockstep-exact this release was not built against
 
         self.geom, self.model_dir = _validate_config(vllm_config, self.lane_arch)
         self.contract = lane_contract(self.model_dir, backend=lane_backend(vllm_config))
@@ -251,8 +158,6 @@ class LockstepQwen3ForCausalLM(nn.Module):
         self.gather = P.LOCAL
         if self.tp > 1:
             from vllm.distributed import get_tensor_model_parallel_rank, get_tp_group
-
-            from lockstep_exact.layout import DistGather
 
             self.tp_rank = get_tensor_model_parallel_rank()
             group = get_tp_group()  # gloo for a cpu engine, the device group otherwise

@@ -1,4 +1,9 @@
-"""The lockstep hooks answered by the vLLM serving plugin (role "sampler")."""
+"""The lockstep hooks answered by the vLLM serving plugin (role "sampler").
+
+The lockstep CLI loads this module (entry point group ``lockstep``) for every command, in every
+environment: it imports no engine, no torch, and the vLLM half (``capture``, ``session``,
+``dump``, ``lora``: each runs vLLM) only inside the hook that needs it.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,9 @@ import os
 from lockstep_exact import hookimpl
 from lockstep_exact.requests import EngineInfo
 
-from . import __version__
+from .. import __version__
+from .._release import check, problem
+from .patches import problems
 
 # Loaded by the lockstep CLI (never by vLLM itself): keep vLLM's per-engine INFO lines out of
 # the ladder's progress output unless the user asked for them.
@@ -36,9 +43,6 @@ def lockstep_engine_info():
             problem=f"vllm is not importable: {err}",
             torch_version=_torch_version(),
         )
-    from ._release import problem
-    from .patches import problems
-
     found = problems() + [p for p in (problem(),) if p]
     return EngineInfo(
         plugin="lockstep-serving",
@@ -62,13 +66,11 @@ def _torch_version() -> str:
 def lockstep_sampler_contract(model_dir, adapter_dir, backend):
     from lockstep_exact.model import ModelDir
 
-    return ModelDir(model_dir, hybrid=True).contract(backend)  # vllm_next serves Qwen3-Next
+    return ModelDir(model_dir, hybrid=True).contract(backend)  # vllm/next.py serves Qwen3-Next
 
 
 @hookimpl
 def lockstep_capture(request):
-    from ._release import check
-
     check()
     from .capture import capture
 
@@ -77,8 +79,6 @@ def lockstep_capture(request):
 
 @hookimpl
 def lockstep_sampler_session(request):
-    from ._release import check
-
     check()
     from .session import VllmSampler
 
@@ -89,7 +89,7 @@ def lockstep_sampler_session(request):
 def lockstep_load_adapter(adapter_dir, model_dir, role):
     if role != "sampler":
         return None
-    from .lora import adapter_hash
+    from ..common.capture import adapter_hash
 
     return adapter_hash(adapter_dir, model_dir)
 

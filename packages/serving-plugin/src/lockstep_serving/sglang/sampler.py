@@ -1,16 +1,16 @@
 """The lane's sampler in SGLang: every token of a lane model is drawn by ``sample.gumbel_topp``.
 
 SGLang's CPU platform forces ``sampling_backend="pytorch"`` whatever the engine was started
-with, so the lane's sampler is registered under that name (``sglang_plugin.register``): SGLang's
+with, so the lane's sampler is registered under that name (``plugin.register``): SGLang's
 ``create_sampler`` looks registered factories up before its built-in names. A cuda engine must
-be started with ``sampling_backend="pytorch"`` (``sglang_capture.engine_args`` does; the lane
+be started with ``sampling_backend="pytorch"`` (``capture.engine_args`` does; the lane
 model refuses another). The rule runs on the logits' device: the cuda programs on a cuda
 engine. ``LaneSampler`` draws with the lane's rule only while a lane model lives in the
 process; for any other model it is SGLang's own ``Sampler``, unchanged. That it really is the
 sampler in use is checked at run time: the lane model refuses to start unless a
 ``LaneSampler`` was built in its process (SGLang builds the sampler just before the model),
 and refuses a forward step whose previous logits no ``LaneSampler`` consumed
-(``sglang_model``).
+(``model``).
 
 Per row: ``log_softmax.tree`` of the lane's fp32 logits (the raw row, what SGLang reports as
 the token's logprob), then the contract's ``sample`` site with the request's temperature,
@@ -31,26 +31,23 @@ that slipped by stops the engine (fail-closed).
 from __future__ import annotations
 
 import secrets
-import weakref
 
 import torch
 
 from lockstep_exact import programs as P
 from lockstep_exact.sites import paused
 
-from .patches import LaneRefused
-from .sampler import _INT64, refusal_text
+from ..common.errors import LaneRefused
+from ..common.lane import FAMILY_OF
+from ..common.sampling import _INT64, refusal_text
+from . import patches
+from .model import LIVE, SAMPLERS
 
 RULE = P.Program.of("sample.gumbel_topp")
 TOP_K_ALL = 1 << 30  # sglang.srt.sampling.sampling_params.TOP_K_ALL: no top-k truncation
 
-# Lane samplers built in this process (the lane model checks one exists).
-SAMPLERS: weakref.WeakSet = weakref.WeakSet()
-
 
 def _lane_model():
-    from .sglang_model import LIVE
-
     return next(iter(LIVE), None)
 
 
@@ -91,9 +88,8 @@ def refusal(sp) -> str | None:
 def from_schedule_batch(cls, batch, vocab_size):
     """SamplingBatchInfo.from_schedule_batch: the original; on a lane engine, every request
     refused or given a seed first, and the batch's ``sampling_seed`` always filled in."""
-    from .sglang_patches import TABLE
 
-    original = TABLE.original("SamplingBatchInfo.from_schedule_batch")
+    original = patches.TABLE.original("SamplingBatchInfo.from_schedule_batch")
     if _lane_model() is None:
         return original(batch, vocab_size)
     seeds = []
@@ -112,8 +108,6 @@ def from_schedule_batch(cls, batch, vocab_size):
 
 
 def is_lane_config(model_config) -> bool:
-    from .vllm_model import FAMILY_OF
-
     archs = getattr(getattr(model_config, "hf_config", None), "architectures", None)
     return bool(archs) and archs[0] in FAMILY_OF
 
@@ -135,9 +129,8 @@ def admission_problem(obj, sp) -> str | None:
 def create_tokenized_object(self, obj, *args, **kwargs):
     """TokenizerManager._create_tokenized_object: the original, then the lane's admission of
     the request, in SGLang's front end (a ValueError: the request fails, the engine serves on)."""
-    from .sglang_patches import TABLE
 
-    original = TABLE.original("TokenizerManager._create_tokenized_object")
+    original = patches.TABLE.original("TokenizerManager._create_tokenized_object")
     out = original(self, obj, *args, **kwargs)
     sp = getattr(out, "sampling_params", None)
     if sp is not None and is_lane_config(self.model_config):

@@ -13,7 +13,9 @@ from importlib import metadata
 from lockstep_exact import hookimpl
 from lockstep_exact.requests import EngineInfo
 
-from . import __version__
+from .. import __version__
+from .._release import check, problem
+from .patches import SUPPORTED_SGLANG, unsupported
 
 
 def sglang_version() -> str | None:
@@ -38,9 +40,6 @@ def lockstep_engine_info():
     version = sglang_version()
     if version is None:
         return None  # not installed here: the vLLM half speaks for the plugin
-    from ._release import problem
-    from .sglang_patches import SUPPORTED_SGLANG, unsupported
-
     found = [p for p in (problem(),) if p]
     if version not in SUPPORTED_SGLANG:
         found.append(unsupported(version))
@@ -59,9 +58,7 @@ def lockstep_engine_info():
 def lockstep_capture(request):
     if sglang_version() is None:
         return None
-    from ._release import check
-
     check()
-    from .sglang_capture import capture
+    from .capture import capture
 
     return capture(request)

@@ -2,7 +2,7 @@
 
 SGLang and Megatron live in different environments (docs/sglang.md), so the ladder's trainer
 stages run in the workspace's python and its sampler stages here, in the SGLang environment's:
-``python -m lockstep_serving.sglang_worker``, started and driven by
+``python -m lockstep_serving.sglang.worker``, started and driven by
 ``lockstep_exact.sampler_process``. One request per line on stdin, one JSON answer per line
 on the protocol stream (the process's original stdout; everything else it or SGLang prints goes
 to stderr, the caller's engine log):
@@ -26,6 +26,13 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
+from lockstep_exact.model import ModelDir
+from lockstep_exact.requests import CaptureRequest
+
+from .hooks import lockstep_engine_info
+
 
 class Worker:
     def __init__(self):
@@ -39,24 +46,16 @@ class Worker:
         self.lane, self.key, self.names = None, None, {}
 
     def info(self) -> dict:
-        import torch
-
-        from .sglang_hooks import lockstep_engine_info
-
         info = lockstep_engine_info()
         if info is None:
             raise RuntimeError(f"SGLang is not installed for {sys.executable}")
         return {"engine": {**vars(info), "torch_version": torch.__version__}}
 
     def contract(self, model_dir: str, backend: str) -> dict:
-        from lockstep_exact.model import ModelDir
-
         return {"contract": ModelDir(model_dir).contract(backend).to_json()}
 
     def capture(self, fields: dict) -> dict:
-        from lockstep_exact.requests import CaptureRequest
-
-        from .sglang_capture import LORA_ARGS, SglangLane, preflight
+        from .capture import LORA_ARGS, SglangLane, preflight
 
         request = CaptureRequest(**decode(fields))
         model = preflight(request)

@@ -3,10 +3,10 @@
 vLLM keeps a hybrid model's recurrent state in pages of its KV cache pool, one page per request
 and per state layer (``MambaSpec``, ``mamba_cache_mode`` "none"), next to the attention
 layers' pages. Each GDN layer of the lane is a ``LaneStateLayer`` here: it declares the page
-(``vllm_next.state_layout``: the layer's GdnState, its current chunk's cached rows and the conv
+(``next.state_layout``: the layer's GdnState, its current chunk's cached rows and the conv
 window), vLLM allocates and binds it, and ``LaneStateBackend``'s metadata hands the model each
 request's page index. No kernel runs here: the model reads and writes the pages itself
-(``vllm_next.load_cache`` / ``store_cache``), exact copies of the programs' tensors.
+(``next.load_cache`` / ``store_cache``), exact copies of the programs' tensors.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from .patches import LaneRefused
+from ..common.errors import LaneRefused
 
 BACKEND_NAME = "LOCKSTEP_GDN_STATE"
 BACKEND_PATH = f"{__name__}.LaneStateBackend"
@@ -107,7 +107,7 @@ def register() -> MambaAttentionBackendEnum:
 
 
 class LaneStateLayer(nn.Module, MambaBase):
-    """One GDN layer's state page in vLLM's cache: ``layout`` is ``vllm_next.state_layout``
+    """One GDN layer's state page in vLLM's cache: ``layout`` is ``next.state_layout``
     ((name, shape, dtype) per tensor); after binding, ``kv_cache`` holds one
     ``[num_pages, *shape]`` view per tensor, in that order."""
 

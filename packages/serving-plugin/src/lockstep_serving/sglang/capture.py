@@ -2,7 +2,7 @@
 
 The backend is the engine's device: ``backend="cpu"`` starts SGLang's CPU engine (0.5.21 on
 the CPU machines), ``backend="cuda"`` a CUDA one (0.5.17 on the GPU machine, eager: no CUDA
-graphs); the lane model runs that backend's programs and contract (``sglang_model``).
+graphs); the lane model runs that backend's programs and contract (``model``).
 
 The same trace as the vLLM capture (``capture.py``): the prompts' token ids, one seed per
 prompt (``seed + i``), exactly ``decisions`` tokens per prompt (EOS ignored), the raw FP32
@@ -12,7 +12,7 @@ and the rule that drew the tokens, so Megatron replays it and checks every token
 Prompts are tokenized here with the model directory's tokenizer (as vLLM does: special tokens
 added by the tokenizer's own rule) and handed to SGLang as token ids, so the trace records
 exactly what the engine saw. SGLang's scheduler runs in its own process; the lane model there
-keeps its invoked contract in a file (``sglang_model.REPORT_ENV``) which the capture reads
+keeps its invoked contract in a file (``model.REPORT_ENV``) which the capture reads
 after the last request.
 """
 
@@ -23,14 +23,18 @@ import os
 import tempfile
 from pathlib import Path
 
+import torch
+
+from lockstep_exact.contract import contract_from_json
+from lockstep_exact.lanes.ops import check_invoked
 from lockstep_exact.model import ModelDir
 from lockstep_exact.trace import SamplingSettings, Trace
 
-from . import __version__
-from .capture import TOKENIZERS
-from .lora import adapter_hash
-from .patches import LaneRefused
-from .sglang_model import CONTRACT_OVERRIDE, REPORT_ENV, architecture_for
+from .. import __version__
+from ..common.capture import TOKENIZERS, adapter_hash
+from ..common.errors import LaneRefused
+from . import patches
+from .model import CONTRACT_OVERRIDE, REPORT_ENV, architecture_for
 
 
 def _refuse(msg: str):
@@ -85,7 +89,7 @@ def engine_args(
     args = {
         "model_path": str(model_dir),
         "json_model_override_args": json.dumps(override),
-        "attention_backend": "torch_native",  # the lane attends itself (sglang_model)
+        "attention_backend": "torch_native",  # the lane attends itself (model.py)
         "sampling_backend": "pytorch",  # the lane's sampler is registered under this name
         "disable_cuda_graph": True,  # the lane's forward reads the batch on the host
         "dtype": "bfloat16",
@@ -133,9 +137,6 @@ def sampled(out: dict) -> tuple[list[int], list[float]]:
 def invoked_contract(report: Path):
     """The contract the engine's lane actually ran, checked against the one it was started
     with (a site run with another program, or one the contract lacks, is refused)."""
-    from lockstep_exact.contract import contract_from_json
-    from lockstep_exact.lanes.ops import check_invoked
-
     if not report.is_file():
         raise LaneRefused(
             "Lockstep exact lane: SGLang served the requests but no lane model reported what it "
@@ -154,13 +155,8 @@ def check_backend(backend: str) -> None:
     """cpu runs on SGLang's CPU engine; cuda needs a CUDA device (SGLang 0.5.17 on the GPU)."""
     if backend not in BACKENDS:
         _refuse(f"backend {backend!r}: the SGLang lane serves the {BACKENDS} lanes only")
-    if backend == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            _refuse(
-                "backend 'cuda': no CUDA device here (SGLang 0.5.17 on a GPU serves the cuda lane)"
-            )
+    if backend == "cuda" and not torch.cuda.is_available():
+        _refuse("backend 'cuda': no CUDA device here (SGLang 0.5.17 on a GPU serves the cuda lane)")
 
 
 def preflight(request) -> ModelDir:
@@ -178,9 +174,7 @@ def preflight(request) -> ModelDir:
         # Checked here too, so that a bad adapter is named before an engine starts.
         adapter_hash(request.adapter_dir, model.path, request.backend)
     architecture_for(model.path)
-    from .sglang_patches import check
-
-    check()
+    patches.check()
     return model
 
 

@@ -17,6 +17,9 @@ engine refused to start unless its lane matched any fingerprint requested
 
 # No ``from __future__ import annotations``: FastAPI must see the real ``Request`` class.
 
+from ..common.lane import model_contract
+from .architectures import ARCHITECTURES
+
 
 class LockstepEndpoint:
     name = "lockstep"
@@ -35,9 +38,6 @@ class LockstepEndpoint:
         app.include_router(router)
 
     async def init_state(self, engine_client, state, args) -> None:
-        from .vllm_model import model_contract
-        from .vllm_plugin import ARCHITECTURES
-
         if engine_client is None:
             state.lockstep_contract = {"lane_active": False, "reason": "no engine"}
             return
@@ -47,7 +47,7 @@ class LockstepEndpoint:
             state.lockstep_contract = {"lane_active": False, "architectures": archs}
             return
         # The model's family's lane (Qwen3-Next too) on the engine's device: the cuda lane's
-        # contract on a GPU engine, as the lane model itself runs (vllm_model.lane_backend).
+        # contract on a GPU engine, as the lane model itself runs (model.lane_backend).
         config = getattr(engine_client, "vllm_config", None)
         backend = config.device_config.device_type if config is not None else "cpu"
         c = model_contract(mc.model, backend)

@@ -1,6 +1,6 @@
 """The lane's own attention backend for vLLM: the paged KV cache of the lane, and no kernels.
 
-The exact lane attends inside its model (``vllm_model.paged_attention`` calls the shared
+The exact lane attends inside its model (``model.paged_attention`` calls the shared
 ``P.attention`` program), so vLLM needs an attention backend for the lane's layers only to
 allocate and bind each layer's paged KV cache and to hand the model the batch's metadata.
 vLLM's own backends check shapes against kernels the lane never runs (the CPU one refuses
@@ -35,7 +35,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-from .patches import LaneRefused
+from ..common.errors import LaneRefused
 
 BACKEND_PATH = f"{__name__}.LaneAttentionBackend"
 KV_CACHE_DTYPES = ("auto", "bfloat16")
@@ -72,7 +72,7 @@ class LaneAttentionMetadataBuilder(AttentionMetadataBuilder[LaneAttentionMetadat
     """Copies the batch's common metadata into ``LaneAttentionMetadata``; plans nothing.
 
     CUDA graphs: a step of one-token decodes runs the lane's graph-safe path (no host read,
-    shapes fixed by the padded batch; ``vllm_model._decode_step``), so vLLM may capture those;
+    shapes fixed by the padded batch; ``model._decode_step``), so vLLM may capture those;
     any other step runs eager."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = (

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import os
 
+import torch
+
+from lockstep_exact.contract import ContractMismatch, check_layout
 from lockstep_exact.model import ModelDir
 from lockstep_exact.trace import SamplingSettings, Trace
 
-from . import __version__
-from .lora import adapter_hash
+from .. import __version__
+from ..common.capture import TOKENIZERS, adapter_hash
+from ..common.errors import LaneRefused
+from .lora import lora_request_for
 from .offline import engine_args, invoked_contract, lane_fingerprint, sampled_logprobs
-from .patches import LaneRefused
-
-TOKENIZERS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one of them
 
 
 def _default_max_model_len(model: ModelDir) -> int:
@@ -45,13 +47,10 @@ def check_backend(backend: str) -> None:
     """The lane runs the cpu programs in a CPU vLLM and the cuda programs in a CUDA one."""
     if backend not in BACKENDS:
         raise LaneRefused(f"backend {backend!r}: this plugin serves the {BACKENDS} lanes only")
-    if backend == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise LaneRefused(
-                "backend 'cuda': no CUDA device here (a CUDA vLLM, 0.26.0, serves the cuda lane)"
-            )
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise LaneRefused(
+            "backend 'cuda': no CUDA device here (a CUDA vLLM, 0.26.0, serves the cuda lane)"
+        )
 
 
 def check_model(request) -> ModelDir:
@@ -67,7 +66,7 @@ def check_model(request) -> ModelDir:
         # model on V2. An engine this plugin starts asks for V1 unless the caller chose (a
         # caller's VLLM_USE_V2_MODEL_RUNNER=1 is refused by the lane model, naming it).
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    model = ModelDir(request.model_dir, hybrid=True)  # vllm_next serves Qwen3-Next
+    model = ModelDir(request.model_dir, hybrid=True)  # next.py serves Qwen3-Next
     _check_tokenizer(model)
     return model
 
@@ -78,8 +77,6 @@ def engine_options(model: ModelDir, options: dict, tp: int = 1) -> dict:
     refused here, naming both numbers, before any worker starts."""
     options = dict(options)
     if tp != 1:
-        from lockstep_exact.contract import ContractMismatch, check_layout
-
         try:
             check_layout(model.contract(), tp=tp)
         except ContractMismatch as err:
@@ -190,8 +187,6 @@ def capture(request) -> Trace:
     options = capture_options(model, request)
     lora_request = None
     if request.adapter_dir is not None:
-        from .lora import lora_request_for
-
         options.setdefault("enable_lora", True)
         lora_request = lora_request_for(request.adapter_dir)
     llm = LLM(**engine_args(request.model_dir, contract=request.contract, **options))

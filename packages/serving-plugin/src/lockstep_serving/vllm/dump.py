@@ -11,8 +11,9 @@ import os
 
 from lockstep_exact.sites import recording
 
+from ..common.errors import LaneRefused
+from .lora import lora_request_for
 from .offline import engine_args
-from .patches import LaneRefused
 
 
 def dump_sites(request) -> dict:
@@ -34,8 +35,6 @@ def dump_sites(request) -> dict:
     }
     lora_request = None
     if request.adapter_dir is not None:
-        from .lora import lora_request_for
-
         options["enable_lora"] = True
         lora_request = lora_request_for(request.adapter_dir)
     llm = LLM(**engine_args(request.model_dir, **options))

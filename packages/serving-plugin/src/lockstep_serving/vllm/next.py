@@ -5,7 +5,7 @@ Every floating-point op is a shared-exact byte program called through
 head); this module only wires the composition into vLLM:
 
 - the full-attention layers' K/V live in vLLM's paged KV cache, through the lane's attention
-  backend (``attn_backend``), written and read per request by ``vllm_model.paged_attention``;
+  backend (``attn_backend``), written and read per request by ``model.paged_attention``;
 - each Gated DeltaNet layer's per-request state lives in vLLM's hybrid state cache: one page
   per request (``mamba_cache_mode`` "none") holding ``state_layout``'s tensors, declared by a
   ``next_state.LaneStateLayer``. At a step, ``load_cache`` turns each request's pages into the
@@ -23,7 +23,7 @@ position 0 starts from the programs' zero state (vLLM does not clear a reused pa
 Refused at start, by name (``_validate``): prefix caching (vLLM resumes a hybrid request
 from states it checkpoints at its own block boundaries, a state the lane does not keep; the
 lane's engine arguments turn it off), tensor/pipeline/data/expert parallelism, a
-mamba cache dtype, speculative decoding, and everything ``vllm_model._validate_config``
+mamba cache dtype, speculative decoding, and everything ``model._validate_config``
 refuses for the other lanes.
 
 LoRA: as on the dense lane, vLLM decides which request uses which adapter (``LoRARequest``)
@@ -47,13 +47,13 @@ from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.lanes.config import UnsupportedModel
 from lockstep_exact.sites import is_recording, paused
 
-from .patches import LaneRefused
-from .vllm_model import (
+from .._release import check as check_release
+from ..common.errors import LaneRefused, _refuse
+from ..common.lane import lane_weights
+from .model import (
     LIVE,
-    _refuse,
     _validate_config,
     lane_backend,
-    lane_weights,
     paged_attention,
 )
 
@@ -149,7 +149,7 @@ def store_cache(geom: N.Geometry, pages: dict[int, dict[str, torch.Tensor]], slo
 
 
 def _validate(vllm_config) -> tuple[N.Geometry, Path]:
-    """``vllm_model._validate_config`` plus what the hybrid lane does not cover, by name."""
+    """``model._validate_config`` plus what the hybrid lane does not cover, by name."""
     geom, model_dir = _validate_config(vllm_config, ARCH)
     check_hybrid(vllm_config, geom)
     return geom, model_dir
@@ -246,9 +246,8 @@ class LockstepQwen3NextForCausalLM(nn.Module):
         from vllm.model_executor.layers.attention import Attention
 
         from . import attn_backend, next_state  # import vLLM: only ever inside an engine
-        from ._release import check
 
-        check()  # never start beside a lockstep-exact this release was not built against
+        check_release()  # never start beside a lockstep-exact this release was not built against
 
         self.geom, self.model_dir = _validate(vllm_config)
         g = self.geom
@@ -379,7 +378,7 @@ class LockstepQwen3NextForCausalLM(nn.Module):
 
 class PagedNextSlots(N.DictSlots):
     """The composition's slots in vLLM: the engine's weights, this group's adapter (or none)
-    and attention over vLLM's paged KV cache (``vllm_model.paged_attention``); the GDN state
+    and attention over vLLM's paged KV cache (``model.paged_attention``); the GDN state
     travels in the ``NextCache``."""
 
     def __init__(self, model: LockstepQwen3NextForCausalLM, reqs, rows, adapters=None):

@@ -5,7 +5,7 @@ One table, so the whole surface the plugin touches is visible in one place: a
 too). ``check()`` verifies each target exists with the expected parameters in the installed
 vLLM; the exact lane refuses to start (``LaneRefused``) when a target is missing, instead of
 running on whatever vLLM happens to do there. Stock vLLM keeps working either way: only the
-lane fails closed. The ``patch`` rows carry their replacement; ``vllm_plugin.register()``
+lane fails closed. The ``patch`` rows carry their replacement; ``plugin.register()``
 applies the table (``TABLE.apply()``), and a patch calls through to what it replaced with
 ``TABLE.original(...)``.
 
@@ -20,37 +20,37 @@ vLLM is left alone.
 
 from __future__ import annotations
 
-from lockstep_exact.patching import PatchTable, Target, installed_table
+from collections.abc import Callable
+from typing import Any
+
+from lockstep_exact.patching import PatchTable, PatchTableError, Target, installed_table
+
+from ..common.errors import LaneRefused
 
 SUPPORTED_VLLM = ("0.32.0", "0.26.0")
 
 
-class LaneRefused(RuntimeError):
-    """The exact lane cannot run here as configured; nothing falls back to a non-exact path."""
+# The replacements of the table's "patch" rows, by symbol. The functions that replace them live
+# above this table (each calls through to ``TABLE.original``), so the general plugin hands them
+# in (``plugin.register`` -> ``bind``) before it applies the table: this module imports none.
+_REPLACEMENTS: dict[str, Callable[[], Any]] = {}
 
 
-def _exact_compute_logprobs():
-    from .vllm_plugin import exact_compute_logprobs
-
-    return staticmethod(exact_compute_logprobs)
-
-
-def _lane_load_lora_model():
-    from .lora import load_lora_model
-
-    return load_lora_model
+def bind(replacements: dict[str, Callable[[], Any]]) -> None:
+    """Bind each "patch" row's replacement builder, by the row's symbol."""
+    _REPLACEMENTS.update(replacements)
 
 
-def _lane_sample():
-    from .sampler import lane_sample
+def _bound(symbol: str) -> Callable[[], Any]:
+    def build():
+        if symbol not in _REPLACEMENTS:
+            raise PatchTableError(
+                f"{symbol}: no replacement is bound (lockstep_serving.vllm.plugin.register binds "
+                "them before it applies the table)"
+            )
+        return _REPLACEMENTS[symbol]()
 
-    return lane_sample
-
-
-def _lane_process_inputs():
-    from .sampler import process_inputs
-
-    return process_inputs
+    return build
 
 
 # What the lane reads of SamplingParams: the rule it runs and every knob it refuses.
@@ -93,7 +93,7 @@ TARGETS: tuple[Target, ...] = (
         "patch",
         "raw logprobs of sampled and prompt tokens through log_softmax.tree while a lane lives",
         params=("logits",),
-        replacement=_exact_compute_logprobs,
+        replacement=_bound("Sampler.compute_logprobs"),
     ),
     # The lane's sampler (sampler.py): tokens drawn by sample.gumbel_topp, requests admitted.
     Target(
@@ -103,7 +103,7 @@ TARGETS: tuple[Target, ...] = (
         "a lane model's tokens: sample.gumbel_topp over the raw rows, keyed by each request's "
         "seed and the position of the token being chosen (the CPU runner inherits it)",
         params=("self", "logits", "spec_decode_metadata"),
-        replacement=_lane_sample,
+        replacement=_bound("GPUModelRunner._sample"),
     ),
     Target(
         "vllm.v1.worker.gpu_model_runner",
@@ -119,7 +119,7 @@ TARGETS: tuple[Target, ...] = (
         "a lane engine refuses sampling parameters its rule lacks, naming them, and gives a "
         "random request without a seed a fresh one",
         params=("self", "request_id", "prompt", "params"),
-        replacement=_lane_process_inputs,
+        replacement=_bound("InputProcessor.process_inputs"),
     ),
     Target(
         "vllm.sampling_params",
@@ -176,7 +176,7 @@ TARGETS: tuple[Target, ...] = (
         "patch",
         "a lane model gets LaneLoRAManager (exact lora programs) instead of punica wrappers",
         params=("self", "model", "vllm_config", "device"),
-        replacement=_lane_load_lora_model,
+        replacement=_bound("LoRAModelRunnerMixin.load_lora_model"),
     ),
     Target(
         "vllm.lora.layers.utils",
@@ -490,7 +490,7 @@ TARGETS_0_26: tuple[Target, ...] = tuple(_BY_NAME[n] for n in SHARED_0_26) + (
 _OPTIONS = dict(
     error=LaneRefused,
     refusal="the Lockstep exact lane does not support this vLLM",
-    source="lockstep_serving/patches.py",
+    source="lockstep_serving/vllm/patches.py",
 )
 
 TABLES: dict[str, PatchTable] = {

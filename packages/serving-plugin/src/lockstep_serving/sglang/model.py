@@ -7,10 +7,10 @@ engine's ``MHATokenToKVPool`` at the batch's ``out_cache_loc``, and each request
 values read back through ``req_to_token`` (the radix cache: a prefix hit is simply a request
 whose first positions were written by an earlier one), then the composition's attention site
 over them. The forward returns SGLang's ``LogitsProcessorOutput`` holding the lane's fp32
-logits of each request's last row; the lane's sampler (``sglang_sampler``) takes it from there.
+logits of each request's last row; the lane's sampler (``sampler``) takes it from there.
 LoRA: requests are grouped by the adapter SGLang assigned them (``ForwardBatch.lora_ids``), and
 each group runs the composition with its adapter's factors, from the lane's LoRA manager
-(``sglang_lora``).
+(``lora``).
 
 The lane is selected per engine, as in vLLM, by naming its architecture::
 
@@ -22,7 +22,7 @@ The lane is selected per engine, as in vLLM, by naming its architecture::
         ...,
     )
 
-(``sglang_capture.engine_args`` builds these). Everything the lane cannot run exactly is
+(``capture.engine_args`` builds these). Everything the lane cannot run exactly is
 refused when the model is built, naming the setting.
 
 The lane's backend is the engine's device, as in vLLM: ``device="cpu"`` (SGLang's CPU engine,
@@ -47,23 +47,27 @@ from lockstep_exact.contract import lane_contract
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.lanes.config import FAMILIES, HYBRID_FAMILIES
 from lockstep_exact.lanes.ops import Ops
+from lockstep_exact.model import model_hash
 from lockstep_exact.sites import is_recording, paused
 
-from .patches import LaneRefused
-from .vllm_model import (  # plain definitions: vllm_model imports no vLLM at module level
+from .._release import check as check_release
+from ..common.errors import LaneRefused, _refuse
+from ..common.lane import (
     CONTRACT_OVERRIDE,
     _expected_names,
-    _refuse,
     admit_requested,
     lane_geometry,
     lane_weights,
 )
+from . import patches
 
 # CONTRACT_OVERRIDE is also the json_model_override_args key carrying the fingerprint asked for.
 REPORT_ENV = "LOCKSTEP_SGLANG_REPORT"  # a file the model keeps its invoked contract in
 
 # Lane models alive in this process; while one lives, the lane's sampler applies its rule.
 LIVE: weakref.WeakSet = weakref.WeakSet()
+# Lane samplers built in this process (the lane model checks one exists).
+SAMPLERS: weakref.WeakSet = weakref.WeakSet()
 
 # The lanes SGLang serves: lockstep_exact's Qwen3 / Qwen3-MoE families (its one table); the
 # hybrid families (Qwen3-Next) are served by the vLLM plugin only, and refused here by name.
@@ -148,12 +152,9 @@ def _validate(config, quant_config, arch: str) -> tuple[qwen3.Geometry, Path, st
     model directory and backend (the engine's device)."""
     from sglang.srt.runtime_context import get_server_args
 
-    from ._release import check as check_release
-    from .sglang_patches import check
-
     check_release()  # never start beside a lockstep-exact this release was not built against
     try:
-        check()
+        patches.check()
     except LaneRefused as err:
         _refuse(str(err))
     sa = get_server_args()
@@ -174,9 +175,7 @@ def _validate(config, quant_config, arch: str) -> tuple[qwen3.Geometry, Path, st
     model_dir = Path(sa.model_path)
     if not (model_dir / "config.json").is_file():
         _refuse(f"{sa.model_path!r} is not a local HF model directory (config.json missing)")
-    from . import sglang_sampler
-
-    if not any(True for _ in sglang_sampler.SAMPLERS):
+    if not any(True for _ in SAMPLERS):
         _refuse(
             "SGLang did not build the lane's sampler in this process (sampling_backend "
             f"{getattr(sa, 'sampling_backend', None)!r}); the lockstep SGLang plugin registers "
@@ -214,14 +213,12 @@ class LockstepQwen3ForCausalLM(nn.Module):
         self._reported: tuple[int, int] | None = None
         self.steps = 0
         self.samples = 0
-        self.lora_manager = None  # sglang_lora.SglangLaneLoRAManager, under --enable-lora
+        self.lora_manager = None  # lora.SglangLaneLoRAManager, under --enable-lora
         LIVE.add(self)
 
     def model_hash(self) -> str:
         """The served model's hash (adapters bound to another base model are refused)."""
         if not hasattr(self, "_model_hash"):
-            from lockstep_exact.model import model_hash
-
             self._model_hash = model_hash(self.model_dir)
         return self._model_hash
 

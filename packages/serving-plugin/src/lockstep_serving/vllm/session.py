@@ -14,8 +14,9 @@ from pathlib import Path
 
 from lockstep_exact.trace import Trace
 
+from ..common.capture import adapter_hash
 from .capture import build_trace, check_model, engine_options, sampling_params
-from .lora import adapter_hash, lora_request_for
+from .lora import lora_request_for
 from .offline import engine_args, invoked_contract, lane_fingerprint
 
 # vLLM accepts these adapter ranks as its engine-wide maximum.

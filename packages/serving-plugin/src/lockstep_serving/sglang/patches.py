@@ -9,39 +9,49 @@ between the two). ``TABLE`` is the installed SGLang's table, chosen on first use
 this module imports no SGLang); any other version gets a table whose only problem names both
 supported versions, and a target that is missing or changed shape makes the lane refuse to
 start (``LaneRefused``) naming each problem. Stock SGLang keeps working either way: the
-general plugin (``sglang_plugin.register``) leaves SGLang untouched when the table has
+general plugin (``plugin.register``) leaves SGLang untouched when the table has
 problems, and only a lane model refuses.
 """
 
 from __future__ import annotations
 
-from lockstep_exact.patching import PatchTable, Target, installed_table
+import sys
+from collections.abc import Callable
+from importlib import metadata
+from typing import Any
 
-from .patches import LaneRefused
+from lockstep_exact.patching import PatchTable, PatchTableError, Target, installed_table
+
+from ..common.errors import LaneRefused
 
 SUPPORTED_SGLANG = ("0.5.17", "0.5.21")
 GPU_SGLANG = "0.5.17"  # the newest SGLang whose wheels pin the GPU machine's torch (2.11)
 
 
-def _from_schedule_batch():
-    from .sglang_sampler import from_schedule_batch
-
-    return classmethod(from_schedule_batch)
-
-
-def _init_lora_manager():
-    from .sglang_lora import init_lora_manager
-
-    return init_lora_manager
+# The replacements of the table's "patch" rows, by symbol. The functions that replace them live
+# above this table (each calls through to ``TABLE.original``), so the general plugin hands them
+# in (``plugin.register`` -> ``bind``) before it applies the table: this module imports none.
+_REPLACEMENTS: dict[str, Callable[[], Any]] = {}
 
 
-def _create_tokenized_object():
-    from .sglang_sampler import create_tokenized_object
+def bind(replacements: dict[str, Callable[[], Any]]) -> None:
+    """Bind each "patch" row's replacement builder, by the row's symbol."""
+    _REPLACEMENTS.update(replacements)
 
-    return create_tokenized_object
+
+def _bound(symbol: str) -> Callable[[], Any]:
+    def build():
+        if symbol not in _REPLACEMENTS:
+            raise PatchTableError(
+                f"{symbol}: no replacement is bound (lockstep_serving.sglang.plugin.register "
+                "binds them before it applies the table)"
+            )
+        return _REPLACEMENTS[symbol]()
+
+    return build
 
 
-# What the lane model reads of SGLang's server arguments (sglang_model._validate).
+# What the lane model reads of SGLang's server arguments (model._validate).
 SERVER_ARGS = (
     "model_path",
     "device",
@@ -85,7 +95,7 @@ TARGETS: tuple[Target, ...] = (
         "a lane engine's front end refuses sampling parameters its rule lacks (and prompt "
         "logprobs), naming them: the request fails, the engine serves on",
         params=("self", "obj", "input_text", "input_ids"),
-        replacement=_create_tokenized_object,
+        replacement=_bound("TokenizerManager._create_tokenized_object"),
     ),
     Target(
         "sglang.srt.model_executor.model_runner",
@@ -94,7 +104,7 @@ TARGETS: tuple[Target, ...] = (
         "a lane model's runner gets the lane's LoRA manager (adapters through the lane's checks, "
         "applied by lora.shrink/lora.expand), never SGLang's LoRA pool and kernels",
         params=("self",),
-        replacement=_init_lora_manager,
+        replacement=_bound("ModelRunner.init_lora_manager"),
     ),
     Target(
         "sglang.srt.runtime_context",
@@ -155,7 +165,7 @@ TARGETS: tuple[Target, ...] = (
         "a lane engine's batch carries every request's seed (sampling_seed), and a random "
         "request without one gets a fresh seed for its whole life",
         params=("batch", "vocab_size"),
-        replacement=_from_schedule_batch,
+        replacement=_bound("SamplingBatchInfo.from_schedule_batch"),
     ),
     Target(
         "sglang.srt.sampling.sampling_batch_info",
@@ -276,7 +286,7 @@ TARGETS: tuple[Target, ...] = (
 _OPTIONS = dict(
     error=LaneRefused,
     refusal="the Lockstep exact lane does not support this SGLang",
-    source="lockstep_serving/sglang_patches.py",
+    source="lockstep_serving/sglang/patches.py",
 )
 
 # 0.5.17: every 0.5.21 row holds there unchanged (the same modules, symbols, parameters and
@@ -323,14 +333,10 @@ def installed_version() -> str:
     try:
         import sglang
     except ImportError as err:
-        from importlib import metadata
-
         try:
             version = metadata.version("sglang")
         except metadata.PackageNotFoundError:  # the default environment: the table refuses
             return "(not installed)"
-        import sys
-
         # Installed but broken (a dependency missing, triton say): name the import that failed.
         raise LaneRefused(
             f"SGLang {version} is installed for {sys.executable} but does not import "

@@ -1,59 +1,9 @@
-"""Megatron's Qwen3-Next model for the qwen3-next lane: megatron-core's own
-``GatedDeltaNet``, ``SelfAttention`` with its output gate and ``MoELayer`` with its shared expert,
-the lane's programs in their slots.
-
-What Megatron builds: a ``GPTModel`` (in ``Float16Module``) whose ``TransformerBlock`` holds
-one ``TransformerLayer`` per HF layer. A ``linear_attention`` layer's mixer is megatron-core's
-``GatedDeltaNet`` (``megatron/core/ssm/gated_delta_net.py``) built from
-``GatedDeltaNetSubmodules``: its ``in_proj`` (one fused [q | k | v | z | beta | alpha] weight,
-every head of each part in head order), ``conv1d``, ``A_log``, ``dt_bias``, ``out_norm`` and
-``out_proj`` hold the HF ``linear_attn`` weights under Megatron's names. A ``full_attention``
-layer's mixer is ``SelfAttention`` with ``attention_output_gate``: its fused ``linear_qkv``
-holds, per query group, [q heads | gate heads | k | v]. Every layer's MLP is the lane's
-``MoELayer`` (``moe.py``) with Megatron's ``SharedExpertMLP`` and its ``gate_weight``.
-
-What runs: nothing of Megatron's arithmetic. Each layer's forward is the composition's
-``lanes.qwen3_next.Layer`` over the layer's rows, reading weights from those modules
-(``NextSlots``): in_proj_qkvz and in_proj_ba are row selections of ``in_proj`` (so the lane's
-gemm sees HF's weight bytes), conv1d.causal, gdn.gating, gdn.l2norm, gdn.chunked (chunks at
-absolute positions: each sequence of the batch starts at 0), rmsnorm.gated and out_proj's
-gemm.kpart; the attention layers' q (and gate) / k / v rows of ``linear_qkv``,
-rmsnorm.zero_centered, rope.partial, attention.blocked, gate.sigmoid; the MoE's router,
-experts, moe.fold, shared expert and moe.shared_gate. The op order is written only in the
-composition. GatedDeltaNet's ``__init__`` refuses to run without ``fla`` although building the
-module uses none of it; ``ExactGatedDeltaNet`` passes that check for its own construction
-only, and neither fla's kernels (``l2norm``, ``chunk_gated_delta_rule``) nor causal-conv1d
-are imported or called: the lane's programs run in their place, and the module's own forward
-is the composition's Gated DeltaNet mixer.
-
-Megatron's batches are [s, b] rows, right-padded, each sequence from position 0. The GDN and
-attention run per sequence; the layer hands the composition the rows sequence-major (one
-segment per batch column) and gives them back [s, b]. Padding rows follow a sequence's real
-rows, and every sequence-mixing op is causal, so they never reach a real row's bytes.
-
-LoRA: ``adapters.attach`` / ``export.load_into`` put an adapter on the Megatron linear and
-part of each projection the lane adapts (``NextSlots.proj``: the GDN's in_proj parts and
-out_proj, the attention's linear_qkv parts and linear_proj, the experts' and the shared
-expert's fc1 / fc2); ``NextSlots.lora`` hands it, rounded to bf16, to the composition, which
-runs lora.shrink / lora.expand after that projection's gemm.
-
-Training: the lane's ops run with ``grad=True`` (``NextOps``: each program's bytes forward,
-its ideal op's VJP backward, the GDN state and conv window included), so a loss on the
-log-probabilities differentiates through the whole composition, to the backbone's parameters
-and the adapters alike; ``lockstep train`` trains a LoRA adapter (``train.Trainer``) on cpu.
-
-Scope: tp 1, ep 1. The model's forward runs on cpu or, moved to a GPU, whole on cuda: each
-batch column's caches are made on the hidden states' device (``_sequence_rows``) and every
-program dispatches to the cuda backend (tests/test_hybrid_gpu.py). Refused by name: training
-and replay on another backend than cpu (``refuse_training``, ``check_replay``), the trainer
-session of the RL loop (``SESSION_REFUSED``), other layouts (``check_replay``).
-"""
+"""Megatron's Qwen3-Next model for the qwen3-next lane: the fused weights' rows, megatron-core's
+classes with the composition in their forward, the composition's slots over the modules, the
+ModuleSpecs and TransformerConfig, and ``LockstepNext`` (the package docstring, ``gdn``, says
+what Megatron builds and what runs)."""
 
 from __future__ import annotations
-
-import contextlib
-import json
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -61,10 +11,12 @@ from torch import nn
 from lockstep_exact import programs as P
 from lockstep_exact.contract import geometry_contract
 from lockstep_exact.lanes import qwen3_next as N
-from lockstep_exact.lanes.config import HYBRID_FAMILIES
 from lockstep_exact.lanes.ops import to_bf16
 
-from .spec import (
+from .._release import check as check_release
+from ..cpu import init_single_process
+from ..moe import expert_linear, moe_config, moe_spec
+from ..spec import (
     BF16,
     ExactBDA,
     ExactRMSNorm,
@@ -75,54 +27,8 @@ from .spec import (
     model_weight,
     parallel_linear,
 )
-
-SESSION_REFUSED = (
-    "the trainer session (policy / frozen) on the hybrid lane (qwen3-next) is not built yet, so "
-    "lockstep train does not take a Qwen3-Next model; the qualification ladder trains its "
-    "adapter (lockstep qualify --model DIR, its training gate)"
-)
-BACKEND_REFUSED = "the hybrid lane (qwen3-next) runs in Megatron on cpu only so far, not {!r}"
-
-
-class HybridRefused(NotImplementedError):
-    """What the Megatron half of the hybrid lane does not do yet (named in the message)."""
-
-
-def is_hybrid(model_dir: str | Path) -> bool:
-    """True when ``model_dir``'s config.json names a hybrid (Qwen3-Next) architecture."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        return False
-    try:
-        archs = json.loads(path.read_text()).get("architectures")
-    except (json.JSONDecodeError, AttributeError):
-        return False
-    return isinstance(archs, list) and any(a in HYBRID_FAMILIES for a in archs)
-
-
-def refuse_training(model_dir: str | Path, backend: str) -> None:
-    """What a training job on a hybrid model refuses before reading anything else: a backend
-    other than cpu (``HybridRefused``)."""
-    if is_hybrid(model_dir) and backend != "cpu":
-        raise HybridRefused(f"training: {BACKEND_REFUSED.format(backend)}")
-
-
-def refuse_session(model_dir: str | Path) -> None:
-    """Refuse (``HybridRefused``, ``SESSION_REFUSED``) a trainer session on a hybrid model."""
-    if is_hybrid(model_dir):
-        raise HybridRefused(f"{SESSION_REFUSED}: {model_dir} is a Qwen3-Next model")
-
-
-def check_replay(model_dir, adapter_dir, backend: str, tp: int, ep: int) -> None:
-    """What replay of a hybrid model refuses before reading anything else: a backend other
-    than cpu, a layout other than tp 1 ep 1 (the contract's ``LayoutRefused``). An adapter is
-    checked by replay's admission (``export.read_adapter``)."""
-    if not is_hybrid(model_dir):
-        return
-    if backend != "cpu":
-        raise HybridRefused(BACKEND_REFUSED.format(backend))
-    geom = N.Geometry.from_model_dir(model_dir)
-    geometry_contract(geom, backend=backend, tp=tp, ep=ep)  # refuses tp / ep > 1, naming both
+from .bypass import _composition_only, _fla_check_passed
+from .refusals import HybridRefused
 
 
 # --- the fused weights' rows -------------------------------------------------------------------
@@ -208,24 +114,6 @@ class SharedFC2:
 
 # --- megatron-core classes with the composition in their forward -------------------------------
 _CLASSES: dict[str, type] = {}
-
-
-@contextlib.contextmanager
-def _fla_check_passed(module):
-    """GatedDeltaNet.__init__ raises unless fla imported; nothing it builds uses fla. For the
-    construction only, its module reads as if it had (fla itself is never imported)."""
-    saved = module.HAVE_FLA
-    module.HAVE_FLA = True
-    try:
-        yield
-    finally:
-        module.HAVE_FLA = saved
-
-
-def _composition_only(self, *args, **kwargs):
-    raise RuntimeError(
-        f"{type(self).__name__} runs inside the lane composition (ExactNextLayer), not alone"
-    )
 
 
 def _sequence_rows(lane: LockstepNext, x: torch.Tensor):
@@ -356,8 +244,6 @@ class NextSlots(N.Slots):
             linear = mlp.shared_experts.linear_fc2 if part == "down_proj" else None
             linear = linear or mlp.shared_experts.linear_fc1
         else:  # mlp.experts.<e>.<part>
-            from .moe import expert_linear
-
             expert = mlp.experts.local_experts[mlp.local_index(int(path[2]))]
             linear = expert_linear(expert, part)
         return linear, part
@@ -410,8 +296,6 @@ def mlp_spec():
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from .moe import moe_spec
-
     spec = moe_spec()
     spec.submodules.shared_experts = ModuleSpec(
         module=classes()["shared"],
@@ -452,8 +336,6 @@ def transformer_config(geom: N.Geometry):
     the attention's output gate, zero-centered norms and the shared expert with its gate."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from .moe import moe_config
-
     return TransformerConfig(
         **moe_config(geom, 1),
         moe_shared_expert_intermediate_size=geom.shared_intermediate,
@@ -482,10 +364,7 @@ class LockstepNext(nn.Module):
         from megatron.core.models.gpt import GPTModel
         from megatron.core.transformer.module import Float16Module
 
-        from ._release import check
-        from .cpu import init_single_process
-
-        check()
+        check_release()
         geometry_contract(geom, tp=tp, ep=ep)  # LayoutRefused for tp / ep > 1, naming both
         init_single_process()
         self.geom, self.tp, self.ep, self.tp_rank, self.gather = geom, 1, 1, 0, P.LOCAL
@@ -546,87 +425,3 @@ class LockstepNext(nn.Module):
         b, s, v = logits.shape
         ops = self.ops(logits.device)
         return ops.log_softmax("logprobs", logits.reshape(b * s, v)).view(b, s, v)
-
-
-# --- weights ---------------------------------------------------------------------------------
-def megatron_state(model: LockstepNext, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The GPTModel state dict (names as ``model.gpt.state_dict()``) built from HF Qwen3-Next
-    weights; ``ConversionError`` naming a missing HF weight or one no module takes."""
-    from .convert import ConversionError, _fuse
-
-    g, gpt = model.geom, model.gpt
-    used: set[str] = set()
-    state: dict[str, torch.Tensor] = {}
-
-    def take(src: str, dst: str):
-        if src not in hf:
-            raise ConversionError(f"missing HF weight {src}")
-        used.add(src)
-        state[dst] = hf[src]
-
-    def fuse(linear, prefix: str):
-        return _fuse(linear, hf, prefix, used)
-
-    take("model.embed_tokens.weight", "embedding.word_embeddings.weight")
-    take("model.norm.weight", "decoder.final_layernorm.weight")
-    if not g.tie_embeddings:
-        take("lm_head.weight", "output_layer.weight")
-    for i, layer in enumerate(gpt.decoder.layers):
-        hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
-        mixer, moe = layer.self_attention, layer.mlp
-        take(hp + "input_layernorm.weight", mp + "input_layernorm.weight")
-        take(hp + "post_attention_layernorm.weight", mp + "pre_mlp_layernorm.weight")
-        if g.layer_types[i] == N.LINEAR:
-            a, m = hp + "linear_attn.", mp + "self_attention."
-            state[m + "in_proj.weight"] = fuse(mixer.in_proj, a)
-            state[m + "out_proj.weight"] = fuse(mixer.out_proj, a)
-            take(a + "conv1d.weight", m + "conv1d.weight")
-            take(a + "A_log", m + "A_log")
-            take(a + "dt_bias", m + "dt_bias")
-            take(a + "norm.weight", m + "out_norm.weight")
-        else:
-            a, m = hp + "self_attn.", mp + "self_attention."
-            state[m + "linear_qkv.weight"] = fuse(mixer.linear_qkv, a)
-            state[m + "linear_proj.weight"] = fuse(mixer.linear_proj, a)
-            take(a + "q_norm.weight", m + "q_layernorm.weight")
-            take(a + "k_norm.weight", m + "k_layernorm.weight")
-        take(hp + "mlp.gate.weight", mp + "mlp.router.weight")
-        for j, expert in enumerate(moe.experts.local_experts):
-            e = moe.local_expert_indices[j]
-            for fc in ("linear_fc1", "linear_fc2"):
-                state[f"{mp}mlp.experts.local_experts.{j}.{fc}.weight"] = fuse(
-                    getattr(expert, fc), f"{hp}mlp.experts.{e}."
-                )
-        for fc in ("linear_fc1", "linear_fc2"):
-            state[f"{mp}mlp.shared_experts.{fc}.weight"] = fuse(
-                getattr(moe.shared_experts, fc), f"{hp}mlp.shared_expert."
-            )
-        take(hp + "mlp.shared_expert_gate.weight", mp + "mlp.shared_experts.gate_weight")
-    extra = sorted(set(hf) - used)
-    if extra:
-        raise ConversionError(f"HF weights the hybrid lane does not place: {extra[:5]}")
-    return state
-
-
-def build(model_dir: str | Path, tp: int = 1, ep: int = 1) -> LockstepNext:
-    """The Megatron model of an HF Qwen3-Next directory, weights loaded (convert.load_into)."""
-    from .convert import load_into
-
-    return load_into(LockstepNext(N.Geometry.from_model_dir(model_dir), tp, ep), model_dir)
-
-
-__all__ = [
-    "SESSION_REFUSED",
-    "HybridRefused",
-    "LockstepNext",
-    "NextSlots",
-    "block_spec",
-    "build",
-    "check_replay",
-    "gated_qkv_parts",
-    "in_proj_parts",
-    "is_hybrid",
-    "refuse_session",
-    "refuse_training",
-    "transformer_config",
-]

@@ -28,16 +28,17 @@ import secrets
 
 import torch
 
-from lockstep_exact import programs as P
 from lockstep_exact.sites import paused
 
-from .patches import LaneRefused
+from ..common.errors import LaneRefused
+from ..common.sampling import _INT64, refusal_text
+from . import patches
+from .architectures import ARCHITECTURES
+from .model import LIVE
 
-RULE = P.Program.of("sample.gumbel_topp")
 # vLLM's own greedy threshold: a temperature below it is greedy (SamplingParams forces the
 # others up to 1e-2), and the lane's rule gets temperature 0 for it.
 GREEDY_BELOW = 1e-5
-_INT64 = (-(2**63), 2**63 - 1)
 
 
 def request_problem(sp) -> tuple[str, object, str] | None:
@@ -91,26 +92,11 @@ def request_problem(sp) -> tuple[str, object, str] | None:
     return None
 
 
-def refusal_text(found: tuple | None) -> str | None:
-    """The refusal of a request whose sampling setting (name, value, why) the lane does not
-    run, or None; shared by the vLLM and SGLang halves."""
-    if found is None:
-        return None
-    name, value, why = found
-    return (
-        f"Lockstep exact lane: {name}={value!r} is not supported: it would change the token "
-        f"distribution ({why}), and the lane draws every token with {RULE.ident} "
-        "(temperature and top_p only)"
-    )
-
-
 def refusal(sp) -> str | None:
     return refusal_text(request_problem(sp))
 
 
 def is_lane_config(model_config) -> bool:
-    from .vllm_plugin import ARCHITECTURES
-
     archs = getattr(model_config, "architectures", None) or getattr(
         getattr(model_config, "hf_config", None), "architectures", None
     )
@@ -133,9 +119,7 @@ def prepare(sp) -> None:
 def process_inputs(self, request_id, prompt, params, *args, **kwargs):
     """InputProcessor.process_inputs: the original, then the lane's admission of the request
     (on the request's own copy of the parameters: the caller's object is never touched)."""
-    from .patches import TABLE
-
-    original = TABLE.original("InputProcessor.process_inputs")
+    original = patches.TABLE.original("InputProcessor.process_inputs")
     request = original(self, request_id, prompt, params, *args, **kwargs)
     sp = getattr(request, "sampling_params", None)
     if sp is not None and is_lane_config(self.model_config):
@@ -156,8 +140,6 @@ def runner_model(runner):
 
 
 def _is_lane_runner(runner) -> bool:
-    from .vllm_model import LIVE
-
     model = runner_model(runner)
     return model is not None and model in LIVE
 
@@ -191,10 +173,8 @@ def rows_of(runner, n: int):
 
 def lane_sample(self, logits, spec_decode_metadata):
     """GPUModelRunner._sample: the rule for lane models, vLLM's sampler for every other."""
-    from .patches import TABLE
-
     if not _is_lane_runner(self):
-        return TABLE.original("GPUModelRunner._sample")(self, logits, spec_decode_metadata)
+        return patches.TABLE.original("GPUModelRunner._sample")(self, logits, spec_decode_metadata)
     from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 
     if spec_decode_metadata is not None:

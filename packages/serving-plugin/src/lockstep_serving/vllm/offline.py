@@ -1,7 +1,7 @@
 """The offline API: engine arguments that activate the exact lane, its fingerprint, capture.
 
 from vllm import LLM
-from lockstep_serving.offline import engine_args, lane_fingerprint
+from lockstep_serving.vllm.offline import engine_args, lane_fingerprint
 llm = LLM(**engine_args("path/to/model"))
 lane_fingerprint(llm)  # "sha256:..." of the contract the running lane executes
 """
@@ -9,13 +9,18 @@ lane_fingerprint(llm)  # "sha256:..." of the contract the running lane executes
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import torch
 
-from .patches import LaneRefused
-from .vllm_model import CONTRACT_OVERRIDE
-from .vllm_plugin import LANE_OF_HF
+from lockstep_exact.contract import contract_from_json
+from lockstep_exact.lanes.ops import check_invoked
+
+from ..common.errors import LaneRefused
+from ..common.lane import CONTRACT_OVERRIDE
+from .architectures import LANE_OF_HF
 
 
 def isolate(root: Path, *, override: bool = False, tmp: bool = False) -> None:
@@ -25,9 +30,6 @@ def isolate(root: Path, *, override: bool = False, tmp: bool = False) -> None:
     cache, offline hub, WARNING logs. ``override`` replaces values already set; ``tmp`` also
     points TMPDIR (and Python's tempfile) into ``root``.
     """
-    import os
-    import tempfile
-
     values = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -77,7 +79,7 @@ def engine_args(
         "seed": 0,
     }
     if arch == "Qwen3NextForCausalLM":
-        # The hybrid lane refuses vLLM's prefix caching (vllm_next.py), which vLLM turns on
+        # The hybrid lane refuses vLLM's prefix caching (next.py), which vLLM turns on
         # for it by default.
         args["enable_prefix_caching"] = False
     if cuda_graphs:
@@ -121,9 +123,6 @@ def invoked_contract(llm):
     checked against the contract it was started with: a site run with another program than
     the contract names, or a site the contract lacks, is refused here, naming the site.
     Every worker must have run the same."""
-    from lockstep_exact.contract import contract_from_json
-    from lockstep_exact.lanes.ops import check_invoked
-
     found = set(llm.apply_model(_invoked_json))
     if len(found) != 1:
         raise RuntimeError(f"workers disagree on the lane's invoked contract: {len(found)} kinds")

@@ -10,7 +10,7 @@ runner's ``lora_manager`` is ``SglangLaneLoRAManager`` instead of SGLang's ``LoR
 contract, this base model; anything else refused by name: the lane's contract is its
 backend's, so a cuda engine takes adapters made for the cuda lane) and hands the model the
 loaded adapters, on the engine's device; the model applies each request's through
-``lora.shrink`` / ``lora.expand`` in the shared composition (``sglang_model``). SGLang's
+``lora.shrink`` / ``lora.expand`` in the shared composition (``model``). SGLang's
 LoRA memory pool, backends and kernels are never built.
 
 An adapter that fails the checks is never loaded: given at start (``--lora-paths``), the
@@ -22,7 +22,9 @@ from __future__ import annotations
 
 from lockstep_exact.adapters import AdapterError, load_adapter
 
-from .patches import LaneRefused
+from ..common.errors import LaneRefused
+from . import patches
+from .model import LockstepQwen3ForCausalLM
 
 
 def _result(success: bool, message: str, refs: dict):
@@ -146,10 +148,7 @@ def init_lora_manager(self):
     model SGLang's own LoRAManager."""
     from sglang.srt.runtime_context import get_lora
 
-    from .sglang_model import LockstepQwen3ForCausalLM
-    from .sglang_patches import TABLE
-
     if not isinstance(self.model, LockstepQwen3ForCausalLM):
-        return TABLE.original("ModelRunner.init_lora_manager")(self)
+        return patches.TABLE.original("ModelRunner.init_lora_manager")(self)
     cfg = get_lora()
     self.lora_manager = SglangLaneLoRAManager(self.model, cfg.max_loras_per_batch, cfg.lora_paths)

@@ -13,8 +13,12 @@ import contextlib
 from pathlib import Path
 
 from lockstep_exact.adapters import AdapterError, load_adapter
+from lockstep_exact.model import model_hash
 
-from .patches import LaneRefused
+from ..common.errors import LaneRefused
+from . import patches
+from .model import LockstepQwen3ForCausalLM
+from .next import LockstepQwen3NextForCausalLM
 
 
 def lora_request_for(adapter_dir, lora_int_id: int = 1):
@@ -25,19 +29,6 @@ def lora_request_for(adapter_dir, lora_int_id: int = 1):
     return LoRARequest(
         lora_name=f"lockstep-{path.name}", lora_int_id=lora_int_id, lora_path=str(path)
     )
-
-
-def adapter_hash(adapter_dir, model_dir, backend: str = "cpu") -> str:
-    """Validate a PEFT adapter for this lane (AdapterError naming the problem); its hash.
-
-    The hash covers the factors and the adapter config's numeric fields; a Lockstep export
-    must be bound to this base model, a foreign (peft-made) adapter is recorded beside the
-    model hash in the trace. An export names the lane contract it was made for: the
-    ``backend``'s (cuda adapters for a cuda engine)."""
-    from lockstep_exact.model import ModelDir
-
-    base = model_dir if isinstance(model_dir, ModelDir) else ModelDir(model_dir, hybrid=True)
-    return load_adapter(adapter_dir, base, contract=base.contract(backend).fingerprint).sha256
 
 
 class LaneLoRAManager:
@@ -54,8 +45,6 @@ class LaneLoRAManager:
     def _model_hash(self) -> str:
         """The served model's hash (adapters bound to another base model are refused)."""
         if not hasattr(self, "_hash"):
-            from lockstep_exact.model import model_hash
-
             self._hash = model_hash(self.model.model_dir)
         return self._hash
 
@@ -131,11 +120,9 @@ class LaneLoRAManager:
 
 def load_lora_model(self, model, vllm_config, device):
     """LoRAModelRunnerMixin.load_lora_model: lane models get LaneLoRAManager."""
-    from .patches import TABLE
-    from .vllm_model import LockstepQwen3ForCausalLM
-    from .vllm_next import LockstepQwen3NextForCausalLM
-
     if isinstance(model, (LockstepQwen3ForCausalLM, LockstepQwen3NextForCausalLM)):
         self.lora_manager = LaneLoRAManager(model, vllm_config.lora_config.max_loras)
         return model
-    return TABLE.original("LoRAModelRunnerMixin.load_lora_model")(self, model, vllm_config, device)
+    return patches.TABLE.original("LoRAModelRunnerMixin.load_lora_model")(
+        self, model, vllm_config, device
+    )

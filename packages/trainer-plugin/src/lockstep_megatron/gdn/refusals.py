@@ -1,0 +1,62 @@
+"""What the Megatron half of the hybrid lane (qwen3-next) refuses, by name, before it reads
+anything else: training and replay on another backend than cpu, other layouts, the trainer
+session of the RL loop."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lockstep_exact.contract import geometry_contract
+from lockstep_exact.lanes import qwen3_next as N
+from lockstep_exact.lanes.config import HYBRID_FAMILIES
+
+SESSION_REFUSED = (
+    "the trainer session (policy / frozen) on the hybrid lane (qwen3-next) is not built yet, so "
+    "lockstep train does not take a Qwen3-Next model; the qualification ladder trains its "
+    "adapter (lockstep qualify --model DIR, its training gate)"
+)
+
+
+BACKEND_REFUSED = "the hybrid lane (qwen3-next) runs in Megatron on cpu only so far, not {!r}"
+
+
+class HybridRefused(NotImplementedError):
+    """What the Megatron half of the hybrid lane does not do yet (named in the message)."""
+
+
+def is_hybrid(model_dir: str | Path) -> bool:
+    """True when ``model_dir``'s config.json names a hybrid (Qwen3-Next) architecture."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return False
+    try:
+        archs = json.loads(path.read_text()).get("architectures")
+    except (json.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(archs, list) and any(a in HYBRID_FAMILIES for a in archs)
+
+
+def refuse_training(model_dir: str | Path, backend: str) -> None:
+    """What a training job on a hybrid model refuses before reading anything else: a backend
+    other than cpu (``HybridRefused``)."""
+    if is_hybrid(model_dir) and backend != "cpu":
+        raise HybridRefused(f"training: {BACKEND_REFUSED.format(backend)}")
+
+
+def refuse_session(model_dir: str | Path) -> None:
+    """Refuse (``HybridRefused``, ``SESSION_REFUSED``) a trainer session on a hybrid model."""
+    if is_hybrid(model_dir):
+        raise HybridRefused(f"{SESSION_REFUSED}: {model_dir} is a Qwen3-Next model")
+
+
+def check_replay(model_dir, adapter_dir, backend: str, tp: int, ep: int) -> None:
+    """What replay of a hybrid model refuses before reading anything else: a backend other
+    than cpu, a layout other than tp 1 ep 1 (the contract's ``LayoutRefused``). An adapter is
+    checked by replay's admission (``export.read_adapter``)."""
+    if not is_hybrid(model_dir):
+        return
+    if backend != "cpu":
+        raise HybridRefused(BACKEND_REFUSED.format(backend))
+    geom = N.Geometry.from_model_dir(model_dir)
+    geometry_contract(geom, backend=backend, tp=tp, ep=ep)  # refuses tp / ep > 1, naming both
