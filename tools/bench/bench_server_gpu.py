@@ -1,4 +1,4 @@
-"""A burst of requests against vLLM's OpenAI server: the lane (``lockstep_serving.server``)
+"""A burst of requests against vLLM's OpenAI server: the lane (``lockstep_serving.vllm.server``)
 against stock ``vllm.entrypoints.openai.api_server`` started as a user starts it (default
 compilation and graph settings), same model, same requests, one run.
 
@@ -55,7 +55,7 @@ def _post(url: str, body: dict, timeout: float) -> dict:
 def server_cmd(name: str, model: Path, port: int, max_model_len: int) -> list[str]:
     common = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len)]
     if name == "lane":
-        return [sys.executable, "-m", "lockstep_serving.server", "--model", str(model),
+        return [sys.executable, "-m", "lockstep_serving.vllm.server", "--model", str(model),
                 "--backend", "cuda", "--", *common]  # fmt: skip
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--dtype", "bfloat16", *common]  # fmt: skip

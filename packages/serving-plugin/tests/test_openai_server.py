@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server started with the plugin serves the lane's exact logprobs.
+"""vLLM's OpenAI server started by `lockstep_serving.vllm.server` serves exact logprobs.
 
 Loopback only; the server is stopped by its pid.
 """
@@ -54,19 +54,16 @@ def server(tiny_models, tmp_path_factory):
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w")  # noqa: SIM115
     env = dict(os.environ, VLLM_PLUGINS="lockstep")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    # The documented way to start it: lockstep_serving.vllm.server adds the lane's flags.
     cmd = [
         sys.executable,
         "-m",
-        "vllm.entrypoints.openai.api_server",
+        "lockstep_serving.vllm.server",
         "--model",
         str(model_dir),
-        "--hf-overrides",
-        json.dumps({"architectures": ["LockstepQwen3ForCausalLM"]}),
-        "--dtype",
-        "bfloat16",
-        "--logprobs-mode",
-        "raw_logprobs",
-        "--enforce-eager",
+        "--backend",
+        "cpu",
+        "--",
         "--max-model-len",
         "512",
         "--host",

@@ -1,6 +1,6 @@
 """vLLM's OpenAI-compatible server on the exact lane, with the flags the lane needs.
 
-    python -m lockstep_serving.server --model DIR [--backend cuda|cpu] [-- vLLM's own flags]
+    python -m lockstep_serving.vllm.server --model DIR [--backend cuda|cpu] [-- vLLM's own flags]
 
 The command line is vLLM's own ``vllm.entrypoints.openai.api_server``; this module only adds
 what activates the lane (the same settings as ``offline.engine_args``): the lane's
@@ -19,8 +19,8 @@ import os
 import sys
 from pathlib import Path
 
+from ..common.errors import LaneRefused
 from .offline import engine_args
-from .patches import LaneRefused
 
 # vLLM flags the lane sets itself; a user's value for one is refused (argparse's last-wins
 # would otherwise let it replace the lane's).
