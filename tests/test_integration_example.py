@@ -187,3 +187,57 @@ def test_the_provider_refuses_pipeline_stages_and_other_backends(dense):
         lane_model_provider(dense)(pre_process=False, post_process=True)
     with pytest.raises(ValueError, match="cpu or cuda"):
         lane_model_provider(dense, backend="tpu")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])
+def test_which_megatron_forwards_run(arch, tmp_path, monkeypatch):
+    """What docs/integration.md and the trainer README say Megatron runs in a forward: its
+    wrappers, GPTModel, the embedding (whose output the lane's embed replaces) and
+    TransformerBlock; never TransformerLayer's, SelfAttention's, MLP's, MoELayer's or a
+    parallel linear's own forward (the lane composition runs in their place)."""
+    from megatron.core.models.common.embeddings.language_model_embedding import (
+        LanguageModelEmbedding,
+    )
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+    from megatron.core.transformer.attention import Attention, SelfAttention
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from lockstep_megatron.integration import lane_model_provider
+
+    model = lane_model_provider(make_model(tmp_path / arch, arch))()
+    ran: list[str] = []
+
+    def count(cls):
+        orig = cls.forward
+
+        def forward(self, *args, **kwargs):
+            ran.append(cls.__name__)
+            return orig(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "forward", forward)
+
+    watched = (Float16Module, GPTModel, LanguageModelEmbedding, VocabParallelEmbedding)
+    watched += (TransformerBlock, TransformerLayer, Attention, SelfAttention, MLP, MoELayer)
+    watched += (ColumnParallelLinear, RowParallelLinear)
+    for cls in watched:
+        count(cls)
+    with torch.no_grad():
+        model(torch.randint(0, model.geom.vocab, (2, 6)))
+    assert sorted(ran) == sorted(
+        [
+            "Float16Module",
+            "GPTModel",
+            "LanguageModelEmbedding",
+            "VocabParallelEmbedding",
+            "TransformerBlock",
+        ]
+    )
