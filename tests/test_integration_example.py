@@ -241,3 +241,36 @@ def test_which_megatron_forwards_run(arch, tmp_path, monkeypatch):
             "TransformerBlock",
         ]
     )
+
+
+def test_server_responses_are_read_as_rollouts_and_bad_ones_refused(tmp_path):
+    from lockstep_megatron.integration import RolloutFormatError, read_rollouts
+
+    good = {
+        "prompt": [3, 4],
+        "response": {
+            "choices": [
+                {
+                    "logprobs": {
+                        "tokens": ["token_id:9", "token_id:2"],
+                        "token_logprobs": [-1.5, -0.25],
+                    }
+                }
+            ]
+        },
+    }
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(good) + "\n")
+    (r,) = read_rollouts(path)
+    assert r.tokens == (3, 4, 9, 2) and r.prompt_len == 2
+    assert r.logprobs.tolist() == [-1.5, -0.25]
+    named = json.loads(json.dumps(good))
+    named["response"]["choices"][0]["logprobs"]["tokens"] = ["Hello", "!"]
+    path.write_text(json.dumps(named) + "\n")
+    with pytest.raises(RolloutFormatError, match="return_tokens_as_token_ids"):
+        read_rollouts(path)
+    bare = json.loads(json.dumps(good))
+    del bare["response"]["choices"][0]["logprobs"]
+    path.write_text(json.dumps(bare) + "\n")
+    with pytest.raises(RolloutFormatError, match='"logprobs": 0'):
+        read_rollouts(path)

@@ -144,3 +144,36 @@ def test_a_sampling_parameter_outside_the_lanes_rule_is_a_400_naming_it(server):
     assert "Lockstep exact lane: top_k=5 is not supported" in message, message
     # The server keeps serving the requests it admits.
     assert _post(base + "/v1/completions", {**body, "top_k": 0})["choices"][0]["text"] is not None
+
+
+def test_served_responses_verify_byte_for_byte_in_megatron(server, tmp_path):
+    """What `lockstep verify` reads: the server's own answers, saved as {prompt, response}
+    lines, recomputed by Megatron on the lane. Control: the same answers against a model whose
+    LM head differs by one ulp in one element (an input changed) are reported as differing."""
+    from trainer_support import nudge_one_ulp
+
+    from lockstep_megatron.integration import check_rollout, lane_model_provider
+
+    base, model_dir = server
+    path = tmp_path / "responses.jsonl"
+    with open(path, "w") as f:
+        for i, prompt in enumerate(([5, 17, 99, 4, 250], [7, 7, 31])):
+            body = {
+                "model": str(model_dir),
+                "prompt": prompt,
+                "max_tokens": DECISIONS,
+                "ignore_eos": True,
+                "temperature": 1.0,
+                "seed": SEED + i,
+                "logprobs": 0,
+                "return_tokens_as_token_ids": True,
+            }
+            f.write(
+                json.dumps({"prompt": prompt, "response": _post(base + "/v1/completions", body)})
+            )
+            f.write("\n")
+    report = check_rollout(lane_model_provider(model_dir)(), path)
+    assert report.equal and report.sequences == 2 and report.decisions == 2 * DECISIONS, report
+    nudged = nudge_one_ulp(model_dir, tmp_path / "nudged")
+    report = check_rollout(lane_model_provider(nudged)(), path)
+    assert not report.equal and report.first_difference is not None, report

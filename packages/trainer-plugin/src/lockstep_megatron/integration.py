@@ -309,11 +309,48 @@ def _rollout(record, where: str) -> Rollout:
     return Rollout(tuple(tokens), plen, torch.tensor(lps, dtype=torch.float64).to(torch.float32))
 
 
+TOKEN_ID_PREFIX = "token_id:"
+
+
+def _from_response(record: dict, where: str) -> list[Rollout]:
+    """The rollouts of one OpenAI-server exchange: ``{"prompt": [ids], "response": {...}}``
+    where the response is a ``/v1/completions`` answer to that prompt asked with
+    ``logprobs: 0`` and ``return_tokens_as_token_ids: true`` (vLLM then writes each sampled
+    token as ``token_id:N``). One rollout per choice."""
+    prompt, response = record["prompt"], record["response"]
+    if not isinstance(prompt, list) or not prompt:
+        raise RolloutFormatError(f"{where}: prompt must be the request's token ids (a list)")
+    choices = response.get("choices") if isinstance(response, dict) else None
+    if not choices:
+        raise RolloutFormatError(f"{where}: the response has no choices")
+    out = []
+    for c, choice in enumerate(choices):
+        lp = choice.get("logprobs") or {}
+        names, values = lp.get("tokens"), lp.get("token_logprobs")
+        if names is None or values is None:
+            raise RolloutFormatError(
+                f'{where}: choice {c} has no logprobs; ask the server with "logprobs": 0'
+            )
+        ids = []
+        for name in names:
+            if not (isinstance(name, str) and name.startswith(TOKEN_ID_PREFIX)):
+                raise RolloutFormatError(
+                    f"{where}: choice {c} names token {name!r}, not its id; ask the server "
+                    'with "return_tokens_as_token_ids": true'
+                )
+            ids.append(int(name[len(TOKEN_ID_PREFIX) :]))
+        body = {"tokens": [*prompt, *ids], "prompt_len": len(prompt), "logprobs": values}
+        out.append(_rollout(body, f"{where} (choice {c})"))
+    return out
+
+
 def read_rollouts(path: str | os.PathLike[str]) -> list[Rollout]:
-    """Read a JSONL of ``{"tokens": [...], "prompt_len": int, "logprobs": [...]}`` lines (blank
-    lines skipped). Each logprob is read as a JSON number and rounded to float32 (a float32
-    written as a Python float comes back with the same bytes). Raises ``RolloutFormatError``
-    naming the file and line of the first bad record."""
+    """Read a JSONL of rollouts (blank lines skipped), each line either
+    ``{"tokens": [...], "prompt_len": int, "logprobs": [...]}`` or an OpenAI-server exchange
+    ``{"prompt": [ids], "response": {...}}`` (``_from_response``: every choice of a
+    ``/v1/completions`` answer). Each logprob is read as a JSON number and rounded to float32
+    (a float32 written as a Python float comes back with the same bytes). Raises
+    ``RolloutFormatError`` naming the file and line of the first bad record."""
     out = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -324,7 +361,10 @@ def read_rollouts(path: str | os.PathLike[str]) -> list[Rollout]:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise RolloutFormatError(f"{where}: not JSON ({err})") from err
-            out.append(_rollout(record, where))
+            if isinstance(record, dict) and "response" in record and "prompt" in record:
+                out.extend(_from_response(record, where))
+            else:
+                out.append(_rollout(record, where))
     if not out:
         raise RolloutFormatError(f"{path}: no rollouts")
     return out
