@@ -478,7 +478,7 @@ def architecture_for(model_dir) -> str:
     if arch in HYBRID_FAMILIES:
         _refuse(
             f"architecture {arch!r}: its exact lane is served by the vLLM plugin "
-            f"(lockstep_serving.vllm_next), not SGLang; SGLang serves {sorted(LANE_OF_HF)}"
+            f"(lockstep_serving.vllm.next), not SGLang; SGLang serves {sorted(LANE_OF_HF)}"
         )
     if arch not in LANE_OF_HF:
         _refuse(f"architecture {arch!r} has no exact lane; supported: {sorted(LANE_OF_HF)}")

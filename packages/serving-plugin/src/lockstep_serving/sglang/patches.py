@@ -277,7 +277,7 @@ TARGETS: tuple[Target, ...] = (
         "LoRAManager",
         "read",
         "what SGLang's scheduler, worker and model runner call on a lora_manager; the lane's "
-        "SglangLaneLoRAManager stands in for it (sglang_lora)",
+        "SglangLaneLoRAManager stands in for it (sglang/lora.py)",
         attrs=LORA_MANAGER_CALLS,
     ),
 )

@@ -151,7 +151,7 @@ class LaneAttentionImpl(AttentionImpl[LaneAttentionMetadata]):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw):
         raise LaneRefused(
             "Lockstep exact lane: vLLM asked the lane's attention backend to run attention; "
-            "the lane attends inside its model (vllm_model.paged_attention) and has no kernel"
+            "the lane attends inside its model (vllm/model.py: paged_attention) and has no kernel"
         )
 
 

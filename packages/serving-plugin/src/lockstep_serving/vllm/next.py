@@ -174,7 +174,7 @@ def check_hybrid(vllm_config, geom: N.Geometry) -> None:
             "prefix caching on the qwen3-next lane: vLLM would resume a request from the Gated "
             "DeltaNet state it checkpoints at its own block boundaries, and the lane keeps only "
             "each request's state at its gdn chunk start plus that chunk's rows; start the "
-            "engine with enable_prefix_caching=False (lockstep_serving.offline.engine_args "
+            "engine with enable_prefix_caching=False (lockstep_serving.vllm.offline.engine_args "
             "does)"
         )
     if getattr(cc, "mamba_cache_dtype", "auto") != "auto":

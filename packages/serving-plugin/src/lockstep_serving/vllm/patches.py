@@ -235,7 +235,7 @@ TARGETS: tuple[Target, ...] = (
         "vllm.v1.attention.backends.registry",
         "register_backend",
         "register",
-        "the backend name LOCKSTEP_LANE -> lockstep_serving.attn_backend.LaneAttentionBackend "
+        "the backend name LOCKSTEP_LANE -> lockstep_serving.vllm.attn_backend.LaneAttentionBackend "
         "(Attention looks its backend up by name)",
         params=("backend", "class_path"),
     ),
@@ -407,7 +407,7 @@ TARGETS_0_26: tuple[Target, ...] = tuple(_BY_NAME[n] for n in SHARED_0_26) + (
         "vllm.v1.attention.backends.registry",
         "register_backend",
         "register",
-        "AttentionBackendEnum.CUSTOM -> lockstep_serving.attn_backend.LaneAttentionBackend "
+        "AttentionBackendEnum.CUSTOM -> lockstep_serving.vllm.attn_backend.LaneAttentionBackend "
         "(0.26.0 overrides an existing member; it cannot add a name)",
         params=("backend", "class_path"),
     ),
@@ -451,7 +451,7 @@ TARGETS_0_26: tuple[Target, ...] = tuple(_BY_NAME[n] for n in SHARED_0_26) + (
         "AttentionMetadataBuilder",
         "read",
         "the lane's builder declares UNIFORM_SINGLE_TOKEN_DECODE: vLLM captures its one-token "
-        "decode steps (vllm_model._decode_step) in full graphs, every other step runs eagerly",
+        "decode steps (vllm/model.py: _decode_step) in full graphs, every other step runs eagerly",
         attrs=("_cudagraph_support", "get_cudagraph_support", "build_for_cudagraph_capture"),
     ),
     Target(
