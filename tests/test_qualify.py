@@ -115,7 +115,8 @@ def test_qualify_without_the_trainer_plugin_names_the_missing_half(tmp_path):
 
 def test_qualify_refuses_halves_whose_contracts_differ(tmp_path):
     from lockstep_exact import hookimpl
-    from lockstep_exact.contract import ContractMismatch, contract_from_json, lane_contract
+    from lockstep_exact.contract import ContractMismatch, contract_from_json
+    from lockstep_exact.model import lane_contract
     from lockstep_exact.plugins import manager
     from lockstep_exact.qualify import Ladder
 

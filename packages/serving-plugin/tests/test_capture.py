@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 from serving_support import assert_same_bytes_and_control
 
-from lockstep_exact.contract import lane_contract
 from lockstep_exact.lanes import qwen3
+from lockstep_exact.model import lane_contract
 from lockstep_exact.model import model_hash as dir_hash
 from lockstep_exact.plugins import manager
 from lockstep_exact.requests import CaptureRequest

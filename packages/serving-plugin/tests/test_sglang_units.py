@@ -832,8 +832,8 @@ def test_the_batch_patch_seeds_random_requests_and_refuses_the_rest(monkeypatch)
 
 
 def test_the_lane_sampler_draws_with_the_rule_and_refuses_foreign_logits(tiny):
-    from lockstep_exact.contract import lane_contract
     from lockstep_exact.lanes.ops import Ops
+    from lockstep_exact.model import lane_contract
 
     ops = Ops(lane_contract(tiny))
     model = SimpleNamespace(ops=ops, sampled=lambda: None)
@@ -931,8 +931,8 @@ def fake_lora_sglang(monkeypatch):
 
 
 def _lane_model(model_dir):
-    from lockstep_exact.contract import lane_contract
     from lockstep_exact.lanes.qwen3 import Geometry
+    from lockstep_exact.model import lane_contract
 
     model = object.__new__(sglang_model.LockstepQwen3ForCausalLM)
     torch.nn.Module.__init__(model)

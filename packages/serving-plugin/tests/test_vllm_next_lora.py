@@ -156,7 +156,7 @@ def test_the_zero_adapter_gives_exactly_the_base_bytes(runs):
 def test_the_lora_manager_refuses_an_adapter_of_another_contract(model_dir, tmp_path):
     from types import SimpleNamespace
 
-    from lockstep_exact.contract import geometry_contract
+    from lockstep_exact.model import geometry_contract
     from lockstep_serving.lora import LaneLoRAManager, lora_request_for
 
     geom = N.Geometry.from_model_dir(model_dir)

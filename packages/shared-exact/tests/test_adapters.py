@@ -20,9 +20,8 @@ from lockstep_exact.adapters import (
     make_adapter,
     perturb_adapter,
 )
-from lockstep_exact.contract import lane_contract
 from lockstep_exact.lanes import qwen3
-from lockstep_exact.model import ModelDir
+from lockstep_exact.model import ModelDir, lane_contract
 from lockstep_exact.parity import assert_same_bytes, same_bytes
 from lockstep_exact.tiny import make_tiny
 

@@ -18,9 +18,8 @@ from lockstep_exact.adapters import (
     perturb_adapter,
     write_adapter,
 )
-from lockstep_exact.contract import geometry_contract
 from lockstep_exact.lanes import qwen3_next as N
-from lockstep_exact.model import ModelDir
+from lockstep_exact.model import ModelDir, geometry_contract
 from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes
 from lockstep_exact.tiny import make_tiny
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from lockstep_exact import programs as P
-from lockstep_exact.contract import geometry_contract
 from lockstep_exact.lanes import qwen3_next as N
+from lockstep_exact.model import geometry_contract
 from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes
 from lockstep_exact.programs import vjp as V
 from lockstep_exact.tiny import tiny_config

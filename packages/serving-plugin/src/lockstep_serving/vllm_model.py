@@ -17,16 +17,11 @@ import torch
 from torch import nn
 
 from lockstep_exact import programs as P
-from lockstep_exact.contract import (
-    ContractMismatch,
-    admit,
-    check_layout,
-    geometry_contract,
-    lane_contract,
-)
+from lockstep_exact.contract import ContractMismatch, admit, check_layout
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.lanes.ops import Ops
 from lockstep_exact.layout import shard_lora, shard_weight
+from lockstep_exact.model import geometry_contract, lane_contract
 from lockstep_exact.sites import is_recording, paused
 
 from .patches import LaneRefused, check

@@ -16,9 +16,8 @@ LOCKED_ARCHES = ("qwen3", "qwen3-moe", "qwen3-next")
 
 
 def build(backend: str = "cpu") -> dict:
-    from .contract import geometry_contract
     from .golden import case_hashes
-    from .model import geometry_of
+    from .model import geometry_contract, geometry_of
     from .programs import CATALOG
     from .tiny import tiny_config
 

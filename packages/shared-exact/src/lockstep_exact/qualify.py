@@ -18,9 +18,9 @@ import torch
 
 from . import __version__
 from .adapters import load_adapter, make_adapter, perturb_adapter
-from .contract import admit, check_layout, geometry_contract
+from .contract import admit, check_layout
 from .k3 import compare, k3
-from .model import ModelDir
+from .model import ModelDir, geometry_contract
 from .parity import same_bytes
 from .plugins import MissingHalf, require_hook
 from .requests import CaptureRequest, ReplayRequest, TrainRequest

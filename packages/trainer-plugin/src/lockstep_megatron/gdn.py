@@ -59,10 +59,10 @@ import torch
 from torch import nn
 
 from lockstep_exact import programs as P
-from lockstep_exact.contract import geometry_contract
 from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.lanes.config import HYBRID_FAMILIES
 from lockstep_exact.lanes.ops import to_bf16
+from lockstep_exact.model import geometry_contract
 
 from .spec import (
     BF16,

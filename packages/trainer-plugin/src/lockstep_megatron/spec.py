@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from lockstep_exact import programs as P
-from lockstep_exact.contract import geometry_contract
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.lanes.ops import Ops, to_bf16
 from lockstep_exact.lanes.qwen3 import Geometry
+from lockstep_exact.model import geometry_contract
 
 BF16 = torch.bfloat16
 
