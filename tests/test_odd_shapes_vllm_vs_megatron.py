@@ -13,8 +13,8 @@ from cross_support import capture, forge, nudged_copy, replay
 
 from lockstep_exact.k3 import compare
 from lockstep_exact.model import model_hash
-from lockstep_exact.parity import nudge_ulp
 from lockstep_exact.plugins import manager
+from lockstep_exact.testing import nudge_ulp
 from lockstep_exact.tiny import make_tiny
 
 pytestmark = pytest.mark.engine

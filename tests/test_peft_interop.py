@@ -18,8 +18,8 @@ from safetensors.torch import save_file
 from lockstep_exact.adapters import CONFIG, WEIGHTS, load_adapter
 from lockstep_exact.k3 import compare
 from lockstep_exact.model import ModelDir
-from lockstep_exact.parity import nudge_ulp
 from lockstep_exact.plugins import manager
+from lockstep_exact.testing import nudge_ulp
 from lockstep_exact.tiny import make_tiny
 
 pytest.importorskip("peft")

@@ -255,8 +255,8 @@ def lora_lane(request, tmp_path_factory):
 
 
 def test_megatron_on_cuda_replays_sglang_cuda_lora_captures_byte_for_byte(lora_lane):
-    from lockstep_exact.adapters import perturb_adapter
     from lockstep_exact.k3 import compare
+    from lockstep_exact.testing import perturb_adapter
     from lockstep_exact.trace import Trace
 
     h = _helpers()
@@ -277,7 +277,7 @@ def test_megatron_on_cuda_replays_sglang_cuda_lora_captures_byte_for_byte(lora_l
 
 
 def test_base_a_and_b_in_one_cuda_batch_each_equal_their_solo_runs(lora_lane):
-    from lockstep_exact.parity import nudge_ulp
+    from lockstep_exact.testing import nudge_ulp
     from lockstep_exact.trace import Trace
 
     h = _helpers()

@@ -20,9 +20,9 @@ from cross_support import merged_model
 from lockstep_exact import hookimpl
 from lockstep_exact.cli import main
 from lockstep_exact.hashing import sha256_file
-from lockstep_exact.parity import nudge_ulp
 from lockstep_exact.plugins import manager
 from lockstep_exact.rewards import ToyTask
+from lockstep_exact.testing import nudge_ulp
 from lockstep_exact.tiny import make_tiny
 from lockstep_exact.trace import Trace
 from lockstep_exact.train_loop import (

@@ -52,7 +52,8 @@ def _rand(*shape, seed, scale=1.0):
 
 def _control(a, b, what):
     """a and b are byte-identical, and the same check rejects b moved by one ulp."""
-    from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes
+    from lockstep_exact.parity import same_bytes
+    from lockstep_exact.testing import assert_same_bytes, nudge_ulp
 
     assert_same_bytes(a, b, what)
     assert not same_bytes(a, nudge_ulp(b)), f"{what}: the check misses a one-ulp change"
@@ -206,8 +207,8 @@ def test_megatron_on_cuda_replays_a_trace_captured_from_vllm_026(
     arch, graphs, gpu_models, tmp_path
 ):
     from lockstep_exact.k3 import compare
-    from lockstep_exact.parity import nudge_ulp
     from lockstep_exact.requests import CaptureRequest
+    from lockstep_exact.testing import nudge_ulp
     from lockstep_exact.tiny import default_prompts
     from lockstep_megatron.convert import build
     from lockstep_megatron.replay import replay, score

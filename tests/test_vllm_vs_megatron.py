@@ -76,7 +76,7 @@ def test_megatron_replays_vllm_lora_decisions_byte_for_byte(pm, lane):
     cmp = compare(trace.logprobs, replay(pm, model, root / "A-trace", adapter=ad))
     assert cmp.exact and cmp.k3_max == 0.0, str(cmp)
     # control: the trainer on an adapter one factor 2^-9 away sees different bytes
-    from lockstep_exact.adapters import perturb_adapter
+    from lockstep_exact.testing import perturb_adapter
 
     key = (
         "base_model.model.model.layers.0.mlp.experts.0.down_proj.lora_B.weight"

@@ -7,15 +7,10 @@ import torch
 from safetensors.torch import load_file
 from serving_support import FAMILIES, assert_same_bytes_and_control, start_engine, stop_engine
 
-from lockstep_exact.adapters import (
-    PREFIX,
-    AdapterError,
-    load_adapter,
-    make_adapter,
-    perturb_adapter,
-)
+from lockstep_exact.adapters import PREFIX, AdapterError, load_adapter, make_adapter
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.parity import same_bytes
+from lockstep_exact.testing import perturb_adapter
 
 BASE_PROMPT, LORA_PROMPT = "The river runs past the old mill", "Question: Why is the sky blue?"
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lockstep_exact import programs as P
-from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes, ulp_distance
+from lockstep_exact.parity import same_bytes, ulp_distance
+from lockstep_exact.testing import assert_same_bytes, nudge_ulp
 
 BF16 = torch.bfloat16
 MS = (1, 3, 64, 257)

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from lockstep_exact import programs as P
-from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes, ulp_distance
+from lockstep_exact.parity import same_bytes, ulp_distance
 from lockstep_exact.programs.cpu import gdn as G
+from lockstep_exact.testing import assert_same_bytes, nudge_ulp
 
 BF16 = torch.bfloat16
 F32 = torch.float32

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from lockstep_exact import programs as P
-from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes, ulp_distance
+from lockstep_exact.parity import same_bytes, ulp_distance
 from lockstep_exact.programs import cpu as CPU
+from lockstep_exact.testing import assert_same_bytes, nudge_ulp
 
 pytestmark = pytest.mark.gpu
 

@@ -18,8 +18,9 @@ import torch
 from lockstep_exact import programs as P
 from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.model import geometry_contract
-from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes
+from lockstep_exact.parity import same_bytes
 from lockstep_exact.programs import vjp as V
+from lockstep_exact.testing import assert_same_bytes, nudge_ulp
 from lockstep_exact.tiny import tiny_config
 
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64

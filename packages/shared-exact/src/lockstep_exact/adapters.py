@@ -362,27 +362,6 @@ def make_adapter(
     )
 
 
-def perturb_adapter(adapter_dir, out_dir, key: str, delta: float = 2.0**-9) -> Path:
-    """A copy with one factor's first element moved by ``delta`` (the perturbed control).
-
-    The config and the bindings are kept; a Lockstep export's recorded hash is renewed (the
-    copy is a deliberate new adapter), a foreign adapter stays without one.
-    """
-    src = Path(adapter_dir)
-    config = json.loads((src / CONFIG).read_text())
-    with safe_open(str(src / WEIGHTS), "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iter)
-        meta = dict(f.metadata() or {})
-    if key not in tensors:
-        raise AdapterError(f"adapter has no factor {key}")
-    t = tensors[key].float().clone()
-    t.view(-1)[0] += delta
-    tensors[key] = t.to(tensors[key].dtype)
-    if HASH_KEY in meta:
-        meta[HASH_KEY] = adapter_sha256(tensors, config)
-    return _write_dir(Path(out_dir), tensors, config, meta)
-
-
 def _check_config(path: Path, config: dict[str, Any]) -> tuple[int, float]:
     where = path / CONFIG
     if config.get("peft_type", "LORA") != "LORA":
