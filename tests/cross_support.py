@@ -6,8 +6,8 @@ of 3, so the two engines batch differently on purpose.
 
 from __future__ import annotations
 
+from lockstep_exact.app.tiny import default_prompts
 from lockstep_exact.requests import CaptureRequest, ReplayRequest
-from lockstep_exact.tiny import default_prompts
 from lockstep_exact.trace import Trace
 
 

@@ -38,7 +38,7 @@ def test_the_whole_ladder_qualifies_on_cuda(arch, tmp_path, capfd):
     _vllm_026()
     import megatron.core
 
-    from lockstep_exact.cli import main
+    from lockstep_exact.app.cli import main
 
     out = tmp_path / "q"
     argv = ["qualify", "--tiny", arch, "--backend", "cuda", "--out", str(out)]

@@ -181,7 +181,7 @@ def test_the_lane_models_paged_attention_gives_the_contiguous_programs_bytes():
 @pytest.fixture(scope="module")
 def gpu_models(tmp_path_factory):
     _vllm()
-    from lockstep_exact.tiny import make_tiny
+    from lockstep_exact.app.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("gpu-models")
     return {arch: make_tiny(root / arch, arch=arch) for arch in ("qwen3", "qwen3-moe")}
@@ -206,10 +206,10 @@ def _stop(llm):
 def test_megatron_on_cuda_replays_a_trace_captured_from_vllm_026(
     arch, graphs, gpu_models, tmp_path
 ):
+    from lockstep_exact.app.tiny import default_prompts
     from lockstep_exact.k3 import compare
     from lockstep_exact.requests import CaptureRequest
     from lockstep_exact.testing import nudge_ulp
-    from lockstep_exact.tiny import default_prompts
     from lockstep_megatron.convert import build
     from lockstep_megatron.replay import replay, score
     from lockstep_serving.capture import capture
@@ -248,7 +248,7 @@ def test_decode_steps_replayed_from_cuda_graphs_give_the_eager_bytes(arch, gpu_m
     """The same 8 seeded requests in an eager engine and in one with CUDA graphs: every
     decision byte-equal, and with graphs no decode step ran the Python forward (each was a
     graph replay), while the eager engine ran them all."""
-    from lockstep_exact.tiny import default_prompts
+    from lockstep_exact.app.tiny import default_prompts
     from lockstep_serving.offline import python_decode_steps
 
     prompts = default_prompts(8)
@@ -329,8 +329,8 @@ TARGET = 6  # default_prompts(8)[6] is longer than one 32-token block, so prefix
 @pytest.fixture(scope="module", params=["qwen3", "qwen3-moe"])
 def engine_runs(request, gpu_models, tmp_path_factory):
     from lockstep_exact.adapters import make_adapter
+    from lockstep_exact.app.tiny import default_prompts
     from lockstep_exact.model import ModelDir
-    from lockstep_exact.tiny import default_prompts
     from lockstep_serving.lora import lora_request_for
 
     model_dir = gpu_models[request.param]

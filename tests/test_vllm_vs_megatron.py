@@ -12,12 +12,12 @@ import torch
 from cross_support import capture, forge, nudged_copy, replay
 
 from lockstep_exact.adapters import make_adapter
+from lockstep_exact.app.tiny import default_prompts, make_tiny
 from lockstep_exact.k3 import compare
 from lockstep_exact.model import model_hash as dir_hash
 from lockstep_exact.plugins import manager
 from lockstep_exact.programs import Program
 from lockstep_exact.requests import CaptureRequest
-from lockstep_exact.tiny import default_prompts, make_tiny
 from lockstep_exact.trace import Trace
 
 pytestmark = pytest.mark.engine

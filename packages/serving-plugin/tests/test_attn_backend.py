@@ -10,7 +10,7 @@ import torch
 from serving_support import assert_same_bytes_and_control, start_engine, stop_engine
 
 from lockstep_exact import programs as P
-from lockstep_exact.tiny import default_prompts, make_tiny
+from lockstep_exact.app.tiny import default_prompts, make_tiny
 from lockstep_serving import attn_backend as ab
 from lockstep_serving.patches import LaneRefused
 from lockstep_serving.vllm_model import paged_attention

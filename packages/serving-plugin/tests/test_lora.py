@@ -135,7 +135,7 @@ def test_an_adapter_made_for_another_contract_is_refused(tiny_models, tmp_path):
 
 
 def test_an_export_for_another_base_model_is_refused(tiny_models, tmp_path):
-    from lockstep_exact.tiny import make_tiny
+    from lockstep_exact.app.tiny import make_tiny
     from lockstep_serving.lora import adapter_hash
 
     model_dir = tiny_models["qwen3"]
@@ -160,8 +160,8 @@ def test_a_peft_adapter_is_hashed_on_load(tiny_models, tmp_path):
 def test_the_lora_manager_refuses_an_adapter_of_another_base_model(tiny_models, tmp_path):
     from types import SimpleNamespace
 
+    from lockstep_exact.app.tiny import make_tiny
     from lockstep_exact.model import ModelDir
-    from lockstep_exact.tiny import make_tiny
     from lockstep_serving.lora import LaneLoRAManager, lora_request_for
     from lockstep_serving.patches import LaneRefused
 

@@ -19,11 +19,11 @@ from safetensors.torch import load_file
 from serving_support import _ROOT, start_engine, stop_engine
 
 from lockstep_exact import programs as P
+from lockstep_exact.app.tiny import default_prompts, make_tiny
 from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.model import geometry_contract
 from lockstep_exact.parity import same_bytes
 from lockstep_exact.testing import assert_same_bytes, nudge_ulp
-from lockstep_exact.tiny import default_prompts, make_tiny
 from lockstep_serving.patches import LaneRefused
 
 DECISIONS = 8

@@ -18,11 +18,11 @@ from safetensors.torch import load_file
 from serving_support import _ROOT, start_engine, stop_engine
 
 from lockstep_exact.adapters import load_adapter, make_adapter
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.model import ModelDir
 from lockstep_exact.parity import same_bytes
 from lockstep_exact.testing import assert_same_bytes, nudge_ulp
-from lockstep_exact.tiny import make_tiny
 from lockstep_serving.patches import LaneRefused
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]

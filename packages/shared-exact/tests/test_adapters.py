@@ -19,11 +19,11 @@ from lockstep_exact.adapters import (
     load_adapter,
     make_adapter,
 )
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.model import ModelDir, lane_contract
 from lockstep_exact.parity import same_bytes
 from lockstep_exact.testing import assert_same_bytes, perturb_adapter
-from lockstep_exact.tiny import make_tiny
 
 
 @pytest.fixture(scope="module")

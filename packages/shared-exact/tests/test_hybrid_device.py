@@ -188,7 +188,7 @@ def test_a_state_on_another_device_than_the_tokens_is_refused_naming_both():
 
 
 def test_a_sequence_cache_is_made_on_the_models_device():
-    from lockstep_exact.tiny import tiny_config
+    from lockstep_exact.app.tiny import tiny_config
 
     geom = N.Geometry.from_hf_config(tiny_config("qwen3-next"))
     cache = N.NextCache.empty(geom, META)

@@ -349,8 +349,8 @@ def lane_on(request, dev, tmp_path_factory):
 
     from safetensors.torch import load_file
 
+    from lockstep_exact.app.tiny import make_tiny
     from lockstep_exact.model import ModelDir
-    from lockstep_exact.tiny import make_tiny
 
     kw = ODD if request.param == "odd" else {}
     d = make_tiny(tmp_path_factory.mktemp(f"next-{request.param}") / "m", arch="qwen3-next", **kw)

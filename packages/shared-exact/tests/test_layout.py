@@ -9,13 +9,13 @@ import torch
 from safetensors.torch import load_file
 
 from lockstep_exact import programs as P
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.contract import LayoutRefused, check_layout
 from lockstep_exact.lanes.qwen3 import forward_logprobs, k_parts
 from lockstep_exact.layout import Layout
 from lockstep_exact.model import ModelDir
 from lockstep_exact.parity import same_bytes
 from lockstep_exact.testing import nudge_ulp, reference_logprobs
-from lockstep_exact.tiny import make_tiny
 
 pytestmark = pytest.mark.slow
 

@@ -17,11 +17,11 @@ from lockstep_exact.adapters import (
     module_shapes,
     write_adapter,
 )
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.model import ModelDir, geometry_contract
 from lockstep_exact.parity import same_bytes
 from lockstep_exact.testing import assert_same_bytes, nudge_ulp, perturb_adapter
-from lockstep_exact.tiny import make_tiny
 
 TOKENS = torch.tensor([5, 17, 99, 3, 250, 41, 8, 77, 12, 600])
 

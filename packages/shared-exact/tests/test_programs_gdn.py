@@ -399,7 +399,7 @@ def _hf_next(block: str):
     from transformers import Qwen3NextConfig
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
-    from lockstep_exact.tiny import tiny_config, tiny_state_dict
+    from lockstep_exact.app.tiny import tiny_config, tiny_state_dict
 
     raw = tiny_config("qwen3-next")
     w = tiny_state_dict(raw, seed=0)

@@ -16,17 +16,17 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
-from .adapters import load_adapter, make_adapter
-from .contract import admit, check_layout
-from .k3 import compare, k3
-from .model import ModelDir, geometry_contract
-from .parity import same_bytes
-from .plugins import MissingHalf, require_hook
-from .requests import CaptureRequest, ReplayRequest, TrainRequest
-from .testing import perturb_adapter
+from .. import __version__
+from ..adapters import load_adapter, make_adapter
+from ..contract import admit, check_layout
+from ..k3 import compare, k3
+from ..model import ModelDir, geometry_contract
+from ..parity import same_bytes
+from ..plugins import MissingHalf, require_hook
+from ..requests import CaptureRequest, ReplayRequest, TrainRequest
+from ..testing import perturb_adapter
+from ..trace import Trace
 from .tiny import default_prompts
-from .trace import Trace
 
 
 @dataclass

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import __version__
+from .. import __version__
 
 QUIET_COMMANDS = ("qualify", "capture", "replay", "bisect", "train", "doctor")
 
@@ -54,7 +54,7 @@ def _engines(args):
 def _only_engine(pm, hook_name: str, engine: str, package: str):
     """``hook_name``'s caller restricted to the plugin registered under the entry-point name
     ``engine`` (``vllm``, ``sglang``), or MissingHalf naming the installed ones."""
-    from .plugins import MissingHalf
+    from ..plugins import MissingHalf
 
     impls = getattr(pm.hook, hook_name).get_hookimpls()
     names = sorted({pm.get_name(i.plugin) for i in impls})
@@ -70,7 +70,7 @@ def _only_engine(pm, hook_name: str, engine: str, package: str):
 def _drive(args, hook_name: str, half: str, package: str, message: str, request, engine=None):
     """Call one plugin hook with the engine output sent to the command's log. ``engine``:
     only the plugin of that entry-point name answers (None: every installed one)."""
-    from .plugins import manager, require_hook
+    from ..plugins import manager, require_hook
 
     pm = manager()
     hook = require_hook(pm, hook_name, half, package)
@@ -80,7 +80,7 @@ def _drive(args, hook_name: str, half: str, package: str, message: str, request,
         console.say(message)
         result = hook(request=request)
     if result is None and engine is not None:
-        from .plugins import MissingHalf
+        from ..plugins import MissingHalf
 
         raise MissingHalf(
             f"the {engine!r} plugin did not answer {hook_name}: {engine} is not installed in "
@@ -110,7 +110,7 @@ def _cmd_tiny(args) -> int:
         if getattr(args, k) is not None
     }
     out = make_tiny(args.out, arch=args.arch, **kw)
-    from .model import ModelDir
+    from ..model import ModelDir
 
     print(f"wrote {args.arch} model to {out}")
     print(f"contract {ModelDir(out, hybrid=True).contract().fingerprint}")
@@ -118,7 +118,7 @@ def _cmd_tiny(args) -> int:
 
 
 def _cmd_contract_show(args) -> int:
-    from .model import ModelDir
+    from ..model import ModelDir
 
     if args.json and (args.adapter or args.model_hash):
         raise ValueError(
@@ -149,7 +149,7 @@ def _cmd_contract_show(args) -> int:
 def _show_adapter(adapter_dir, model, fingerprint: str) -> None:
     """The hashes adapter refusals name: the adapter's own (traces record it), the contract
     and base model a Lockstep export was made for, each beside this model's and lane's."""
-    from .adapters import adapter_record
+    from ..adapters import adapter_record
 
     rec = adapter_record(adapter_dir)
 
@@ -176,8 +176,8 @@ def _cmd_doctor(args) -> int:
 def _doctor(args, say) -> int:
     import torch
 
-    from .model import ModelDir
-    from .plugins import manager
+    from ..model import ModelDir
+    from ..plugins import manager
 
     say(f"lockstep-exact {__version__}  python {sys.version.split()[0]}  torch {torch.__version__}")
     backends = ["cpu"]
@@ -232,7 +232,7 @@ def _doctor(args, say) -> int:
 
 
 def _cmd_capture(args) -> int:
-    from .requests import CaptureRequest
+    from ..requests import CaptureRequest
     from .textfile import read_lines
     from .tiny import default_prompts
 
@@ -288,9 +288,9 @@ def _cmd_capture(args) -> int:
 def _cmd_replay(args) -> int:
     import torch
 
-    from .k3 import compare
-    from .requests import ReplayRequest
-    from .trace import Trace
+    from ..k3 import compare
+    from ..requests import ReplayRequest
+    from ..trace import Trace
 
     trace = Trace.load(args.trace)
     result = _drive(
@@ -334,8 +334,8 @@ def _cmd_replay(args) -> int:
 def _cmd_qualify(args) -> int:
     import time
 
+    from ..plugins import manager
     from . import report as report_mod
-    from .plugins import manager
     from .qualify import Ladder, check_backend
 
     # cuda where torch sees no device is refused here, before a model is made or read
@@ -481,7 +481,7 @@ def _trained_line(rows: list[dict], algo: str) -> str:
 
 
 def _cmd_train(args) -> int:
-    from .plugins import manager
+    from ..plugins import manager
     from .train_loop import Progress, TrainConfig, TrainStopped, prepare_train
 
     config = TrainConfig(
@@ -535,8 +535,8 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_bisect(args) -> int:
+    from ..plugins import manager
     from .bisect import bisect
-    from .plugins import manager
 
     with _engines(args) as console:
         console.say(f"bisecting decision {args.decision}: recording every op site on both halves")

@@ -61,8 +61,8 @@ from typing import Any
 
 import torch
 
-from .atomic import write_file
-from .safetensors_io import safetensors_bytes
+from ..atomic import write_file
+from ..safetensors_io import safetensors_bytes
 
 __all__ = [
     "ARCHES",

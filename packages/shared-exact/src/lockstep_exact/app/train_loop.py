@@ -48,17 +48,17 @@ from typing import Any
 
 import torch
 
+from ..atomic import read_manifested, write_manifested
+from ..hashing import sha256_file
+from ..k3 import compare
+from ..model import ModelDir, model_hash, tokenizer_hash
+from ..plugins import require_hook
+from ..requests import SamplerSessionRequest, TrainerSessionRequest
+from ..trace import Trace
 from . import rl
-from .atomic import read_manifested, write_manifested
-from .hashing import sha256_file
-from .k3 import compare
-from .model import ModelDir, model_hash, tokenizer_hash
-from .plugins import require_hook
-from .requests import SamplerSessionRequest, TrainerSessionRequest
 from .rewards import Completion, RewardError, ToyTask, hook_reward, load_function, score
 from .textfile import read_lines
 from .tiny import default_prompts
-from .trace import Trace
 
 RUN_FORMAT = "lockstep.train.run/1"
 CHECKPOINT_FORMAT = "lockstep.train.checkpoint/1"
@@ -794,7 +794,7 @@ def _adapter_rank(adapter: str | None) -> int:
 
 
 def _adapter_files_hash(path: Path) -> str:
-    from .hashing import dir_sha256
+    from ..hashing import dir_sha256
 
     if not path.is_dir():
         raise TrainSetupError(f"train: --adapter {path}: not a directory")

@@ -16,9 +16,9 @@ LOCKED_ARCHES = ("qwen3", "qwen3-moe", "qwen3-next")
 
 
 def build(backend: str = "cpu") -> dict:
-    from .golden import case_hashes
-    from .model import geometry_contract, geometry_of
-    from .programs import CATALOG
+    from ..golden import case_hashes
+    from ..model import geometry_contract, geometry_of
+    from ..programs import CATALOG
     from .tiny import tiny_config
 
     hashes = case_hashes(backend)
