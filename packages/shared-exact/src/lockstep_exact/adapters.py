@@ -47,6 +47,8 @@ from safetensors import safe_open
 from .atomic import write_dir
 from .hashing import sha256_bytes, tensor_bytes
 from .lanes.qwen3 import Geometry
+from .lanes.qwen3_next import Geometry as NextGeometry
+from .model import ModelDir
 from .safetensors_io import write_safetensors
 
 CONFIG = "adapter_config.json"
@@ -337,8 +339,6 @@ def make_adapter(
     ``zero_b`` gives the all-zero update (B = 0, A random): exactly the base model's bytes.
     The adapter is bound to ``model_dir``'s model hash.
     """
-    from .model import ModelDir
-
     model = model_dir if isinstance(model_dir, ModelDir) else ModelDir(model_dir, hybrid=True)
     geom = model.geometry
     contract = contract or model.contract().fingerprint
@@ -498,8 +498,6 @@ def load_adapter(
     ``model_hash``), a Lockstep export bound to another base model is refused; given
     ``contract``, one made for another contract. ``AdapterError`` names every problem.
     """
-    from .lanes.qwen3_next import Geometry as NextGeometry
-
     bare = isinstance(model, (Geometry, NextGeometry))
     geom = model if bare else model.geometry
     shown = model_dir if bare else model.path

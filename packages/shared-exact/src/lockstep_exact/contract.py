@@ -30,6 +30,8 @@ def environment_pins(backend: str) -> dict[str, str]:
     """
     pins = {"lockstep_exact": __version__, "backend": backend}
     if backend == "cuda":
+        # The cuda backend needs triton, which a cpu-only install lacks: an optional backend,
+        # imported only when asked for (as the programs' dispatch does).
         from .programs.cuda import environment
 
         pins.update(environment())

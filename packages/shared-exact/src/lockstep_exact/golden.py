@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from . import programs as P
+from .parity import bytes_sha256
 
 _MUL = 6364136223846793005
 _INC = 1442695040888963407
@@ -260,8 +261,6 @@ CASES = _cases()
 def case_hashes(device: str = "cpu") -> dict[str, dict[str, str]]:
     """{program: {case: sha256 of the output's raw bytes}} for every golden case of every
     program this backend implements."""
-    from .parity import bytes_sha256
-
     out = {}
     for name, cases in CASES.items():
         try:

@@ -26,6 +26,7 @@ from ..plugins import MissingHalf, require_hook
 from ..requests import CaptureRequest, ReplayRequest, TrainRequest
 from ..testing import perturb_adapter
 from ..trace import Trace
+from .bisect import bisect
 from .tiny import default_prompts
 
 
@@ -518,7 +519,6 @@ class Ladder:
                 f"not run for this {self.backend} ladder (decision {index} of {trace.name})"
             }
             return
-        from .bisect import bisect
 
         try:
             self.say(f"bisect decision {index} of {trace.name}")

@@ -300,6 +300,7 @@ def gemm(
     t = TILINGS[tiling or pick_tiling(m_dim, n_dim, block_k)]
     tiles = triton.cdiv(m_dim, t.block_m) * triton.cdiv(n_dim, t.block_n)
     if t.persistent and tma_ok(x2, wc):
+        # Only where TMA runs (tma_ok): older triton builds lack the module.
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         progs = min(tiles, _sms(x.device))
