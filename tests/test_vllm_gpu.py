@@ -30,6 +30,12 @@ import sys
 import pytest
 import torch
 
+from lockstep_exact.programs import Program
+
+# The contract's program parameters (programs.CATALOG), never restated here.
+BLOCK = Program.of("attention.blocked").param("block")
+SEGMENT = Program.of("attention.blocked").param("segment")
+
 pytestmark = pytest.mark.gpu
 
 # The lane's sampler lives on vLLM's V1 model runner (vllm_model refuses V2, naming this).
@@ -117,8 +123,10 @@ def test_attention_paged_gives_the_contiguous_programs_bytes(block):
     for i, (s, first) in enumerate(SEQS):
         q = _rand(s - first, HQ, D, seed=100 + i)
         pos = torch.arange(first, s, device="cuda")
-        want = P.attention(q, ks[i], vs[i], pos, block=block)
-        got = attention_paged(q, key_cache, value_cache, tables[i].int(), s, pos, block=block)
+        want = P.attention(q, ks[i], vs[i], pos, block=block, segment=SEGMENT)
+        got = attention_paged(
+            q, key_cache, value_cache, tables[i].int(), s, pos, block=block, segment=SEGMENT
+        )
         _control(want, got, f"sequence {i} ({s} keys, rows from {first})")
 
 
@@ -173,7 +181,7 @@ def test_the_lane_models_paged_attention_gives_the_contiguous_programs_bytes():
         reqs,
     )
     for i, (r, a, b, s) in enumerate(reqs):
-        want = P.attention(qs[i], ks[i], vs[i], news[i])
+        want = P.attention(qs[i], ks[i], vs[i], news[i], block=BLOCK, segment=SEGMENT)
         _control(want, out[a:b], f"request {r} ({s} keys)")
 
 

@@ -65,7 +65,7 @@ TILINGS: dict[str, Tiles] = {
 _SMS = 132
 
 
-def pick_tiling(m: int, n: int, bk: int = 32) -> str:
+def pick_tiling(m: int, n: int, bk: int) -> str:
     """Shape-based choice among byte-identical tilings (timed on the H200, docs/gpu.md).
 
     Up to 256 rows the kernel streams the weight, and the choice is the tile that gives the
@@ -252,7 +252,7 @@ def gemm(
     x: torch.Tensor,
     w: torch.Tensor,
     *,
-    bk: int = 32,
+    bk: int,
     out_dtype=torch.bfloat16,
     tiling: str | None = None,
     block_k: int | None = None,
