@@ -8,11 +8,11 @@ import sys
 
 
 def start_cli(*args: str, cwd=None, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """``python -m lockstep_exact.cli ARGS`` with one torch thread (and ``env`` added), its
+    """``python -m lockstep_exact.app.cli ARGS`` with one torch thread (and ``env`` added), its
     output captured; several may run at once (``finish_cli`` each)."""
     full = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen(
-        [sys.executable, "-m", "lockstep_exact.cli", *args],
+        [sys.executable, "-m", "lockstep_exact.app.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -6,8 +6,8 @@ of 3, so the two engines batch differently on purpose.
 
 from __future__ import annotations
 
+from lockstep_exact.app.tiny import default_prompts
 from lockstep_exact.requests import CaptureRequest, ReplayRequest
-from lockstep_exact.tiny import default_prompts
 from lockstep_exact.trace import Trace
 
 
@@ -45,7 +45,7 @@ def nudged_copy(model, out, key: str, index: int = 0):
     """A copy of the model directory with one element of weight ``key`` one bf16 ulp off."""
     from safetensors.torch import load_file, save_file
 
-    from lockstep_exact.parity import nudge_ulp
+    from lockstep_exact.testing import nudge_ulp
 
     out.mkdir()
     for f in model.iterdir():

@@ -42,8 +42,8 @@ from pathlib import Path
 
 
 def main(argv: list[str]) -> int:
+    from lockstep_exact.app.tiny import default_prompts
     from lockstep_exact.model import ModelDir
-    from lockstep_exact.tiny import default_prompts
     from lockstep_serving.sglang.capture import SglangLane
 
     backend = BACKEND[0]
@@ -94,8 +94,8 @@ def main(argv: list[str]) -> int:
 
 
 def lora_main(argv: list[str]) -> int:
+    from lockstep_exact.app.tiny import default_prompts
     from lockstep_exact.model import ModelDir
-    from lockstep_exact.tiny import default_prompts
     from lockstep_serving.sglang.capture import LORA_ARGS, SglangLane, sampled, tokenize
     from lockstep_serving.vllm.patches import LaneRefused
 

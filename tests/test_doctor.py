@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from lockstep_exact import plugins
-from lockstep_exact.cli import main
+from lockstep_exact.app.cli import main
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.hookspecs import hookimpl
 from lockstep_exact.model import ModelDir
 from lockstep_exact.requests import EngineInfo
-from lockstep_exact.tiny import make_tiny
 
 REFUSAL = "the hybrid lane is not served by this test's trainer"
 

@@ -68,11 +68,11 @@ def test_megatron_on_gpu_replays_a_gpu_trace_byte_for_byte(arch, tmp_path):
     from safetensors.torch import load_file
     from tokenizers import Tokenizer
 
+    from lockstep_exact.app.tiny import default_prompts, make_tiny
     from lockstep_exact.k3 import compare
     from lockstep_exact.lanes import qwen3
     from lockstep_exact.model import model_hash as dir_hash
-    from lockstep_exact.parity import nudge_ulp
-    from lockstep_exact.tiny import default_prompts, make_tiny
+    from lockstep_exact.testing import nudge_ulp
     from lockstep_exact.trace import Trace
     from lockstep_megatron.convert import build
     from lockstep_megatron.replay import score

@@ -13,13 +13,13 @@ from types import SimpleNamespace
 import pytest
 from cross_support import capture, forge, nudged_copy
 
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.contract import LayoutRefused
 from lockstep_exact.k3 import compare
 from lockstep_exact.model import model_hash as dir_hash
 from lockstep_exact.parity import same_bytes
 from lockstep_exact.plugins import manager
 from lockstep_exact.requests import ReplayRequest
-from lockstep_exact.tiny import make_tiny
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

@@ -11,10 +11,10 @@ import torch
 from cross_support import capture, forge, nudged_copy, replay
 
 from lockstep_exact.adapters import make_adapter
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.k3 import compare
 from lockstep_exact.model import model_hash as dir_hash
 from lockstep_exact.plugins import manager
-from lockstep_exact.tiny import make_tiny
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -56,7 +56,7 @@ def test_control_one_ulp_on_the_trainer_side_parts_from_the_tp2_bytes(pm, tp2):
     model copy with one weight one ulp away (the trace admitted as if sampled from it)."""
     root, model, adapter, trace = tp2
     if adapter is not None:
-        from lockstep_exact.adapters import perturb_adapter
+        from lockstep_exact.testing import perturb_adapter
 
         key = "base_model.model.model.layers.0.self_attn.o_proj.lora_B.weight"
         pert = perturb_adapter(adapter, root / "A-pert", key)

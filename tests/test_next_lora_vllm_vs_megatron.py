@@ -12,11 +12,12 @@ from __future__ import annotations
 import pytest
 from cross_support import replay
 
-from lockstep_exact.adapters import make_adapter, perturb_adapter
+from lockstep_exact.adapters import make_adapter
+from lockstep_exact.app.tiny import default_prompts, make_tiny
 from lockstep_exact.k3 import compare
 from lockstep_exact.plugins import manager
 from lockstep_exact.requests import CaptureRequest
-from lockstep_exact.tiny import default_prompts, make_tiny
+from lockstep_exact.testing import perturb_adapter
 from lockstep_exact.trace import Trace
 
 pytestmark = pytest.mark.engine

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 from cross_support import capture, forge, nudged_copy, replay
 
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.k3 import compare
 from lockstep_exact.model import model_hash
-from lockstep_exact.parity import nudge_ulp
 from lockstep_exact.plugins import manager
-from lockstep_exact.tiny import make_tiny
+from lockstep_exact.testing import nudge_ulp
 
 pytestmark = pytest.mark.engine
 

@@ -16,11 +16,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lockstep_exact.adapters import CONFIG, WEIGHTS, load_adapter
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.k3 import compare
 from lockstep_exact.model import ModelDir
-from lockstep_exact.parity import nudge_ulp
 from lockstep_exact.plugins import manager
-from lockstep_exact.tiny import make_tiny
+from lockstep_exact.testing import nudge_ulp
 
 pytest.importorskip("peft")
 from peft_support import peft_adapter  # noqa: E402

@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lockstep_exact.cli import main
+from lockstep_exact.app.cli import main
+from lockstep_exact.app.tiny import default_prompts, make_tiny
 from lockstep_exact.lanes import qwen3
-from lockstep_exact.parity import nudge_ulp
 from lockstep_exact.sites import recording
-from lockstep_exact.tiny import default_prompts, make_tiny
+from lockstep_exact.testing import nudge_ulp
 
 pytestmark = pytest.mark.engine
 
@@ -104,8 +104,8 @@ def _tiny(tmp_path):
 
 def test_qualify_without_the_trainer_plugin_names_the_missing_half(tmp_path):
     import lockstep_serving.vllm.hooks
+    from lockstep_exact.app.qualify import Ladder
     from lockstep_exact.plugins import MissingHalf, manager
-    from lockstep_exact.qualify import Ladder
 
     pm = manager(load_entry_points=False)
     pm.register(lockstep_serving.vllm.hooks)
@@ -115,9 +115,10 @@ def test_qualify_without_the_trainer_plugin_names_the_missing_half(tmp_path):
 
 def test_qualify_refuses_halves_whose_contracts_differ(tmp_path):
     from lockstep_exact import hookimpl
-    from lockstep_exact.contract import ContractMismatch, contract_from_json, lane_contract
+    from lockstep_exact.app.qualify import Ladder
+    from lockstep_exact.contract import ContractMismatch, contract_from_json
+    from lockstep_exact.model import lane_contract
     from lockstep_exact.plugins import manager
-    from lockstep_exact.qualify import Ladder
 
     class SkewedTrainer:  # a trainer configured with another attention block size
         @hookimpl(tryfirst=True)
@@ -167,9 +168,9 @@ def test_qualify_refuses_a_damaged_adapter_by_name(tmp_path, capsys, damage):
 
 def test_the_ladders_adapters_have_a_rank_an_odd_top_k_divides(tmp_path):
     from lockstep_exact.adapters import load_adapter, make_adapter
+    from lockstep_exact.app.qualify import Ladder
     from lockstep_exact.model import ModelDir
     from lockstep_exact.plugins import manager
-    from lockstep_exact.qualify import Ladder
 
     moe = make_tiny(tmp_path / "m", arch="qwen3-moe", hidden=64, vocab=300, experts=4, topk=3)
     ladder = Ladder(manager(), moe, tmp_path / "q")
@@ -202,8 +203,8 @@ def test_the_ladder_hands_each_half_its_own_layout(tmp_path):
     """The sampler's layout reaches every capture request, the trainer's every replay request
     (a first-called recorder stops each call before an engine starts)."""
     from lockstep_exact import hookimpl
+    from lockstep_exact.app.qualify import Ladder
     from lockstep_exact.plugins import manager
-    from lockstep_exact.qualify import Ladder
 
     class Stop(Exception):
         pass
@@ -267,8 +268,8 @@ def test_qualify_refuses_cuda_without_a_device_before_anything_starts(tmp_path, 
 
 
 def test_the_ladder_refuses_a_backend_it_cannot_run_by_name(tmp_path, monkeypatch):
+    from lockstep_exact.app.qualify import BackendRefused, Ladder
     from lockstep_exact.plugins import manager
-    from lockstep_exact.qualify import BackendRefused, Ladder
 
     model = _tiny(tmp_path)
     with pytest.raises(BackendRefused, match=r"backend 'rocm': the ladder runs on cpu or cuda"):
@@ -284,7 +285,7 @@ def test_the_ladder_hands_its_backend_to_every_request(tmp_path, monkeypatch):
     (a first-called recorder stops each call before an engine starts; the cuda check and
     the cuda contract, which need a GPU and triton, are stood in for by the cpu ones)."""
     from lockstep_exact import hookimpl
-    from lockstep_exact import qualify as Q
+    from lockstep_exact.app import qualify as Q
     from lockstep_exact.model import ModelDir
     from lockstep_exact.plugins import manager
 
@@ -341,8 +342,8 @@ def test_the_ladder_hands_its_backend_to_every_request(tmp_path, monkeypatch):
 
 
 def test_the_report_names_the_backend_the_device_and_every_engines_version():
-    from lockstep_exact import report as R
-    from lockstep_exact.qualify import Report
+    from lockstep_exact.app import report as R
+    from lockstep_exact.app.qualify import Report
 
     engines = [
         {"role": "sampler", "engine": "vllm", "engine_version": "0.26.0", "plugin": "p",
@@ -398,7 +399,7 @@ def test_the_training_step_is_deterministic_on_cuda_and_unchanged_on_cpu(monkeyp
 
 
 def test_a_failed_gate_on_cuda_says_its_first_divergence_search_was_not_run(tmp_path, monkeypatch):
-    from lockstep_exact import qualify as Q
+    from lockstep_exact.app import qualify as Q
     from lockstep_exact.model import ModelDir
     from lockstep_exact.plugins import manager
 

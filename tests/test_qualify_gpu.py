@@ -38,7 +38,7 @@ def test_the_whole_ladder_qualifies_on_cuda(arch, tmp_path, capfd):
     _vllm_026()
     import megatron.core
 
-    from lockstep_exact.cli import main
+    from lockstep_exact.app.cli import main
 
     out = tmp_path / "q"
     argv = ["qualify", "--tiny", arch, "--backend", "cuda", "--out", str(out)]
@@ -76,7 +76,7 @@ def test_the_whole_ladder_qualifies_on_cuda(arch, tmp_path, capfd):
 
     # control: the promotion trace against a trainer with one final-norm element one ulp off
     from lockstep_exact.k3 import compare
-    from lockstep_exact.parity import nudge_ulp
+    from lockstep_exact.testing import nudge_ulp
     from lockstep_exact.trace import Trace
     from lockstep_megatron import export
     from lockstep_megatron.convert import build

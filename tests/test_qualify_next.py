@@ -12,11 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lockstep_exact.cli import main
+from lockstep_exact.app.cli import main
+from lockstep_exact.app.tiny import default_prompts, make_tiny
 from lockstep_exact.lanes import qwen3_next
-from lockstep_exact.parity import nudge_ulp, same_bytes
+from lockstep_exact.parity import same_bytes
 from lockstep_exact.sites import recording
-from lockstep_exact.tiny import default_prompts, make_tiny
+from lockstep_exact.testing import nudge_ulp
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

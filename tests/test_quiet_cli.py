@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from cli_support import finish_cli, start_cli
 
-from lockstep_exact.tiny import make_tiny
+from lockstep_exact.app.tiny import make_tiny
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

@@ -30,8 +30,8 @@ def test_a_skewed_lockstep_exact_is_refused_with_the_version_to_install(monkeypa
 
 
 def test_building_the_trainer_model_is_refused_under_skew(monkeypatch, tmp_path):
+    from lockstep_exact.app.tiny import make_tiny
     from lockstep_exact.lanes.qwen3 import Geometry
-    from lockstep_exact.tiny import make_tiny
     from lockstep_megatron.spec import LockstepGPT
 
     monkeypatch.setattr(release, "__version__", "9.9.9")

@@ -22,11 +22,11 @@ import pytest
 import torch
 from cross_support import capture, forge, nudged_copy, replay
 
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.k3 import compare
 from lockstep_exact.model import model_hash as dir_hash
-from lockstep_exact.parity import nudge_ulp
 from lockstep_exact.plugins import manager
-from lockstep_exact.tiny import make_tiny
+from lockstep_exact.testing import nudge_ulp
 from lockstep_exact.trace import Trace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -227,7 +227,7 @@ def lora_lane(request, tmp_path_factory):
 
 
 def test_megatron_replays_sglang_lora_captures_byte_for_byte(pm, lora_lane):
-    from lockstep_exact.adapters import perturb_adapter
+    from lockstep_exact.testing import perturb_adapter
 
     root, model, adapters, out, _ = lora_lane
     for name in ("A", "B", "A-batched"):
@@ -301,7 +301,7 @@ def test_adapters_the_lane_refuses_are_named_and_never_served(lora_lane):
 
 # --- lockstep qualify --sampler sglang ------------------------------------------------------
 def test_the_ladder_qualifies_with_sglang_as_the_sampler(tmp_path, capsys):
-    from lockstep_exact.cli import main
+    from lockstep_exact.app.cli import main
 
     out = tmp_path / "q"
     argv = ["qualify", "--tiny", "qwen3", "--out", str(out), "--sampler", "sglang"]

@@ -93,7 +93,7 @@ def test_the_0_5_17_patch_table_holds_on_the_installed_sglang():
 # --- dense and MoE: capture on cuda, replay on cuda -------------------------------------------
 @pytest.fixture(scope="module", params=["qwen3", "qwen3-moe"])
 def lane(request, tmp_path_factory):
-    from lockstep_exact.tiny import make_tiny
+    from lockstep_exact.app.tiny import make_tiny
 
     root = tmp_path_factory.mktemp(f"sglang-gpu-{request.param}")
     model = make_tiny(root / "model", arch=request.param, seed=11)
@@ -188,8 +188,8 @@ def test_vllm_026_and_sglang_0517_cuda_traces_of_the_same_requests_are_byte_equa
     pytest.importorskip("vllm")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    from lockstep_exact.app.tiny import default_prompts
     from lockstep_exact.requests import CaptureRequest
-    from lockstep_exact.tiny import default_prompts
     from lockstep_exact.trace import Trace
     from lockstep_serving.vllm.capture import capture
 
@@ -221,8 +221,8 @@ BAD_ADAPTERS = ("corrupted", "cpu-lane", "wrong-contract", "wrong-dtype")
 @pytest.fixture(scope="module", params=["qwen3", "qwen3-moe"])
 def lora_lane(request, tmp_path_factory):
     from lockstep_exact.adapters import make_adapter
+    from lockstep_exact.app.tiny import make_tiny
     from lockstep_exact.model import ModelDir
-    from lockstep_exact.tiny import make_tiny
 
     h = _helpers()
     root = tmp_path_factory.mktemp(f"sglang-gpu-lora-{request.param}")
@@ -255,8 +255,8 @@ def lora_lane(request, tmp_path_factory):
 
 
 def test_megatron_on_cuda_replays_sglang_cuda_lora_captures_byte_for_byte(lora_lane):
-    from lockstep_exact.adapters import perturb_adapter
     from lockstep_exact.k3 import compare
+    from lockstep_exact.testing import perturb_adapter
     from lockstep_exact.trace import Trace
 
     h = _helpers()
@@ -277,7 +277,7 @@ def test_megatron_on_cuda_replays_sglang_cuda_lora_captures_byte_for_byte(lora_l
 
 
 def test_base_a_and_b_in_one_cuda_batch_each_equal_their_solo_runs(lora_lane):
-    from lockstep_exact.parity import nudge_ulp
+    from lockstep_exact.testing import nudge_ulp
     from lockstep_exact.trace import Trace
 
     h = _helpers()
@@ -316,7 +316,7 @@ def test_the_ladder_qualifies_with_sglang_sampling_on_cuda(tmp_path, capfd):
     process in its environment) samples every gate, Megatron on the same GPU replays and
     trains; the report passes, names SGLang and the cuda lane, and both controls differ."""
     python = _sglang_python()
-    from lockstep_exact.cli import main
+    from lockstep_exact.app.cli import main
 
     out = tmp_path / "q"
     argv = ["qualify", "--tiny", "qwen3", "--backend", "cuda", "--out", str(out)]

@@ -18,14 +18,10 @@ import torch
 from cross_support import merged_model
 
 from lockstep_exact import hookimpl
-from lockstep_exact.cli import main
-from lockstep_exact.hashing import sha256_file
-from lockstep_exact.parity import nudge_ulp
-from lockstep_exact.plugins import manager
-from lockstep_exact.rewards import ToyTask
-from lockstep_exact.tiny import make_tiny
-from lockstep_exact.trace import Trace
-from lockstep_exact.train_loop import (
+from lockstep_exact.app.cli import main
+from lockstep_exact.app.rewards import ToyTask
+from lockstep_exact.app.tiny import make_tiny
+from lockstep_exact.app.train_loop import (
     TrainConfig,
     TrainSetupError,
     TrainStopped,
@@ -33,6 +29,10 @@ from lockstep_exact.train_loop import (
     prepare_train,
     run_train,
 )
+from lockstep_exact.hashing import sha256_file
+from lockstep_exact.plugins import manager
+from lockstep_exact.testing import nudge_ulp
+from lockstep_exact.trace import Trace
 
 
 class Quiet:
@@ -204,7 +204,7 @@ def test_train_refuses_a_non_empty_folder_it_did_not_make(tiny_dense, tmp_path, 
 
 
 def test_a_run_or_resume_on_an_out_another_run_holds_is_refused(tiny_dense, tmp_path, capsys):
-    from lockstep_exact.train_loop import _locked
+    from lockstep_exact.app.train_loop import _locked
 
     out = tmp_path / "o"
     _made_run(tiny_dense, out)
@@ -273,8 +273,8 @@ def test_every_metrics_line_has_the_documented_fields_kl_and_reverse_kl_null_if_
 ):
     """A GRPO step without --reference has no KL and no reverse KL: the line says so (null)
     rather than leaving out fields docs/train.md lists."""
+    from lockstep_exact.app.train_loop import _Run
     from lockstep_exact.model import ModelDir
-    from lockstep_exact.train_loop import _Run
 
     config = TrainConfig(steps=1, group=2, prompts=1, decisions=2)
     run = _Run(None, ModelDir(tiny_dense), tmp_path, config, Quiet(), lambda c: 0.25)
@@ -666,8 +666,8 @@ class _Tty:
 
 
 def test_on_a_terminal_progress_is_one_bar_redrawn_in_place():
-    from lockstep_exact.cli import _Bar
-    from lockstep_exact.quiet import Console
+    from lockstep_exact.app.cli import _Bar
+    from lockstep_exact.app.quiet import Console
 
     stream = _Tty()
     bar = _Bar(Console(stream, None), 0.0)
@@ -687,10 +687,10 @@ def test_on_a_terminal_progress_is_one_bar_redrawn_in_place():
 
 
 def test_sft_progress_shows_the_loss_it_optimizes_not_the_probe_reward():
-    from lockstep_exact.cli import _Bar, _trained_line
-    from lockstep_exact.quiet import Console
-    from lockstep_exact.train_loop import step_line
-    from lockstep_exact.train_report import render
+    from lockstep_exact.app.cli import _Bar, _trained_line
+    from lockstep_exact.app.quiet import Console
+    from lockstep_exact.app.train_loop import step_line
+    from lockstep_exact.app.train_report import render
 
     row = {"step": 1, "algo": "sft", "reward_mean": 0.25, "k3_max": 0.0, "equal": 8}
     row.update(decisions=8, loss=1.5, seconds=1.5)
@@ -711,7 +711,7 @@ def test_sft_progress_shows_the_loss_it_optimizes_not_the_probe_reward():
 
 
 def test_resume_of_a_complete_run_says_so_and_starts_nothing(tiny_dense, tmp_path, capsys):
-    from lockstep_exact.train_loop import save_checkpoint
+    from lockstep_exact.app.train_loop import save_checkpoint
 
     out = tmp_path / "o"
     _made_run(tiny_dense, out)

@@ -30,6 +30,12 @@ import sys
 import pytest
 import torch
 
+from lockstep_exact.programs import Program
+
+# The contract's program parameters (programs.CATALOG), never restated here.
+BLOCK = Program.of("attention.blocked").param("block")
+SEGMENT = Program.of("attention.blocked").param("segment")
+
 pytestmark = pytest.mark.gpu
 
 # The lane's sampler lives on vLLM's V1 model runner (vllm/model.py refuses V2, naming this).
@@ -52,7 +58,8 @@ def _rand(*shape, seed, scale=1.0):
 
 def _control(a, b, what):
     """a and b are byte-identical, and the same check rejects b moved by one ulp."""
-    from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes
+    from lockstep_exact.parity import same_bytes
+    from lockstep_exact.testing import assert_same_bytes, nudge_ulp
 
     assert_same_bytes(a, b, what)
     assert not same_bytes(a, nudge_ulp(b)), f"{what}: the check misses a one-ulp change"
@@ -116,8 +123,10 @@ def test_attention_paged_gives_the_contiguous_programs_bytes(block):
     for i, (s, first) in enumerate(SEQS):
         q = _rand(s - first, HQ, D, seed=100 + i)
         pos = torch.arange(first, s, device="cuda")
-        want = P.attention(q, ks[i], vs[i], pos, block=block)
-        got = attention_paged(q, key_cache, value_cache, tables[i].int(), s, pos, block=block)
+        want = P.attention(q, ks[i], vs[i], pos, block=block, segment=SEGMENT)
+        got = attention_paged(
+            q, key_cache, value_cache, tables[i].int(), s, pos, block=block, segment=SEGMENT
+        )
         _control(want, got, f"sequence {i} ({s} keys, rows from {first})")
 
 
@@ -172,7 +181,7 @@ def test_the_lane_models_paged_attention_gives_the_contiguous_programs_bytes():
         reqs,
     )
     for i, (r, a, b, s) in enumerate(reqs):
-        want = P.attention(qs[i], ks[i], vs[i], news[i])
+        want = P.attention(qs[i], ks[i], vs[i], news[i], block=BLOCK, segment=SEGMENT)
         _control(want, out[a:b], f"request {r} ({s} keys)")
 
 
@@ -180,7 +189,7 @@ def test_the_lane_models_paged_attention_gives_the_contiguous_programs_bytes():
 @pytest.fixture(scope="module")
 def gpu_models(tmp_path_factory):
     _vllm()
-    from lockstep_exact.tiny import make_tiny
+    from lockstep_exact.app.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("gpu-models")
     return {arch: make_tiny(root / arch, arch=arch) for arch in ("qwen3", "qwen3-moe")}
@@ -205,10 +214,10 @@ def _stop(llm):
 def test_megatron_on_cuda_replays_a_trace_captured_from_vllm_026(
     arch, graphs, gpu_models, tmp_path
 ):
+    from lockstep_exact.app.tiny import default_prompts
     from lockstep_exact.k3 import compare
-    from lockstep_exact.parity import nudge_ulp
     from lockstep_exact.requests import CaptureRequest
-    from lockstep_exact.tiny import default_prompts
+    from lockstep_exact.testing import nudge_ulp
     from lockstep_megatron.convert import build
     from lockstep_megatron.replay import replay, score
     from lockstep_serving.vllm.capture import capture
@@ -247,7 +256,7 @@ def test_decode_steps_replayed_from_cuda_graphs_give_the_eager_bytes(arch, gpu_m
     """The same 8 seeded requests in an eager engine and in one with CUDA graphs: every
     decision byte-equal, and with graphs no decode step ran the Python forward (each was a
     graph replay), while the eager engine ran them all."""
-    from lockstep_exact.tiny import default_prompts
+    from lockstep_exact.app.tiny import default_prompts
     from lockstep_serving.vllm.offline import python_decode_steps
 
     prompts = default_prompts(8)
@@ -328,8 +337,8 @@ TARGET = 6  # default_prompts(8)[6] is longer than one 32-token block, so prefix
 @pytest.fixture(scope="module", params=["qwen3", "qwen3-moe"])
 def engine_runs(request, gpu_models, tmp_path_factory):
     from lockstep_exact.adapters import make_adapter
+    from lockstep_exact.app.tiny import default_prompts
     from lockstep_exact.model import ModelDir
-    from lockstep_exact.tiny import default_prompts
     from lockstep_serving.vllm.lora import lora_request_for
 
     model_dir = gpu_models[request.param]

@@ -12,12 +12,12 @@ import torch
 from cross_support import capture, forge, nudged_copy, replay
 
 from lockstep_exact.adapters import make_adapter
+from lockstep_exact.app.tiny import default_prompts, make_tiny
 from lockstep_exact.k3 import compare
 from lockstep_exact.model import model_hash as dir_hash
 from lockstep_exact.plugins import manager
 from lockstep_exact.programs import Program
 from lockstep_exact.requests import CaptureRequest
-from lockstep_exact.tiny import default_prompts, make_tiny
 from lockstep_exact.trace import Trace
 
 pytestmark = pytest.mark.engine
@@ -76,7 +76,7 @@ def test_megatron_replays_vllm_lora_decisions_byte_for_byte(pm, lane):
     cmp = compare(trace.logprobs, replay(pm, model, root / "A-trace", adapter=ad))
     assert cmp.exact and cmp.k3_max == 0.0, str(cmp)
     # control: the trainer on an adapter one factor 2^-9 away sees different bytes
-    from lockstep_exact.adapters import perturb_adapter
+    from lockstep_exact.testing import perturb_adapter
 
     key = (
         "base_model.model.model.layers.0.mlp.experts.0.down_proj.lora_B.weight"

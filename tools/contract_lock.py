@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from lockstep_exact import lock
+from lockstep_exact.app import lock
 
 LOCK_PATH = Path(__file__).resolve().parent / "contracts.lock"
 

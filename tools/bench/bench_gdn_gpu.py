@@ -36,9 +36,10 @@ import time
 import torch
 
 from lockstep_exact import programs as P
+from lockstep_exact.programs import Program
 
 F32, BF16 = torch.float32, torch.bfloat16
-CHUNK = 64
+CHUNK = Program.of("gdn.chunked").param("chunk")  # the contract's value (programs.CATALOG)
 # (name, Hk, Hv, K, V, prefill lengths, decode position) per mode.
 SHAPES = {
     "cuda": ("qwen3-next-80b GDN layer", 16, 32, 128, 128, (512, 2048), 1000),
@@ -174,7 +175,9 @@ def main() -> None:
     # A decode step at position ``at``: the states of the first ``at`` tokens made untimed.
     q, k, v, g, beta = inputs(at + 1, h_k, h_v, d_k, d_v, dev, seed=7)
     state = P.gdn_state(h_k, h_v, d_k, d_v, chunk=CHUNK, device=dev)
-    _, state = P.gdn_chunked(q[:at], k[:at], v[:at], g[:at], beta[:at], state, position=0)
+    _, state = P.gdn_chunked(
+        q[:at], k[:at], v[:at], g[:at], beta[:at], state, position=0, chunk=CHUNK
+    )
     _, s_ref = reference_prefill(q[:at], k[:at], v[:at], g[:at], beta[:at], s0)
     # the stock running state at ``at`` (its last partial chunk folded in token by token)
     for i in range(at - at % CHUNK, at):

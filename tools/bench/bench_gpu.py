@@ -36,6 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from lockstep_exact import programs as P
+from lockstep_exact.programs import Program
+
+# The contract's program parameters (programs.CATALOG), never restated here.
+SEGMENT = Program.of("attention.blocked").param("segment")
 
 BF16 = torch.bfloat16
 F32 = torch.float32
@@ -199,12 +203,12 @@ def attention_rows(table, block, sweep, t_len=2048, decode=True):
     # (TMA descriptors, Gluon's launcher) took 60-110 us of host time on the H200, near the
     # kernel's own time at T = 2048, so the eager row can time the host
     for graph in (0, 20):
-        t = timed(lambda: P.attention(q, k, v, pos, block=block), graph)
+        t = timed(lambda: P.attention(q, k, v, pos, block=block, segment=SEGMENT), graph)
         row(
             table,
             "attention",
             f"prefill T={t_len} block={block}" + mode_label(graph),
-            lambda: P.attention(q, k, v, pos, block=block),
+            lambda: P.attention(q, k, v, pos, block=block, segment=SEGMENT),
             lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True),
             "SDPA causal",
             0.8,
@@ -229,7 +233,7 @@ def attention_rows(table, block, sweep, t_len=2048, decode=True):
         )
 
         def exact(qd=qd, kc=kc, vc=vc, pd=pd):
-            return P.attention(qd, kc, vc, pd, block=block)
+            return P.attention(qd, kc, vc, pd, block=block, segment=SEGMENT)
 
         for graph in DECODE_MODES:
             t = timed(exact, graph)

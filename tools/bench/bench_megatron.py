@@ -63,7 +63,7 @@ def _time(step, reps: int) -> float:
 
 def bench(arch: str, batch: int, seq: int, reps: int) -> tuple[float, float]:
     """(exact, stock) median seconds of one fwd+bwd step on the tiny ``arch`` model."""
-    from lockstep_exact.tiny import make_tiny
+    from lockstep_exact.app.tiny import make_tiny
     from lockstep_megatron import adapters as AD
     from lockstep_megatron.convert import build
 

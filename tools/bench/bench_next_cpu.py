@@ -223,7 +223,7 @@ def main() -> None:
         child(args)
         return
 
-    from lockstep_exact.tiny import make_tiny
+    from lockstep_exact.app.tiny import make_tiny
 
     root = Path(tempfile.mkdtemp(prefix="lockstep-bench-next-"))
     log = Path(args.log) if args.log else root / "engines.log"

@@ -21,6 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from lockstep_exact import programs as P
+from lockstep_exact.programs import Program
+
+# The contract's program parameters (programs.CATALOG), never restated here.
+BK = Program.of("gemm.kblock").param("bk")
+BLOCK = Program.of("attention.blocked").param("block")
+EXPAND_BK = Program.of("lora.expand").param("bk")
+SEGMENT = Program.of("attention.blocked").param("segment")
+SHRINK_BK = Program.of("lora.shrink").param("bk")
 
 BF16 = torch.bfloat16
 F32 = torch.float32
@@ -88,7 +96,7 @@ def cases() -> list[Case]:
                 Case(
                     "gemm.kblock",
                     f"M={m} N={n} K={k}",
-                    lambda x=x, w=w: P.gemm(x, w),
+                    lambda x=x, w=w: P.gemm(x, w, bk=BK),
                     lambda x=x, w=w: F.linear(x, w),
                 )
             )
@@ -167,7 +175,7 @@ def cases() -> list[Case]:
         Case(
             "attention.blocked",
             f"prefill T=256 {geometry}",
-            lambda: P.attention(q, k, v, torch.arange(256)),
+            lambda: P.attention(q, k, v, torch.arange(256), block=BLOCK, segment=SEGMENT),
             lambda: sdpa(q, k, v, causal=True),
         )
     )
@@ -178,7 +186,9 @@ def cases() -> list[Case]:
             Case(
                 "attention.blocked",
                 f"decode S={s} {geometry}",
-                lambda q1=q1, kc=kc, vc=vc, s=s: P.attention(q1, kc, vc, torch.tensor([s - 1])),
+                lambda q1=q1, kc=kc, vc=vc, s=s: P.attention(
+                    q1, kc, vc, torch.tensor([s - 1]), block=BLOCK, segment=SEGMENT
+                ),
                 lambda q1=q1, kc=kc, vc=vc: sdpa(q1, kc, vc, causal=False),
             )
         )
@@ -208,12 +218,12 @@ def cases() -> list[Case]:
     lora_a, lora_b = rand(RANK, HIDDEN, scale=0.1), rand(HIDDEN, RANK, scale=0.1)
     for t in (8, 512):
         x, base = rand(t, HIDDEN), rand(t, HIDDEN)
-        r = P.lora_shrink(x, lora_a)
+        r = P.lora_shrink(x, lora_a, bk=SHRINK_BK)
         out.append(
             Case(
                 "lora.shrink",
                 f"T={t} K={HIDDEN} r={RANK}",
-                lambda x=x: P.lora_shrink(x, lora_a),
+                lambda x=x: P.lora_shrink(x, lora_a, bk=SHRINK_BK),
                 lambda x=x: F.linear(x, lora_a),
             )
         )
@@ -221,7 +231,7 @@ def cases() -> list[Case]:
             Case(
                 "lora.expand",
                 f"T={t} N={HIDDEN} r={RANK}",
-                lambda base=base, r=r: P.lora_expand(base, r, lora_b, 2.0),
+                lambda base=base, r=r: P.lora_expand(base, r, lora_b, 2.0, bk=EXPAND_BK),
                 lambda base=base, r=r: base + F.linear(r, lora_b) * 2.0,
             )
         )

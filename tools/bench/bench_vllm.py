@@ -42,7 +42,7 @@ def main() -> None:
     from vllm import LLM
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    from lockstep_exact.tiny import default_prompts, make_tiny
+    from lockstep_exact.app.tiny import default_prompts, make_tiny
     from lockstep_serving.vllm.offline import engine_args
 
     model = make_tiny(root / "model", arch=args.arch)

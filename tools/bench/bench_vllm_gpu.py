@@ -35,7 +35,7 @@ device time in that call, with their share and the call's busy fraction (kernel 
 It sees the kernels a CUDA graph replays too (on the H200 the lane's graph and eager engines
 showed the same 2,720 gemm launches).
 
-Models: ``lockstep_exact.tiny.make_tiny`` in ``--model-dir`` (kept and reused when its
+Models: ``lockstep_exact.app.tiny.make_tiny`` in ``--model-dir`` (kept and reused when its
 arguments match). On cuda, ``qwen3`` is 4 layers of Qwen3-8B shape and ``qwen3-moe`` 4 layers of
 Qwen3-30B-A3B layer shape; on cpu both are make_tiny's default shapes.
 """
@@ -474,7 +474,7 @@ def child(args) -> None:
 
 def model_for(args) -> tuple[Path, dict]:
     """The model directory of ``args.arch`` on ``args.device``, made once per ``--model-dir``."""
-    from lockstep_exact.tiny import make_tiny
+    from lockstep_exact.app.tiny import make_tiny
 
     kwargs = {"arch": args.arch, **SHAPES[args.device][args.arch]}
     path = Path(args.model_dir) / SHAPE_NAMES[(args.device, args.arch)]

@@ -2,7 +2,7 @@
 # Installs the staged wheels once (/tmp/stage -> /tmp/site for vLLM 0.26 and megatron-core,
 # /tmp/sstage -> /tmp/ssite for SGLang 0.5.17), points the workspace's entry points at this
 # tree (tools/gpu/dev_site.py; the tree's source folders go first on PYTHONPATH), and exports
-# what the engines need. The CLI is `python3 -m lockstep_exact.cli` there (no console script).
+# what the engines need. The CLI is `python3 -m lockstep_exact.app.cli` there (no console script).
 _which=${1:-vllm}
 bash tools/gpu/install.sh /tmp/stage /tmp/site || return 2
 python3 tools/gpu/dev_site.py /tmp/site >/dev/null || return 2

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from serving_support import _ROOT, FAMILIES
 
-from lockstep_exact.tiny import make_tiny
+from lockstep_exact.app.tiny import make_tiny
 
 
 @pytest.fixture(scope="session")

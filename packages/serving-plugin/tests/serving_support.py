@@ -47,7 +47,8 @@ def flip_lowest_bit(t):
 
 def assert_same_bytes_and_control(a, b, what: str) -> None:
     """a and b are byte-identical, and the check would catch a one-ulp change of b."""
-    from lockstep_exact.parity import assert_same_bytes, same_bytes
+    from lockstep_exact.parity import same_bytes
+    from lockstep_exact.testing import assert_same_bytes
 
     assert_same_bytes(a, b, what)
     assert not same_bytes(a, flip_lowest_bit(b)), f"{what}: the check misses a one-ulp change"

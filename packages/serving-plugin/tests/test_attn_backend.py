@@ -10,10 +10,15 @@ import torch
 from serving_support import assert_same_bytes_and_control, start_engine, stop_engine
 
 from lockstep_exact import programs as P
-from lockstep_exact.tiny import default_prompts, make_tiny
-from lockstep_serving.vllm import attn_backend as ab
-from lockstep_serving.vllm.model import paged_attention
+from lockstep_exact.app.tiny import default_prompts, make_tiny
+from lockstep_exact.programs import Program
+from lockstep_serving import attn_backend as ab
 from lockstep_serving.vllm.patches import LaneRefused
+from lockstep_serving.vllm_model import paged_attention
+
+# The contract's program parameters (programs.CATALOG), never restated here.
+BLOCK = Program.of("attention.blocked").param("block")
+SEGMENT = Program.of("attention.blocked").param("segment")
 
 HKV, HEADS, D, BS, NUM_BLOCKS = 2, 4, 16, 4, 8
 NO_CONNECTOR = SimpleNamespace(kv_transfer_config=None)  # all the builder reads of the config
@@ -105,7 +110,14 @@ def _run(layer_cache):
     q, positions, reqs = last
     ref = torch.cat(
         [
-            P.attention(q[s:e], torch.cat(ks[r]), torch.cat(vs[r]), positions[s:e])
+            P.attention(
+                q[s:e],
+                torch.cat(ks[r]),
+                torch.cat(vs[r]),
+                positions[s:e],
+                block=BLOCK,
+                segment=SEGMENT,
+            )
             for r, s, e, _ in reqs
         ]
     )

@@ -9,12 +9,12 @@ import torch
 from safetensors.torch import load_file
 from serving_support import assert_same_bytes_and_control
 
-from lockstep_exact.contract import lane_contract
+from lockstep_exact.app.tiny import default_prompts
 from lockstep_exact.lanes import qwen3
+from lockstep_exact.model import lane_contract
 from lockstep_exact.model import model_hash as dir_hash
 from lockstep_exact.plugins import manager
 from lockstep_exact.requests import CaptureRequest
-from lockstep_exact.tiny import default_prompts
 from lockstep_exact.trace import Trace
 
 
@@ -176,10 +176,10 @@ def test_a_cuda_capture_sizes_its_kv_cache_for_its_sequences(tmp_path):
     max_model_len tokens, at the smallest block of 16 or the caller's block size), not for the
     GPU's free memory: a tiny model's blocks are small and millions of them made every capture
     start for 30-47 s on the H200. A caller's own override is kept; cpu engines are unchanged."""
+    from lockstep_exact.app.tiny import make_tiny
     from lockstep_exact.model import ModelDir
     from lockstep_exact.requests import CaptureRequest
-    from lockstep_exact.tiny import make_tiny
-    from lockstep_serving.vllm.capture import capture_options
+    from lockstep_serving.capture import capture_options
 
     model = ModelDir(make_tiny(tmp_path / "m", arch="qwen3"), hybrid=True)
 

@@ -7,10 +7,10 @@ import torch
 from safetensors.torch import load_file
 
 from lockstep_exact.lanes import qwen3
-from lockstep_exact.parity import assert_same_bytes
 from lockstep_exact.plugins import manager
 from lockstep_exact.requests import DumpRequest
 from lockstep_exact.sites import recording
+from lockstep_exact.testing import assert_same_bytes
 
 TOKENS = (5, 300, 17, 42, 999, 64, 128, 7, 260, 3, 511, 90, 33, 700, 21, 8, 44, 101, 6, 250)
 

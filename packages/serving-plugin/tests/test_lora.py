@@ -7,15 +7,10 @@ import torch
 from safetensors.torch import load_file
 from serving_support import FAMILIES, assert_same_bytes_and_control, start_engine, stop_engine
 
-from lockstep_exact.adapters import (
-    PREFIX,
-    AdapterError,
-    load_adapter,
-    make_adapter,
-    perturb_adapter,
-)
+from lockstep_exact.adapters import PREFIX, AdapterError, load_adapter, make_adapter
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.parity import same_bytes
+from lockstep_exact.testing import perturb_adapter
 
 BASE_PROMPT, LORA_PROMPT = "The river runs past the old mill", "Question: Why is the sky blue?"
 
@@ -140,8 +135,8 @@ def test_an_adapter_made_for_another_contract_is_refused(tiny_models, tmp_path):
 
 
 def test_an_export_for_another_base_model_is_refused(tiny_models, tmp_path):
-    from lockstep_exact.tiny import make_tiny
-    from lockstep_serving.common.capture import adapter_hash
+    from lockstep_exact.app.tiny import make_tiny
+    from lockstep_serving.vllm.lora import adapter_hash
 
     model_dir = tiny_models["qwen3"]
     other = make_tiny(tmp_path / "other", arch="qwen3", seed=9)  # same shapes, other bytes
@@ -165,8 +160,8 @@ def test_a_peft_adapter_is_hashed_on_load(tiny_models, tmp_path):
 def test_the_lora_manager_refuses_an_adapter_of_another_base_model(tiny_models, tmp_path):
     from types import SimpleNamespace
 
+    from lockstep_exact.app.tiny import make_tiny
     from lockstep_exact.model import ModelDir
-    from lockstep_exact.tiny import make_tiny
     from lockstep_serving.vllm.lora import LaneLoRAManager, lora_request_for
     from lockstep_serving.vllm.patches import LaneRefused
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from serving_support import assert_same_bytes_and_control
 
-from lockstep_exact.contract import lane_contract
+from lockstep_exact.model import lane_contract
 from lockstep_exact.plugins import manager
 from lockstep_exact.requests import CaptureRequest
 

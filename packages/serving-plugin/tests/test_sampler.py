@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from serving_support import assert_same_bytes_and_control, start_engine, stop_engine
 
 from lockstep_exact import programs as P
+from lockstep_exact.app.tiny import default_prompts
 from lockstep_exact.lanes import qwen3
-from lockstep_exact.tiny import default_prompts
 
 pytestmark = pytest.mark.engine
 

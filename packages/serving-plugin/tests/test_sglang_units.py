@@ -19,9 +19,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.plugins import manager as _MANAGER  # the real one, before any patch
 from lockstep_exact.requests import CaptureRequest
-from lockstep_exact.tiny import make_tiny
 from lockstep_serving.sglang import capture as sglang_capture
 from lockstep_serving.sglang import hooks as sglang_hooks
 from lockstep_serving.sglang import model as sglang_model
@@ -582,7 +582,7 @@ def _pm(**plugins):
 
 
 def test_cli_engine_picks_the_plugin_by_name(monkeypatch, capsys, tmp_path):
-    from lockstep_exact import cli
+    from lockstep_exact.app import cli
 
     pm = _pm(vllm="from vllm", sglang="from sglang")
     hook = cli._only_engine(pm, "lockstep_capture", "sglang", "lockstep-serving")
@@ -591,7 +591,7 @@ def test_cli_engine_picks_the_plugin_by_name(monkeypatch, capsys, tmp_path):
 
 
 def test_cli_engine_refuses_an_engine_not_installed(monkeypatch, capsys, tmp_path):
-    from lockstep_exact import cli
+    from lockstep_exact.app import cli
 
     monkeypatch.setattr("lockstep_exact.plugins.manager", lambda: _pm(vllm="t"))
     code = cli.main(
@@ -835,8 +835,8 @@ def test_the_batch_patch_seeds_random_requests_and_refuses_the_rest(monkeypatch)
 
 
 def test_the_lane_sampler_draws_with_the_rule_and_refuses_foreign_logits(tiny):
-    from lockstep_exact.contract import lane_contract
     from lockstep_exact.lanes.ops import Ops
+    from lockstep_exact.model import lane_contract
 
     ops = Ops(lane_contract(tiny))
     model = SimpleNamespace(ops=ops, sampled=lambda: None)
@@ -934,8 +934,8 @@ def fake_lora_sglang(monkeypatch):
 
 
 def _lane_model(model_dir):
-    from lockstep_exact.contract import lane_contract
     from lockstep_exact.lanes.qwen3 import Geometry
+    from lockstep_exact.model import lane_contract
 
     model = object.__new__(sglang_model.LockstepQwen3ForCausalLM)
     torch.nn.Module.__init__(model)
@@ -985,7 +985,7 @@ def test_the_lane_lora_manager_loads_adapters_through_the_lanes_checks(
 
 def test_the_lane_lora_manager_refuses_adapters_by_name(fake_lora_sglang, tiny, tmp_path):
     from lockstep_exact.adapters import make_adapter
-    from lockstep_exact.tiny import make_tiny
+    from lockstep_exact.app.tiny import make_tiny
     from lockstep_serving.sglang.lora import SglangLaneLoRAManager
 
     manager = SglangLaneLoRAManager(_lane_model(tiny), 2)
@@ -1071,7 +1071,7 @@ def test_a_lane_capture_names_an_adapter_it_never_loaded(tiny):
 def test_qualify_with_sglang_refuses_what_its_sampler_cannot_run_before_anything(
     tmp_path, capsys, monkeypatch
 ):
-    from lockstep_exact.cli import main
+    from lockstep_exact.app.cli import main
 
     monkeypatch.delenv("LOCKSTEP_SGLANG_PYTHON", raising=False)
     monkeypatch.chdir(tmp_path)  # no .venv-sglang here
@@ -1102,8 +1102,8 @@ def test_qualify_with_sglang_refuses_what_its_sampler_cannot_run_before_anything
 def test_the_sampler_process_answers_over_its_pipe_and_names_refusals(tiny):
     """The SGLang worker run by the workspace's python (no SGLang here): the contract comes
     back whole, the rest is refused by name, the process serves on, and a dead one is named."""
+    from lockstep_exact.app.sampler_process import SamplerProcess, SamplerRefused
     from lockstep_exact.model import ModelDir
-    from lockstep_exact.sampler_process import SamplerProcess, SamplerRefused
 
     with SamplerProcess("sglang", Path(sys.executable)) as sampler:
         assert sampler.contract(tiny, "cpu").fingerprint == ModelDir(tiny).contract().fingerprint
@@ -1125,8 +1125,8 @@ def test_the_sampler_process_answers_over_its_pipe_and_names_refusals(tiny):
 
 
 def test_a_failed_gate_with_a_sampler_process_says_its_bisect_was_not_run(tiny, tmp_path):
+    from lockstep_exact.app.qualify import Check, Gate, Ladder
     from lockstep_exact.plugins import manager
-    from lockstep_exact.qualify import Check, Gate, Ladder
 
     sampler = SimpleNamespace(engine="sglang", python=Path("/x/python"), capture=None)
     ladder = Ladder(manager(), tiny, tmp_path, sampler=sampler)

@@ -21,7 +21,7 @@ import serving_support as conftest
 if __name__ == "__main__":
     import torch
     from vllm import SamplingParams
-    from lockstep_exact.tiny import default_prompts
+    from lockstep_exact.app.tiny import default_prompts
     from lockstep_serving.vllm.offline import sampled_logprobs
     result = {}
     for model_dir in sys.argv[3:]:

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 from serving_support import FAMILIES, assert_same_bytes_and_control, start_engine, stop_engine
 
-from lockstep_exact.contract import lane_contract
+from lockstep_exact.app.tiny import default_prompts
 from lockstep_exact.lanes import qwen3
-from lockstep_exact.tiny import default_prompts
+from lockstep_exact.model import lane_contract
 
 DECISIONS = 6
 PROMPTS = default_prompts(8)

@@ -19,11 +19,16 @@ from safetensors.torch import load_file
 from serving_support import _ROOT, start_engine, stop_engine
 
 from lockstep_exact import programs as P
-from lockstep_exact.contract import geometry_contract
+from lockstep_exact.app.tiny import default_prompts, make_tiny
 from lockstep_exact.lanes import qwen3_next as N
-from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes
-from lockstep_exact.tiny import default_prompts, make_tiny
+from lockstep_exact.model import geometry_contract
+from lockstep_exact.parity import same_bytes
+from lockstep_exact.programs import Program
+from lockstep_exact.testing import assert_same_bytes, nudge_ulp
 from lockstep_serving.vllm.patches import LaneRefused
+
+# The contract's program parameters (programs.CATALOG), never restated here.
+CHUNK = Program.of("gdn.chunked").param("chunk")
 
 DECISIONS = 8
 LENGTHS = (5, 61, 64, 100, 200)
@@ -331,7 +336,7 @@ def test_a_page_of_another_position_is_refused(model_dir):
     ):
         load_cache(geom, pages, 0, 5)
     fresh = load_cache(geom, pages, 2, 0)  # position 0: the zero state, whatever the page holds
-    assert torch.equal(fresh.gdn[0].s, P.gdn_state(2, 4, 128, 128).s)
+    assert torch.equal(fresh.gdn[0].s, P.gdn_state(2, 4, 128, 128, chunk=CHUNK).s)
 
 
 def test_a_state_at_another_position_is_not_stored(model_dir):

@@ -18,10 +18,11 @@ from safetensors.torch import load_file
 from serving_support import _ROOT, start_engine, stop_engine
 
 from lockstep_exact.adapters import load_adapter, make_adapter
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.model import ModelDir
-from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes
-from lockstep_exact.tiny import make_tiny
+from lockstep_exact.parity import same_bytes
+from lockstep_exact.testing import assert_same_bytes, nudge_ulp
 from lockstep_serving.vllm.patches import LaneRefused
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -156,7 +157,7 @@ def test_the_zero_adapter_gives_exactly_the_base_bytes(runs):
 def test_the_lora_manager_refuses_an_adapter_of_another_contract(model_dir, tmp_path):
     from types import SimpleNamespace
 
-    from lockstep_exact.contract import geometry_contract
+    from lockstep_exact.model import geometry_contract
     from lockstep_serving.vllm.lora import LaneLoRAManager, lora_request_for
 
     geom = N.Geometry.from_model_dir(model_dir)

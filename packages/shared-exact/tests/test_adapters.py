@@ -18,13 +18,12 @@ from lockstep_exact.adapters import (
     adapter_sha256,
     load_adapter,
     make_adapter,
-    perturb_adapter,
 )
-from lockstep_exact.contract import lane_contract
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.lanes import qwen3
-from lockstep_exact.model import ModelDir
-from lockstep_exact.parity import assert_same_bytes, same_bytes
-from lockstep_exact.tiny import make_tiny
+from lockstep_exact.model import ModelDir, lane_contract
+from lockstep_exact.parity import same_bytes
+from lockstep_exact.testing import assert_same_bytes, perturb_adapter
 
 
 @pytest.fixture(scope="module")

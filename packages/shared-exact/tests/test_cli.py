@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from lockstep_exact.cli import main
+from lockstep_exact.app.cli import main
+from lockstep_exact.app.qualify import Ladder
 from lockstep_exact.plugins import MissingHalf, manager
-from lockstep_exact.qualify import Ladder
 
 
 def test_tiny_writes_a_model_and_prints_its_contract(tmp_path, capsys):

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from lockstep_exact.app.tiny import tiny_config
 from lockstep_exact.lanes.config import HF_NORM_TOPK_PROB, HF_RMS_NORM_EPS, HF_ROPE_THETA
 from lockstep_exact.lanes.qwen3 import Geometry, UnsupportedModel
-from lockstep_exact.tiny import tiny_config
 
 transformers = pytest.importorskip("transformers")
 

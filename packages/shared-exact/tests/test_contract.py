@@ -6,13 +6,9 @@ import json
 
 import pytest
 
-from lockstep_exact.contract import (
-    ContractMismatch,
-    admit,
-    contract_from_json,
-    lane_contract,
-)
+from lockstep_exact.contract import ContractMismatch, admit, contract_from_json
 from lockstep_exact.lanes.qwen3 import Geometry, UnsupportedModel
+from lockstep_exact.model import lane_contract
 from lockstep_exact.programs import Program
 
 QWEN3 = {

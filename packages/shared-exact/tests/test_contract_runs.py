@@ -11,13 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.contract import ContractMismatch, contract_from_json, first_difference
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.lanes.ops import Ops, SiteNotInContract, check_invoked, site_key
 from lockstep_exact.parity import same_bytes
 from lockstep_exact.programs import Program
 from lockstep_exact.sites import recording
-from lockstep_exact.tiny import make_tiny
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3-moe"])

@@ -11,9 +11,9 @@ import shutil
 import pytest
 
 from lockstep_exact.adapters import AdapterError, load_adapter, make_adapter
-from lockstep_exact.cli import main
+from lockstep_exact.app.cli import main
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.model import ModelDir
-from lockstep_exact.tiny import make_tiny
 
 OTHER_CONTRACT = "sha256:" + "3" * 64
 

@@ -20,8 +20,12 @@ from torch.overrides import TorchFunctionMode
 
 from lockstep_exact import programs as P
 from lockstep_exact.lanes import qwen3_next as N
+from lockstep_exact.programs import Program
 from lockstep_exact.programs.cpu import gdn as G
 from lockstep_exact.programs.cpu import hybrid as H
+
+# The contract's program parameters (programs.CATALOG), never restated here.
+CHUNK = Program.of("gdn.chunked").param("chunk")
 
 pytestmark = pytest.mark.slow
 
@@ -175,20 +179,20 @@ def test_a_state_on_another_device_than_the_tokens_is_refused_naming_both():
     t, hk, hv, dk, dv = 3, 1, 2, 16, 16
     q, k = _e(t, hk, dk), _e(t, hk, dk)
     v, g, beta = _e(t, hv, dv, dtype=BF16), _e(t, hv), _e(t, hv)
-    cpu_state = P.gdn_state(hk, hv, dk, dv)
+    cpu_state = P.gdn_state(hk, hv, dk, dv, chunk=CHUNK)
     with pytest.raises(ValueError, match=r"one device.*'cpu'.*'meta'"):
-        P.gdn_chunked(q, k, v, g, beta, cpu_state, position=0)
+        P.gdn_chunked(q, k, v, g, beta, cpu_state, position=0, chunk=CHUNK)
     # A state moved in part (s on the tokens' device, its cached window not) is refused too.
     half = P.GdnState(64, 0, cpu_state.s.to(META), *G.state_tensors(cpu_state)[1:])
     with pytest.raises(ValueError, match=r"one device.*'cpu'.*'meta'"):
-        P.gdn_chunked(q, k, v, g, beta, half, position=0)
+        P.gdn_chunked(q, k, v, g, beta, half, position=0, chunk=CHUNK)
     # The program itself refuses a mixed call where a caller reaches it past the dispatch.
     with pytest.raises(ValueError, match=r"gdn\.chunked: the tokens and the state must be on one"):
-        G.gdn_chunked(q, k, v, g, beta, half, position=0)
+        G.gdn_chunked(q, k, v, g, beta, half, position=0, chunk=CHUNK)
 
 
 def test_a_sequence_cache_is_made_on_the_models_device():
-    from lockstep_exact.tiny import tiny_config
+    from lockstep_exact.app.tiny import tiny_config
 
     geom = N.Geometry.from_hf_config(tiny_config("qwen3-next"))
     cache = N.NextCache.empty(geom, META)

@@ -16,7 +16,12 @@ import pytest
 import torch
 
 from lockstep_exact import programs as P
-from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes
+from lockstep_exact.parity import same_bytes
+from lockstep_exact.programs import Program
+from lockstep_exact.testing import assert_same_bytes, nudge_ulp
+
+# The contract's program parameters (programs.CATALOG), never restated here.
+CHUNK = Program.of("gdn.chunked").param("chunk")
 
 pytestmark = pytest.mark.gpu
 
@@ -146,7 +151,7 @@ def gdn_inputs(t, h_k, h_v, d_k, d_v, seed=0):
 
 
 def gdn_call(q, k, v, g, beta, state, *, position=0):
-    return P.gdn_chunked(q, k, v, g, beta, state, position=position)
+    return P.gdn_chunked(q, k, v, g, beta, state, position=position, chunk=CHUNK)
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hk{h[0]}_hv{h[1]}")
@@ -154,7 +159,7 @@ def gdn_call(q, k, v, g, beta, state, *, position=0):
 def test_gdn_chunked_cuda_bytes_are_the_cpu_bytes(dev, t, heads):
     hk, hv = heads
     q, k, v, g, beta = gdn_inputs(t, hk, hv, 16, 16, seed=t)
-    state = P.gdn_state(hk, hv, 16, 16)
+    state = P.gdn_state(hk, hv, 16, 16, chunk=CHUNK)
     what = f"gdn.chunked t={t} hk={hk} hv={hv} K=V=16"
     assert_cuda_is_cpu(gdn_call, (q, k, v, g, beta, state), dev, what, nudge=2)
 
@@ -164,7 +169,7 @@ def test_gdn_chunked_cuda_bytes_are_the_cpu_bytes(dev, t, heads):
 def test_gdn_chunked_cuda_bytes_are_the_cpu_bytes_at_k_v_128(dev, t, heads):
     hk, hv = heads
     q, k, v, g, beta = gdn_inputs(t, hk, hv, 128, 128, seed=t + 7)
-    state = P.gdn_state(hk, hv, 128, 128)
+    state = P.gdn_state(hk, hv, 128, 128, chunk=CHUNK)
     what = f"gdn.chunked t={t} hk={hk} hv={hv} K=V=128"
     assert_cuda_is_cpu(gdn_call, (q, k, v, g, beta, state), dev, what, nudge=2)
 
@@ -172,7 +177,9 @@ def test_gdn_chunked_cuda_bytes_are_the_cpu_bytes_at_k_v_128(dev, t, heads):
 def test_gdn_chunked_from_a_mid_chunk_state_cuda_is_cpu(dev):
     """A call continuing a state that holds cached tokens (position 70: chunk start 64)."""
     q, k, v, g, beta = gdn_inputs(100, 2, 4, 16, 16, seed=5)
-    _, state = gdn_call(q[:70], k[:70], v[:70], g[:70], beta[:70], P.gdn_state(2, 4, 16, 16))
+    _, state = gdn_call(
+        q[:70], k[:70], v[:70], g[:70], beta[:70], P.gdn_state(2, 4, 16, 16, chunk=CHUNK)
+    )
     assert state.start == 64 and state.k.shape[0] == 6
     args = (q[70:], k[70:], v[70:], g[70:], beta[70:], state)
     fn = lambda *a: gdn_call(*a, position=70)  # noqa: E731
@@ -183,11 +190,11 @@ def _run_calls(q, k, v, g, beta, cuts, dev):
     """gdn.chunked over a sequence split into calls at ``cuts``, on ``dev`` with the state
     carried there: (outputs, final state)."""
     q, k, v, g, beta = (x.to(dev) for x in (q, k, v, g, beta))
-    state = P.gdn_state(k.shape[1], v.shape[1], k.shape[2], v.shape[2], device=dev)
+    state = P.gdn_state(k.shape[1], v.shape[1], k.shape[2], v.shape[2], device=dev, chunk=CHUNK)
     outs, bounds = [], [0, *cuts, q.shape[0]]
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         out, state = P.gdn_chunked(
-            q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state, position=lo
+            q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state, position=lo, chunk=CHUNK
         )
         assert all(x.device.type == torch.device(dev).type for x in _flat(state))
         outs.append(out)
@@ -222,7 +229,9 @@ def test_gdn_chunked_on_cuda_prefill_pieces_and_decode_are_one_byte_program(dev)
 def test_a_cpu_state_with_cuda_tokens_is_refused_naming_both_devices(dev):
     q, k, v, g, beta = (x.to(dev) for x in gdn_inputs(3, 1, 2, 16, 16))
     with pytest.raises(ValueError, match=r"one device.*'cpu'.*'cuda'"):
-        P.gdn_chunked(q, k, v, g, beta, P.gdn_state(1, 2, 16, 16), position=0)
+        P.gdn_chunked(
+            q, k, v, g, beta, P.gdn_state(1, 2, 16, 16, chunk=CHUNK), position=0, chunk=CHUNK
+        )
     from lockstep_exact.programs import cuda
 
     with pytest.raises(ValueError, match="expected a CUDA device"):
@@ -348,8 +357,8 @@ def lane_on(request, dev, tmp_path_factory):
 
     from safetensors.torch import load_file
 
+    from lockstep_exact.app.tiny import make_tiny
     from lockstep_exact.model import ModelDir
-    from lockstep_exact.tiny import make_tiny
 
     kw = ODD if request.param == "odd" else {}
     d = make_tiny(tmp_path_factory.mktemp(f"next-{request.param}") / "m", arch="qwen3-next", **kw)

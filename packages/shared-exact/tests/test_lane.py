@@ -6,9 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.lanes import qwen3
-from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes
-from lockstep_exact.tiny import make_tiny
+from lockstep_exact.parity import same_bytes
+from lockstep_exact.testing import assert_same_bytes, nudge_ulp
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3-moe"])

@@ -17,14 +17,15 @@ import torch
 from safetensors.torch import load_file
 
 from lockstep_exact import programs as P
-from lockstep_exact.contract import LayoutRefused, geometry_contract
+from lockstep_exact.app.tiny import make_tiny, tiny_config
+from lockstep_exact.contract import LayoutRefused
 from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.lanes.config import UnsupportedModel, check_next_config
 from lockstep_exact.lanes.ops import check_invoked
-from lockstep_exact.model import ModelDir
-from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes
+from lockstep_exact.model import ModelDir, geometry_contract
+from lockstep_exact.parity import same_bytes
 from lockstep_exact.sites import recording
-from lockstep_exact.tiny import make_tiny, tiny_config
+from lockstep_exact.testing import assert_same_bytes, nudge_ulp
 
 pytestmark = pytest.mark.slow
 

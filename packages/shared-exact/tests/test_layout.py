@@ -9,12 +9,18 @@ import torch
 from safetensors.torch import load_file
 
 from lockstep_exact import programs as P
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.contract import LayoutRefused, check_layout
 from lockstep_exact.lanes.qwen3 import forward_logprobs, k_parts
-from lockstep_exact.layout import Layout, reference_logprobs
+from lockstep_exact.layout import Layout
 from lockstep_exact.model import ModelDir
-from lockstep_exact.parity import nudge_ulp, same_bytes
-from lockstep_exact.tiny import make_tiny
+from lockstep_exact.parity import same_bytes
+from lockstep_exact.programs import Program
+from lockstep_exact.testing import nudge_ulp, reference_logprobs
+
+# The contract's program parameters (programs.CATALOG), never restated here.
+BK = Program.of("gemm.kblock").param("bk")
+KPART_BK = Program.of("gemm.kpart").param("bk")
 
 pytestmark = pytest.mark.slow
 
@@ -78,14 +84,16 @@ def test_the_partitions_fold_as_one_tree_whatever_the_rank_count():
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(5, 256, generator=g)).to(torch.bfloat16)
     w = (torch.randn(48, 256, generator=g) * 0.05).to(torch.bfloat16)
-    one = P.gemm_kpart(x, w, parts=8, out_dtype=torch.float32)  # fp32: no rounding hides
+    one = P.gemm_kpart(
+        x, w, parts=8, out_dtype=torch.float32, bk=KPART_BK
+    )  # fp32: no rounding hides
     for ranks in (2, 4, 8):
         shards = [
-            P.kpart_partial(xs, ws, parts=8 // ranks)
+            P.kpart_partial(xs, ws, parts=8 // ranks, bk=KPART_BK)
             for xs, ws in zip(x.chunk(ranks, -1), w.chunk(ranks, -1), strict=True)
         ]
         assert same_bytes(P.fold_tree(shards), one), ranks
-    assert not same_bytes(P.gemm(x, w, out_dtype=torch.float32), one)
+    assert not same_bytes(P.gemm(x, w, out_dtype=torch.float32, bk=BK), one)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -101,11 +109,12 @@ def test_kpart_hands_the_gemm_k_slices_with_the_bytes_of_their_copies(dtype):
             x[..., p * size : (p + 1) * size].contiguous(),
             w[:, p * size : (p + 1) * size].contiguous(),
             out_dtype=torch.float32,
+            bk=BK,
         )
         for p in range(8)
     ]
     want = P.fold_tree(copies)
-    got = P.kpart_partial(x, w, parts=8)
+    got = P.kpart_partial(x, w, parts=8, bk=KPART_BK)
     assert same_bytes(got, want)
     assert not same_bytes(nudge_ulp(got, 5), want)
 

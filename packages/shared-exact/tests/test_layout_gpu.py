@@ -13,11 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.lanes.qwen3 import default_ops, forward_logprobs
-from lockstep_exact.layout import Layout, reference_logprobs
+from lockstep_exact.layout import Layout
 from lockstep_exact.model import ModelDir
 from lockstep_exact.parity import same_bytes
-from lockstep_exact.tiny import make_tiny
+from lockstep_exact.testing import reference_logprobs
 
 GPUS = torch.cuda.device_count()
 

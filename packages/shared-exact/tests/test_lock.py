@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lockstep_exact import lock
 from lockstep_exact import programs as P
+from lockstep_exact.app import lock
 from lockstep_exact.golden import golden
 from lockstep_exact.parity import bytes_sha256
 

@@ -6,11 +6,10 @@ import json
 
 import pytest
 
-from lockstep_exact.contract import lane_contract
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.hashing import dir_sha256
 from lockstep_exact.lanes.qwen3 import Geometry, UnsupportedModel
-from lockstep_exact.model import TOKENIZER_FILES, ModelDir, model_hash
-from lockstep_exact.tiny import make_tiny
+from lockstep_exact.model import TOKENIZER_FILES, ModelDir, lane_contract, model_hash
 
 
 @pytest.fixture(scope="module")

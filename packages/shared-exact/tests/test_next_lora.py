@@ -15,14 +15,13 @@ from lockstep_exact.adapters import (
     load_adapter,
     make_adapter,
     module_shapes,
-    perturb_adapter,
     write_adapter,
 )
-from lockstep_exact.contract import geometry_contract
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.lanes import qwen3_next as N
-from lockstep_exact.model import ModelDir
-from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes
-from lockstep_exact.tiny import make_tiny
+from lockstep_exact.model import ModelDir, geometry_contract
+from lockstep_exact.parity import same_bytes
+from lockstep_exact.testing import assert_same_bytes, nudge_ulp, perturb_adapter
 
 TOKENS = torch.tensor([5, 17, 99, 3, 250, 41, 8, 77, 12, 600])
 

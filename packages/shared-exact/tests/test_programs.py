@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from lockstep_exact import programs as P
-from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes, ulp_distance
+from lockstep_exact.parity import same_bytes, ulp_distance
+from lockstep_exact.programs import Program
+from lockstep_exact.testing import assert_same_bytes, nudge_ulp
+
+# The contract's program parameters (programs.CATALOG), never restated here.
+BK = Program.of("gemm.kblock").param("bk")
+BLOCK = Program.of("attention.blocked").param("block")
+EXPAND_BK = Program.of("lora.expand").param("bk")
+SEGMENT = Program.of("attention.blocked").param("segment")
+SHRINK_BK = Program.of("lora.shrink").param("bk")
 
 BF16 = torch.bfloat16
 MS = (1, 3, 64, 257)
@@ -82,17 +91,19 @@ def test_tree_sum_tree_depends_only_on_length():
 @pytest.mark.parametrize("n,k", [(96, 100), (1024, 128), (7, 33)])
 def test_gemm_row_bytes_do_not_depend_on_batch(n, k):
     w = rand(n, k, seed=2)
-    rows_invariant(lambda x: P.gemm(x, w), rand(257, k), what="gemm")
+    rows_invariant(lambda x: P.gemm(x, w, bk=BK), rand(257, k), what="gemm")
 
 
 def test_gemm_fp32_output_row_bytes_do_not_depend_on_batch():
     w = rand(1000, 96, seed=3)
-    rows_invariant(lambda x: P.gemm(x, w, out_dtype=torch.float32), rand(257, 96), what="gemm fp32")
+    rows_invariant(
+        lambda x: P.gemm(x, w, out_dtype=torch.float32, bk=BK), rand(257, 96), what="gemm fp32"
+    )
 
 
 def test_gemm_error_vs_float64_is_bounded():
     x, w = rand(64, 256, seed=4), rand(96, 256, seed=5)
-    y = P.gemm(x, w, out_dtype=torch.float32).double()
+    y = P.gemm(x, w, out_dtype=torch.float32, bk=BK).double()
     exact = x.double() @ w.double().T
     # fp32 accumulation over the block tree: |err| <= (log2(bk) + K/bk) * 2^-24 * sum|x*w|
     bound = (5 + 256 / 32) * 2**-24 * (x.double().abs() @ w.double().abs().T)
@@ -101,8 +112,8 @@ def test_gemm_error_vs_float64_is_bounded():
 
 def test_gemm_bytes_move_with_one_operand_ulp():
     x, w = rand(8, 128), rand(64, 128, seed=6)
-    base = P.gemm(x, w, out_dtype=torch.float32)
-    assert not same_bytes(P.gemm(x, nudge_ulp(w, 0), out_dtype=torch.float32), base)
+    base = P.gemm(x, w, out_dtype=torch.float32, bk=BK)
+    assert not same_bytes(P.gemm(x, nudge_ulp(w, 0), out_dtype=torch.float32, bk=BK), base)
 
 
 def test_gemm_block_size_is_a_bit_relevant_parameter():
@@ -114,7 +125,7 @@ def test_gemm_block_size_is_a_bit_relevant_parameter():
 
 def test_gemm_refuses_mismatched_k():
     with pytest.raises(ValueError, match="K mismatch"):
-        P.gemm(rand(2, 8), rand(4, 9))
+        P.gemm(rand(2, 8), rand(4, 9), bk=BK)
 
 
 # --- norms, residual, activation ----------------------------------------------------------------
@@ -235,7 +246,7 @@ def test_attention_prefill_chunked_and_decode_give_the_same_bytes(t, segment):
     pos = torch.arange(t)
 
     def attn(qq, kk, vv, pp):
-        return P.attention(qq, kk, vv, pp, segment=segment)
+        return P.attention(qq, kk, vv, pp, segment=segment, block=BLOCK)
 
     prefill = attn(q, k, v, pos)
     decode = torch.cat(
@@ -253,26 +264,36 @@ def test_attention_prefill_chunked_and_decode_give_the_same_bytes(t, segment):
 def test_attention_ignores_cache_contents_past_the_query():
     q, k, v = _qkv(40)
     pos = torch.arange(20)
-    ref = P.attention(q[:20], k[:20], v[:20], pos)
+    ref = P.attention(q[:20], k[:20], v[:20], pos, block=BLOCK, segment=SEGMENT)
     junk_k, junk_v = k.clone(), v.clone()
     junk_k[20:] = float("nan")
     junk_v[20:] = float("inf")
-    assert_same_bytes(P.attention(q[:20], junk_k, junk_v, pos), ref, "garbage beyond the query")
+    assert_same_bytes(
+        P.attention(q[:20], junk_k, junk_v, pos, block=BLOCK, segment=SEGMENT),
+        ref,
+        "garbage beyond the query",
+    )
 
 
 def test_attention_row_bytes_do_not_depend_on_threads_or_batch():
     q, k, v = _qkv(257, hq=8, hkv=2, d=64)
     pos = torch.arange(257)
     torch.set_num_threads(1)
-    one = P.attention(q, k, v, pos)
+    one = P.attention(q, k, v, pos, block=BLOCK, segment=SEGMENT)
     torch.set_num_threads(2)
-    assert_same_bytes(P.attention(q, k, v, pos), one, "attention 1 vs 2 threads")
-    assert_same_bytes(P.attention(q[200:203], k, v, pos[200:203]), one[200:203], "3 rows")
+    assert_same_bytes(
+        P.attention(q, k, v, pos, block=BLOCK, segment=SEGMENT), one, "attention 1 vs 2 threads"
+    )
+    assert_same_bytes(
+        P.attention(q[200:203], k, v, pos[200:203], block=BLOCK, segment=SEGMENT),
+        one[200:203],
+        "3 rows",
+    )
 
 
 def test_attention_error_vs_float64_is_bounded():
     q, k, v = _qkv(100, hq=4, hkv=4)
-    out = P.attention(q, k, v, torch.arange(100)).double()
+    out = P.attention(q, k, v, torch.arange(100), block=BLOCK, segment=SEGMENT).double()
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.double().transpose(0, 1),
         k.double().transpose(0, 1),
@@ -285,7 +306,10 @@ def test_attention_error_vs_float64_is_bounded():
 def test_attention_block_is_a_bit_relevant_parameter():
     q, k, v = _qkv(512, hq=8, hkv=2, d=64)
     pos = torch.arange(512)
-    assert not same_bytes(P.attention(q, k, v, pos, block=16), P.attention(q, k, v, pos, block=32))
+    assert not same_bytes(
+        P.attention(q, k, v, pos, block=16, segment=SEGMENT),
+        P.attention(q, k, v, pos, block=32, segment=SEGMENT),
+    )
 
 
 def test_attention_segment_moves_only_the_rows_that_cross_it():
@@ -344,20 +368,26 @@ def test_lora_row_bytes_do_not_depend_on_batch():
     w = rand(64, 96, seed=42)
 
     def lora(x):
-        return P.lora_expand(P.gemm(x, w), P.lora_shrink(x, a), b, 2.0)
+        return P.lora_expand(
+            P.gemm(x, w, bk=BK), P.lora_shrink(x, a, bk=SHRINK_BK), b, 2.0, bk=EXPAND_BK
+        )
 
     rows_invariant(lora, rand(257, 96), what="lora")
 
 
 def test_zero_lora_adapter_returns_the_base_bytes_exactly():
     x, w, a = rand(33, 96), rand(64, 96, seed=43), rand(8, 96, seed=44)
-    base = P.gemm(x, w)
+    base = P.gemm(x, w, bk=BK)
     base[0, 0] = -0.0
-    out = P.lora_expand(base, P.lora_shrink(x, a), torch.zeros(64, 8, dtype=BF16), 2.0)
+    out = P.lora_expand(
+        base, P.lora_shrink(x, a, bk=SHRINK_BK), torch.zeros(64, 8, dtype=BF16), 2.0, bk=EXPAND_BK
+    )
     assert_same_bytes(out, base, "zero adapter")
     bumped = torch.zeros(64, 8, dtype=BF16)
     bumped[3, 0] = 2**-9
-    assert not same_bytes(P.lora_expand(base, P.lora_shrink(x, a), bumped, 2.0), base)
+    assert not same_bytes(
+        P.lora_expand(base, P.lora_shrink(x, a, bk=SHRINK_BK), bumped, 2.0, bk=EXPAND_BK), base
+    )
 
 
 # --- dispatch -----------------------------------------------------------------------------------
@@ -380,4 +410,5 @@ def test_a_device_without_a_backend_fails_closed():
         P.gemm(
             torch.zeros(2, 2, dtype=BF16, device="meta"),
             torch.zeros(2, 2, dtype=BF16, device="meta"),
+            bk=BK,
         )

@@ -11,8 +11,14 @@ import pytest
 import torch
 
 from lockstep_exact import programs as P
-from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes, ulp_distance
+from lockstep_exact.parity import same_bytes, ulp_distance
+from lockstep_exact.programs import Program
 from lockstep_exact.programs.cpu import gdn as G
+from lockstep_exact.testing import assert_same_bytes, nudge_ulp
+
+# The contract's program parameters (programs.CATALOG), never restated here.
+BK = Program.of("gemm.kblock").param("bk")
+CHUNK = Program.of("gdn.chunked").param("chunk")
 
 BF16 = torch.bfloat16
 F32 = torch.float32
@@ -398,7 +404,7 @@ def _hf_next(block: str):
     from transformers import Qwen3NextConfig
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
-    from lockstep_exact.tiny import tiny_config, tiny_state_dict
+    from lockstep_exact.app.tiny import tiny_config, tiny_state_dict
 
     raw = tiny_config("qwen3-next")
     w = tiny_state_dict(raw, seed=0)
@@ -441,8 +447,8 @@ def _gdn_layer(x, w, cfg, *, heads=None):
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     r = hv // hk
-    qkvz = P.gemm(x, w["in_proj_qkvz.weight"]).view(t, hk, 2 * dk + 2 * r * dv)
-    ba = P.gemm(x, w["in_proj_ba.weight"]).view(t, hk, 2 * r)
+    qkvz = P.gemm(x, w["in_proj_qkvz.weight"], bk=BK).view(t, hk, 2 * dk + 2 * r * dv)
+    ba = P.gemm(x, w["in_proj_ba.weight"], bk=BK).view(t, hk, 2 * r)
     q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
     b, a = torch.split(ba, [r, r], dim=-1)
     mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
@@ -459,10 +465,17 @@ def _gdn_layer(x, w, cfg, *, heads=None):
         a.reshape(t, hv).contiguous(), b.reshape(t, hv).contiguous(), w["A_log"], w["dt_bias"]
     )
     out, _ = P.gdn_chunked(
-        qn, kn, v.reshape(t, hv, dv).contiguous(), g, beta, P.gdn_state(hk, hv, dk, dv), position=0
+        qn,
+        kn,
+        v.reshape(t, hv, dv).contiguous(),
+        g,
+        beta,
+        P.gdn_state(hk, hv, dk, dv, chunk=CHUNK),
+        position=0,
+        chunk=CHUNK,
     )
     normed = P.rmsnorm_gated(out, z.reshape(t, hv, dv).contiguous(), w["norm.weight"], 1e-6)
-    return P.gemm(normed.reshape(t, -1), w["out_proj.weight"])
+    return P.gemm(normed.reshape(t, -1), w["out_proj.weight"], bk=BK)
 
 
 def test_a_gdn_layer_of_the_programs_matches_hf_qwen3_next_in_fp32():
@@ -487,16 +500,18 @@ def test_an_moe_block_of_the_programs_matches_hf_qwen3_next_in_fp32():
         ref = block(x.float()[None])[0].double()
 
     def mlp(pre):
-        gate = P.gemm(x, w[pre + "gate_proj.weight"])
+        gate = P.gemm(x, w[pre + "gate_proj.weight"], bk=BK)
         return P.gemm(
-            P.swiglu(gate, P.gemm(x, w[pre + "up_proj.weight"])), w[pre + "down_proj.weight"]
+            P.swiglu(gate, P.gemm(x, w[pre + "up_proj.weight"], bk=BK)),
+            w[pre + "down_proj.weight"],
+            bk=BK,
         )
 
-    ids, wts = P.router_topk(P.gemm(x, w["gate.weight"]), cfg.num_experts_per_tok)
+    ids, wts = P.router_topk(P.gemm(x, w["gate.weight"], bk=BK), cfg.num_experts_per_tok)
     every = torch.stack([mlp(f"experts.{e}.") for e in range(cfg.num_experts)], dim=1)
     chosen = torch.gather(every, 1, ids[:, :, None].expand(-1, -1, every.shape[2]))
     routed = P.moe_fold(chosen.contiguous(), wts)
-    logit = P.gemm(x, w["shared_expert_gate.weight"])
+    logit = P.gemm(x, w["shared_expert_gate.weight"], bk=BK)
     y = P.shared_expert_gate(routed, mlp("shared_expert."), logit)
     assert _rms_rel(y, ref) < 0.01  # measured 0.49% (HF's bf16 run: 0.51%)
     # Negative control: the shared expert without its gate.

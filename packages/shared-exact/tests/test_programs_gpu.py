@@ -13,8 +13,18 @@ import pytest
 import torch
 
 from lockstep_exact import programs as P
-from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes, ulp_distance
+from lockstep_exact.parity import same_bytes, ulp_distance
+from lockstep_exact.programs import Program
 from lockstep_exact.programs import cpu as CPU
+from lockstep_exact.testing import assert_same_bytes, nudge_ulp
+
+# The contract's program parameters (programs.CATALOG), never restated here.
+BK = Program.of("gemm.kblock").param("bk")
+BLOCK = Program.of("attention.blocked").param("block")
+EXPAND_BK = Program.of("lora.expand").param("bk")
+KPART_BK = Program.of("gemm.kpart").param("bk")
+SEGMENT = Program.of("attention.blocked").param("segment")
+SHRINK_BK = Program.of("lora.shrink").param("bk")
 
 pytestmark = pytest.mark.gpu
 
@@ -151,11 +161,13 @@ def test_gemm_persistent_tilings_load_by_tma_and_a_misaligned_x_gives_the_same_b
     shifted = base[1:].view(600, 2048)  # starts 2 bytes past an allocation's start
     x = shifted.clone()
     assert gemm_mod.tma_ok(x, w) and not gemm_mod.tma_ok(shifted, w)
-    ref = cuda.gemm(x, w, tiling="m128n128")
+    ref = cuda.gemm(x, w, tiling="m128n128", bk=BK)
     for name in [n for n, t in cuda.TILINGS.items() if t.persistent]:
-        assert_same_bytes(cuda.gemm(x, w, tiling=name), ref, f"{name} (TMA)")
-        assert_same_bytes(cuda.gemm(shifted, w, tiling=name), ref, f"{name} (pointer kernel)")
-    assert_detects_one_ulp(ref, cuda.gemm(x, w, tiling="p128n256"), index=7)
+        assert_same_bytes(cuda.gemm(x, w, tiling=name, bk=BK), ref, f"{name} (TMA)")
+        assert_same_bytes(
+            cuda.gemm(shifted, w, tiling=name, bk=BK), ref, f"{name} (pointer kernel)"
+        )
+    assert_detects_one_ulp(ref, cuda.gemm(x, w, tiling="p128n256", bk=BK), index=7)
 
 
 @pytest.mark.parametrize("out_dtype", [BF16, F32])
@@ -172,13 +184,13 @@ def test_gemm_reads_k_slices_in_place_with_the_bytes_of_their_copies(out_dtype):
         assert not xs.is_contiguous() and not ws.is_contiguous()
         assert gemm_mod.tma_ok(xs, ws) == (lo % 8 == 0)
         for m in (1, 64, 300, 1100):
-            ref = cuda.gemm(xs[:m].contiguous(), ws.contiguous(), out_dtype=out_dtype)
+            ref = cuda.gemm(xs[:m].contiguous(), ws.contiguous(), out_dtype=out_dtype, bk=BK)
             for tiling in (None, "m64n64", "p128n256nf", "p128n128w4"):
-                out = cuda.gemm(xs[:m], ws, out_dtype=out_dtype, tiling=tiling)
+                out = cuda.gemm(xs[:m], ws, out_dtype=out_dtype, tiling=tiling, bk=BK)
                 assert_same_bytes(out, ref, f"K {lo}:{hi}, {m} rows, tiling {tiling}")
     lead = x.view(4, 275, 4096)[:, :, 1024:1536]
-    ref = cuda.gemm(lead.contiguous(), w[:, 1024:1536].contiguous(), out_dtype=out_dtype)
-    out = cuda.gemm(lead, w[:, 1024:1536], out_dtype=out_dtype)
+    ref = cuda.gemm(lead.contiguous(), w[:, 1024:1536].contiguous(), out_dtype=out_dtype, bk=BK)
+    out = cuda.gemm(lead, w[:, 1024:1536], out_dtype=out_dtype, bk=BK)
     assert_same_bytes(out, ref, "a 3-D K-slice")
     assert_detects_one_ulp(ref, out, index=9)
 
@@ -192,11 +204,12 @@ def test_kpart_on_cuda_gives_the_bytes_of_its_partitions_copied_out():
             x[..., p * size : (p + 1) * size].contiguous(),
             w[:, p * size : (p + 1) * size].contiguous(),
             out_dtype=F32,
+            bk=BK,
         )
         for p in range(8)
     ]
     ref = P.fold_tree(parts)
-    out = P.kpart_partial(x, w, parts=8)
+    out = P.kpart_partial(x, w, parts=8, bk=KPART_BK)
     assert_same_bytes(out, ref, "gemm.kpart, 8 partitions")
     assert_detects_one_ulp(ref, out, index=5)
 
@@ -214,8 +227,8 @@ def test_the_tiling_above_256_rows_follows_the_h200_sweep_and_keeps_the_bytes():
         x = cuda_rand(m, k, seed=74)
         w = cuda_rand(n, k, seed=75, scale=0.05)
         for out_dtype in (BF16, F32):
-            ref = cuda.gemm(x, w, out_dtype=out_dtype, tiling="m64n64")
-            out = cuda.gemm(x, w, out_dtype=out_dtype)
+            ref = cuda.gemm(x, w, out_dtype=out_dtype, tiling="m64n64", bk=BK)
+            out = cuda.gemm(x, w, out_dtype=out_dtype, bk=BK)
             assert_same_bytes(out, ref, f"{m}x{n}x{k} {out_dtype}: {pick(m, n, 64)} vs m64n64")
     assert_detects_one_ulp(ref, out, index=3)
 
@@ -279,9 +292,9 @@ def test_gemm_refuses_a_k_step_that_does_not_divide_k():
 def test_gemm_bytes_are_those_of_the_row_alone_inside_a_3d_batch():
     x = cuda_rand(4, 33, 512, seed=5)
     w = cuda_rand(640, 512, seed=6, scale=0.05)
-    full = P.gemm(x, w)
+    full = P.gemm(x, w, bk=BK)
     for b in range(4):
-        assert_same_bytes(P.gemm(x[b, 5:6], w), full[b, 5:6], f"batch {b} row 5")
+        assert_same_bytes(P.gemm(x[b, 5:6], w, bk=BK), full[b, 5:6], f"batch {b} row 5")
 
 
 @pytest.mark.parametrize("out_dtype", [BF16, F32])
@@ -289,7 +302,7 @@ def test_gemm_error_is_bounded(out_dtype):
     x = cuda_rand(513, 4100, seed=7)
     w = cuda_rand(1000, 4100, seed=8, scale=0.05)
     ref = x.to(F64) @ w.to(F64).T
-    err = rel_err(P.gemm(x, w, out_dtype=out_dtype), ref)
+    err = rel_err(P.gemm(x, w, out_dtype=out_dtype, bk=BK), ref)
     assert err < (4e-3 if out_dtype == BF16 else 1e-5), err
 
 
@@ -449,11 +462,11 @@ def test_lora_zero_adapter_returns_the_base_bytes():
     base[0, :4] = torch.tensor([0.0, -0.0, 1.0, -1.0], dtype=BF16, device="cuda")
     a = cuda_rand(16, 1024, seed=20, scale=0.05)
     b0 = torch.zeros(768, 16, dtype=BF16, device="cuda")
-    t = P.lora_shrink(x, a)
-    assert_same_bytes(P.lora_expand(base, t, b0, 2.0), base, "zero B")
-    t0 = P.lora_shrink(x, torch.zeros_like(a))
+    t = P.lora_shrink(x, a, bk=SHRINK_BK)
+    assert_same_bytes(P.lora_expand(base, t, b0, 2.0, bk=EXPAND_BK), base, "zero B")
+    t0 = P.lora_shrink(x, torch.zeros_like(a), bk=SHRINK_BK)
     b = cuda_rand(768, 16, seed=21, scale=0.05)
-    assert_same_bytes(P.lora_expand(base, t0, b, 2.0), base, "zero A")
+    assert_same_bytes(P.lora_expand(base, t0, b, 2.0, bk=EXPAND_BK), base, "zero A")
 
 
 def test_lora_rows_do_not_depend_on_batch():
@@ -463,7 +476,7 @@ def test_lora_rows_do_not_depend_on_batch():
     b = cuda_rand(768, 16, seed=25, scale=0.05)
 
     def lora(xs, bases):
-        return P.lora_expand(bases, P.lora_shrink(xs, a), b, 0.5)
+        return P.lora_expand(bases, P.lora_shrink(xs, a, bk=SHRINK_BK), b, 0.5, bk=EXPAND_BK)
 
     out = rows_invariant(by_row(lora, x, base), row_ids(4096), what="lora")
     x64 = x.to(F64)
@@ -577,12 +590,16 @@ def test_attention_rows_do_not_depend_on_which_queries_share_the_call():
     n = 1500
     q, k, v = attn_inputs(n, h_q=16, h_kv=4, seed=40)
     pos = torch.arange(n, device="cuda")
-    full = P.attention(q, k, v, pos)
+    full = P.attention(q, k, v, pos, block=BLOCK, segment=SEGMENT)
     perm = torch.randperm(n, device="cuda")
-    shuffled = P.attention(q[perm], k, v, pos[perm])
+    shuffled = P.attention(q[perm], k, v, pos[perm], block=BLOCK, segment=SEGMENT)
     assert_same_bytes(shuffled, full[perm], "queries permuted")
     pick = torch.tensor([1499, 3, 700, 1024, 0], device="cuda")
-    assert_same_bytes(P.attention(q[pick], k, v, pos[pick]), full[pick], "scattered queries")
+    assert_same_bytes(
+        P.attention(q[pick], k, v, pos[pick], block=BLOCK, segment=SEGMENT),
+        full[pick],
+        "scattered queries",
+    )
     assert_detects_one_ulp(full[perm], shuffled, index=9)
 
 
@@ -590,7 +607,7 @@ def test_attention_rows_do_not_depend_on_which_queries_share_the_call():
 def test_attention_error_is_bounded(h_q, h_kv):
     n = 1200
     q, k, v = attn_inputs(n, h_q=h_q, h_kv=h_kv, seed=50)
-    out = P.attention(q, k, v, torch.arange(n, device="cuda"), block=64)
+    out = P.attention(q, k, v, torch.arange(n, device="cuda"), block=64, segment=SEGMENT)
     assert rel_err(out, attention_f64(q, k, v)) < 1e-2
 
 
@@ -662,17 +679,25 @@ def test_paged_decode_gives_each_request_the_contiguous_bytes(page, block, g, ti
     seq = torch.tensor(list(DECODE_LENS) + [0, 0], dtype=torch.int32, device="cuda")
     pos = torch.tensor([m - 1 for m in DECODE_LENS] + [0, 0], device="cuda")
     got = P.attention_decode_paged(
-        q, key_cache, value_cache, table, seq, pos, max_seq_len=4200, block=block
+        q, key_cache, value_cache, table, seq, pos, max_seq_len=4200, block=block, segment=SEGMENT
     )
     for i, m in enumerate(DECODE_LENS):
-        want = P.attention(q[i : i + 1], ks[i], vs[i], pos[i : i + 1], block=block)
+        want = P.attention(q[i : i + 1], ks[i], vs[i], pos[i : i + 1], block=block, segment=SEGMENT)
         assert_same_bytes(got[i : i + 1], want, f"request {i} ({m} keys)")
     moved = q.clone()
     # one ulp of request 3's largest query element: one ulp of a small one (index 5 of a
     # head of 64) moved no output byte on the H200
     moved[3] = nudge_ulp(q[3], int(q[3].float().abs().argmax()))
     other = P.attention_decode_paged(
-        moved, key_cache, value_cache, table, seq, pos, max_seq_len=4200, block=block
+        moved,
+        key_cache,
+        value_cache,
+        table,
+        seq,
+        pos,
+        max_seq_len=4200,
+        block=block,
+        segment=SEGMENT,
     )
     assert not same_bytes(other[3], got[3]) and same_bytes(other[:3], got[:3])
 
@@ -687,25 +712,49 @@ def test_paged_decode_reads_any_index_dtype_and_strides_and_skips_bad_positions(
     q = cuda_rand(4, h_kv * g, d, seed=22)
     seq = torch.tensor([*lens, 9], dtype=torch.int32, device="cuda")
     pos = torch.tensor([m - 1 for m in lens] + [9], device="cuda")  # row 3: position == seq_len
-    want = P.attention_decode_paged(q, key_cache, value_cache, table, seq, pos, max_seq_len=2048)
+    want = P.attention_decode_paged(
+        q, key_cache, value_cache, table, seq, pos, max_seq_len=2048, block=BLOCK, segment=SEGMENT
+    )
     for i, m in enumerate(lens):
-        alone = P.attention(q[i : i + 1], ks[i], vs[i], pos[i : i + 1])
+        alone = P.attention(
+            q[i : i + 1], ks[i], vs[i], pos[i : i + 1], block=BLOCK, segment=SEGMENT
+        )
         assert_same_bytes(want[i : i + 1], alone, f"request {i} ({m} keys)")
     wide = torch.stack([seq.long(), seq.long()], 1)[:, 0]  # int64, stride 2
     spaced = torch.stack([pos.int(), pos.int()], 1)[:, 1]  # int32, stride 2
     assert wide.stride(0) == 2 and spaced.stride(0) == 2
-    got = P.attention_decode_paged(q, key_cache, value_cache, table, wide, spaced, max_seq_len=2048)
+    got = P.attention_decode_paged(
+        q,
+        key_cache,
+        value_cache,
+        table,
+        wide,
+        spaced,
+        max_seq_len=2048,
+        block=BLOCK,
+        segment=SEGMENT,
+    )
     assert_same_bytes(got[:3], want[:3], "int64 / strided indices")
     neg = pos.clone()
     neg[3] = -5
-    got = P.attention_decode_paged(q, key_cache, value_cache, table, seq, neg, max_seq_len=2048)
+    got = P.attention_decode_paged(
+        q, key_cache, value_cache, table, seq, neg, max_seq_len=2048, block=BLOCK, segment=SEGMENT
+    )
     assert_same_bytes(got[:3], want[:3], "a negative position beside them")
     assert_detects_one_ulp(want[:3], got[:3], index=5)
     with pytest.raises(
         ValueError, match="must be int32 or int64, got torch.int32 and torch.float32"
     ):
         P.attention_decode_paged(
-            q, key_cache, value_cache, table, seq, pos.float(), max_seq_len=2048
+            q,
+            key_cache,
+            value_cache,
+            table,
+            seq,
+            pos.float(),
+            max_seq_len=2048,
+            block=BLOCK,
+            segment=SEGMENT,
         )
 
 
@@ -715,24 +764,33 @@ def test_attention_reads_positions_of_any_index_dtype_in_place():
     n = 700
     q, k, v = attn_inputs(n, h_q=8, h_kv=2, seed=31)
     pos32 = torch.arange(n, device="cuda", dtype=torch.int32)
-    want = P.attention(q, k, v, pos32)
+    want = P.attention(q, k, v, pos32, block=BLOCK, segment=SEGMENT)
     strided = torch.stack([pos32.long(), pos32.long()], 1)[:, 1]
     assert strided.stride(0) == 2
     for positions in (pos32.long(), strided, pos32.cpu()):
-        got = P.attention(q, k, v, positions)
+        got = P.attention(q, k, v, positions, block=BLOCK, segment=SEGMENT)
         assert_same_bytes(got, want, f"{positions.dtype}")
     assert_detects_one_ulp(want, got, index=11)
-    one = backend().attention(q[5:6], k, v, strided[5:6], split=True)
+    one = backend().attention(q[5:6], k, v, strided[5:6], split=True, block=BLOCK, segment=SEGMENT)
     assert_same_bytes(one, want[5:6], "split")
     assert_detects_one_ulp(want[5:6], one)
     with pytest.raises(ValueError, match="integer positions required, got torch.float32"):
-        P.attention(q, k, v, pos32.float())
+        P.attention(q, k, v, pos32.float(), block=BLOCK, segment=SEGMENT)
 
 
 _STOP_CALLS = {
-    "attention, negative": ("cuda.attention(q, k, k, pos, split=False)", -1),
-    "attention, past the keys": ("cuda.attention(q, k, k, pos, split=False)", 64),
-    "attention split, past the keys": ("cuda.attention(q, k, k, pos, split=True)", 64),
+    "attention, negative": (
+        "cuda.attention(q, k, k, pos, block=BLOCK, segment=SEGMENT, split=False)",
+        -1,
+    ),
+    "attention, past the keys": (
+        "cuda.attention(q, k, k, pos, block=BLOCK, segment=SEGMENT, split=False)",
+        64,
+    ),
+    "attention split, past the keys": (
+        "cuda.attention(q, k, k, pos, block=BLOCK, segment=SEGMENT, split=True)",
+        64,
+    ),
     "rope, past the bound": ("rope_bounded(q, pos)", 4096),
     "rope, negative": ("rope_bounded(q, pos)", -3),
 }
@@ -753,6 +811,8 @@ def test_a_position_outside_its_range_stops_the_kernel(case):
         import torch
         from lockstep_exact import programs as P
         from lockstep_exact.programs import cuda
+        BLOCK = P.Program.of("attention.blocked").param("block")
+        SEGMENT = P.Program.of("attention.blocked").param("segment")
         def rope_bounded(x, pos):
             with P.position_bound(4096):
                 return cuda.rope(x, pos, 1e6)
@@ -780,7 +840,7 @@ def test_paged_decode_refuses_more_query_heads_per_kv_head_than_a_program_holds(
     one = torch.ones(1, dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="65 query heads per kv head unsupported"):
         P.attention_decode_paged(q, key_cache, value_cache, table, one * 40, one * 39,
-                                 max_seq_len=64)  # fmt: skip
+                                 max_seq_len=64, block=BLOCK, segment=SEGMENT)  # fmt: skip
 
 
 def test_the_paged_decode_step_replays_from_a_cuda_graph_with_the_eager_bytes():
@@ -800,7 +860,8 @@ def test_the_paged_decode_step_replays_from_a_cuda_graph_with_the_eager_bytes():
     def step():
         P.write_pages(key_cache, value_cache, k_new, v_new, slots)
         out.copy_(P.attention_decode_paged(
-            q, key_cache, value_cache, table, seq, pos, max_seq_len=4096
+            q, key_cache, value_cache, table, seq, pos, max_seq_len=4096,
+            block=BLOCK, segment=SEGMENT,
         ))  # fmt: skip
 
     step()  # compiles the kernels before the capture
@@ -874,6 +935,7 @@ def _kpart_by_partitions(x, w, parts, out_dtype):
             w[:, p * size : (p + 1) * size].contiguous(),
             out_dtype=F32,
             tiling="m64n64",
+            bk=BK,
         )
         for p in range(parts)
     ]
@@ -916,22 +978,24 @@ def test_grouped_experts_give_each_pair_the_bytes_of_its_experts_plain_gemm(
     down_w = cuda_rand(experts, hidden, inter, seed=82, scale=0.05)
     xs = h[plan.src]
     for out_dtype in (BF16, F32):
-        got = P.gemm_grouped(xs, gate_w, plan, out_dtype=out_dtype)
-        want = _by_expert(xs, gate_w, plan, lambda r, w, o=out_dtype: cuda.gemm(r, w, out_dtype=o))
+        got = P.gemm_grouped(xs, gate_w, plan, out_dtype=out_dtype, bk=BK, parts=1)
+        want = _by_expert(
+            xs, gate_w, plan, lambda r, w, o=out_dtype: cuda.gemm(r, w, out_dtype=o, bk=BK)
+        )
         assert_same_bytes(got, want, f"grouped gate {out_dtype}")
     act = cuda_rand(t * k, inter, seed=83)
     parts = k_parts(inter)
     for out_dtype in (BF16, F32):
-        got = P.gemm_grouped(act, down_w, plan, parts=parts, out_dtype=out_dtype)
+        got = P.gemm_grouped(act, down_w, plan, parts=parts, out_dtype=out_dtype, bk=BK)
         want = _by_expert(
             act, down_w, plan, lambda r, w, o=out_dtype: _kpart_by_partitions(r, w, parts, o)
         )
         assert_same_bytes(got, want, f"grouped down, {parts} partitions, {out_dtype}")
     assert_detects_one_ulp(want, got, index=3)
-    base = P.gemm_grouped(xs, gate_w, plan, out_dtype=F32)
+    base = P.gemm_grouped(xs, gate_w, plan, out_dtype=F32, bk=BK, parts=1)
     moved = xs.clone()
     moved[0] = nudge_ulp(xs[0], index=1)
-    shifted = P.gemm_grouped(moved, gate_w, plan, out_dtype=F32)
+    shifted = P.gemm_grouped(moved, gate_w, plan, out_dtype=F32, bk=BK, parts=1)
     assert not same_bytes(shifted[0], base[0])
     assert_same_bytes(shifted[1:], base[1:], "the other pairs")
 
@@ -952,8 +1016,11 @@ def test_grouped_experts_replay_from_a_cuda_graph_with_the_eager_bytes():
     def step():
         plan = P.expert_plan(ids, experts)
         xs = h[plan.src]
-        act = P.swiglu(P.gemm_grouped(xs, gate_w, plan), P.gemm_grouped(xs, up_w, plan))
-        out.copy_(unsort(P.gemm_grouped(act, down_w, plan, parts=8), plan))
+        act = P.swiglu(
+            P.gemm_grouped(xs, gate_w, plan, bk=BK, parts=1),
+            P.gemm_grouped(xs, up_w, plan, bk=BK, parts=1),
+        )
+        out.copy_(unsort(P.gemm_grouped(act, down_w, plan, parts=8, bk=BK), plan))
 
     step()
     first = out.clone()
@@ -981,15 +1048,15 @@ def test_kpart_in_one_launch_gives_the_bytes_of_its_partitions(m, n, k, parts):
     cuda = backend()
     x = cuda_rand(m, k, seed=95)
     w = cuda_rand(n, k, seed=96, scale=0.05)
-    got = cuda.kpart_partial(x, w, parts=parts)
+    got = cuda.kpart_partial(x, w, parts=parts, bk=KPART_BK)
     want = _kpart_by_partitions(x, w, parts, F32)
     assert_same_bytes(got, want, f"{m}x{n}x{k} in {parts}")
-    assert_same_bytes(P.kpart_partial(x, w, parts=parts), want, "through the dispatch")
+    assert_same_bytes(P.kpart_partial(x, w, parts=parts, bk=KPART_BK), want, "through the dispatch")
     assert_detects_one_ulp(want, got, index=2)
     # Control on an input: one element of row 0 moved by one ulp moves that row only.
     moved = x.clone()
     moved[0] = nudge_ulp(x[0], index=1)
-    shifted = cuda.kpart_partial(moved, w, parts=parts)
+    shifted = cuda.kpart_partial(moved, w, parts=parts, bk=KPART_BK)
     assert not same_bytes(shifted[0], got[0])
     assert_same_bytes(shifted[1:], got[1:], "the other rows")
 

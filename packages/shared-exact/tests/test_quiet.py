@@ -8,7 +8,7 @@ import sys
 
 SCRIPT = r"""
 import ctypes, os, subprocess, sys, warnings
-from lockstep_exact.quiet import engine_output
+from lockstep_exact.app.quiet import engine_output
 
 print("before", flush=True)
 with engine_output(sys.argv[1], verbose=sys.argv[2] == "1") as console:

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from lockstep_exact import rl
-from lockstep_exact.rewards import Completion, RewardError, ToyTask, load_function, score
+from lockstep_exact.app import rl
+from lockstep_exact.app.rewards import Completion, RewardError, ToyTask, load_function, score
 
 
 def test_group_advantages_normalize_within_each_group():

@@ -173,7 +173,7 @@ def _child(tmp_path, tiny_dir, tag: str, mode: str = "same") -> list[str]:
 def test_two_processes_write_the_same_bytes(tmp_path):
     """The library's metadata order varied per process, so the check needs two processes: a
     many-key header and a real adapter export give the same sha256 in both; one ulp does not."""
-    from lockstep_exact.tiny import make_tiny
+    from lockstep_exact.app.tiny import make_tiny
 
     tiny_dir = make_tiny(tmp_path / "tiny")
     first = _child(tmp_path, tiny_dir, "a")

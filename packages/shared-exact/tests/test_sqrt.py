@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes
+from lockstep_exact.parity import same_bytes
 from lockstep_exact.programs.cpu import arith
+from lockstep_exact.testing import assert_same_bytes, nudge_ulp
 
 F32 = torch.float32
 EDGES = [0.0, -0.0, math.inf, -math.inf, math.nan, -1.0, 1e-45, -1e-45, 1.17549421e-38,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from lockstep_exact.cli import main
+from lockstep_exact.app.cli import main
 from lockstep_exact.lanes.config import (
     FAMILIES,
     HYBRID_FAMILIES,

@@ -11,8 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lockstep_exact.hashing import dir_sha256, sha256_file
-from lockstep_exact.tiny import (
+from lockstep_exact.app.tiny import (
     SPECIAL_TOKENS,
     TinyArgumentError,
     default_prompts,
@@ -20,6 +19,7 @@ from lockstep_exact.tiny import (
     tiny_config,
     train_tokenizer,
 )
+from lockstep_exact.hashing import dir_sha256, sha256_file
 
 FILES = (
     "config.json",
@@ -107,7 +107,7 @@ def test_a_layers_weights_do_not_depend_on_the_depth(dense, tmp_path):
 
 _TRAIN_IN_CHILD = """
 import hashlib, sys
-from lockstep_exact.tiny import train_tokenizer
+from lockstep_exact.app.tiny import train_tokenizer
 print(hashlib.sha256(train_tokenizer(int(sys.argv[1])).to_str(pretty=True).encode()).hexdigest())
 """
 
@@ -306,7 +306,7 @@ def test_default_prompts_are_fixed_english_of_different_lengths():
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])
 def test_drawing_tensors_on_threads_gives_the_bytes_of_drawing_them_in_turn(arch, monkeypatch):
-    from lockstep_exact import tiny
+    from lockstep_exact.app import tiny
 
     config = tiny.tiny_config(arch, hidden=96, layers=2, heads=3, kv_heads=1, vocab=515)
     monkeypatch.setattr(tiny, "_PARALLEL_NUMEL", 1 << 62)

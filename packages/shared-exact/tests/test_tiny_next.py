@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lockstep_exact.cli import main
+from lockstep_exact.app.cli import main
+from lockstep_exact.app.tiny import TinyArgumentError, make_tiny, tiny_config
 from lockstep_exact.hashing import dir_sha256
 from lockstep_exact.lanes.config import UnsupportedModel, check_config, check_next_config
-from lockstep_exact.tiny import TinyArgumentError, make_tiny, tiny_config
 
 
 @pytest.fixture(autouse=True)

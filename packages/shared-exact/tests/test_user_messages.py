@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from lockstep_exact.app.tiny import make_tiny, tiny_config
 from lockstep_exact.lanes.config import UnsupportedModel, check_config
-from lockstep_exact.tiny import make_tiny, tiny_config
 
 ROOT = Path(__file__).resolve().parents[3]
 ISSUE = re.compile(r"\bissues? #?\d+", re.IGNORECASE)

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from lockstep_exact import programs as P
-from lockstep_exact.contract import geometry_contract
+from lockstep_exact.app.tiny import tiny_config
 from lockstep_exact.lanes import qwen3_next as N
-from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes
+from lockstep_exact.model import geometry_contract
+from lockstep_exact.parity import same_bytes
 from lockstep_exact.programs import vjp as V
-from lockstep_exact.tiny import tiny_config
+from lockstep_exact.testing import assert_same_bytes, nudge_ulp
 
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 CHUNK = 4
@@ -308,7 +309,7 @@ def test_gdn_state_vjp_and_a_split_forward_has_the_one_call_gradient():
 def tiny_weights(tmp_path_factory):
     from safetensors.torch import load_file
 
-    from lockstep_exact.tiny import make_tiny
+    from lockstep_exact.app.tiny import make_tiny
 
     d = make_tiny(tmp_path_factory.mktemp("next-vjp") / "m", arch="qwen3-next")
     return load_file(str(d / "model.safetensors"))

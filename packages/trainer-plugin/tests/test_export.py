@@ -11,9 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from lockstep_exact.adapters import adapter_sha256, load_adapter
-from lockstep_exact.contract import lane_contract
 from lockstep_exact.lanes import qwen3
-from lockstep_exact.model import ModelDir
+from lockstep_exact.model import ModelDir, lane_contract
 from lockstep_megatron import adapters as AD
 from lockstep_megatron.convert import build, load_hf_weights
 from lockstep_megatron.export import AdapterError, export_peft, load_into, read_adapter

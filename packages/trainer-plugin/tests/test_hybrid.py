@@ -19,12 +19,12 @@ import pytest
 import torch
 from trainer_support import next_composition_trace, nudge_one_ulp
 
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.contract import LayoutRefused
 from lockstep_exact.k3 import compare
 from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.model import model_hash as dir_hash
 from lockstep_exact.requests import TrainerSessionRequest
-from lockstep_exact.tiny import make_tiny
 from lockstep_exact.trace import Trace
 from lockstep_megatron import gdn
 from lockstep_megatron.convert import build, load_hf_weights
@@ -259,7 +259,7 @@ def test_replay_on_a_one_ulp_copy_reports_a_difference(next_dir, next_trace, tmp
 def test_lockstep_replay_cli_on_a_qwen3_next_model(next_dir, next_trace, tmp_path, capsys):
     import json
 
-    from lockstep_exact.cli import main
+    from lockstep_exact.app.cli import main
 
     report = tmp_path / "report.json"
     args = ["replay", "--model", str(next_dir), "--trace", str(next_trace), "--out", str(report)]

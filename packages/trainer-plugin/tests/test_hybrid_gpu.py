@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.lanes import qwen3_next as N
-from lockstep_exact.tiny import make_tiny
 
 gpu = pytest.mark.gpu
 
@@ -125,7 +125,7 @@ def test_megatron_batch_caches_are_made_on_the_rows_device():
     of Megatron's hidden states (meta here: no cpu tensor among them)."""
     from types import SimpleNamespace
 
-    from lockstep_exact.tiny import tiny_config
+    from lockstep_exact.app.tiny import tiny_config
     from lockstep_megatron.gdn.spec import _sequence_rows
 
     geom = N.Geometry.from_hf_config(tiny_config("qwen3-next"))

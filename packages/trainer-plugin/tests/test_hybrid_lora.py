@@ -15,11 +15,11 @@ import pytest
 import torch
 from trainer_support import next_composition_trace
 
-from lockstep_exact.adapters import AdapterError, load_adapter, make_adapter, perturb_adapter
+from lockstep_exact.adapters import AdapterError, load_adapter, make_adapter
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.k3 import compare
 from lockstep_exact.model import ModelDir
-from lockstep_exact.parity import assert_same_bytes
-from lockstep_exact.tiny import make_tiny
+from lockstep_exact.testing import assert_same_bytes, perturb_adapter
 from lockstep_exact.trace import Trace
 from lockstep_megatron import adapters as AD
 from lockstep_megatron import export

@@ -15,12 +15,12 @@ import torch
 from safetensors.torch import load_file
 from trainer_support import next_composition_trace
 
-from lockstep_exact.contract import geometry_contract
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.lanes import qwen3_next as N
-from lockstep_exact.model import ModelDir
-from lockstep_exact.parity import assert_same_bytes, nudge_ulp, same_bytes
+from lockstep_exact.model import ModelDir, geometry_contract
+from lockstep_exact.parity import same_bytes
 from lockstep_exact.requests import TrainRequest
-from lockstep_exact.tiny import make_tiny
+from lockstep_exact.testing import assert_same_bytes, nudge_ulp
 from lockstep_megatron import gdn
 from lockstep_megatron.convert import build, load_hf_weights
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib.metadata import entry_points
 
-from lockstep_exact.contract import lane_contract
+from lockstep_exact.model import lane_contract
 from lockstep_exact.requests import TrainRequest
 from lockstep_megatron import adapters as AD
 from lockstep_megatron import plugin

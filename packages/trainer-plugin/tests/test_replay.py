@@ -100,7 +100,7 @@ def test_reference_trace_helper_is_deterministic(dense_dir, tmp_path):
 
 
 def test_lockstep_replay_cli_reports_every_decision_exact(dense_dir, dense_trace, tmp_path):
-    from lockstep_exact.cli import main
+    from lockstep_exact.app.cli import main
 
     rc = main(
         [

@@ -9,7 +9,7 @@ import pytest
 from trainer_support import make_model, reference_trace
 
 from lockstep_exact.adapters import make_adapter
-from lockstep_exact.cli import main
+from lockstep_exact.app.cli import main
 from lockstep_exact.trace import Trace
 from lockstep_megatron.replay import AdmissionError, admit_trace
 

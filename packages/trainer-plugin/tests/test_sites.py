@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep_exact.bisect import first_divergence
+from lockstep_exact.app.bisect import first_divergence
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.plugins import manager
 from lockstep_exact.requests import DumpRequest

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.parity import same_bytes
-from lockstep_exact.tiny import make_tiny
 from lockstep_megatron.convert import load_hf_weights
 from lockstep_megatron.spec import vocab_rows, vocab_shard
 

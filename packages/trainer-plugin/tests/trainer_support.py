@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from lockstep_exact.tiny import make_tiny
+from lockstep_exact.app.tiny import make_tiny
 
 HIDDEN, LAYERS, VOCAB = 64, 2, 512
 

@@ -47,6 +47,8 @@ from safetensors import safe_open
 from .atomic import write_dir
 from .hashing import sha256_bytes, tensor_bytes
 from .lanes.qwen3 import Geometry
+from .lanes.qwen3_next import Geometry as NextGeometry
+from .model import ModelDir
 from .safetensors_io import write_safetensors
 
 CONFIG = "adapter_config.json"
@@ -337,8 +339,6 @@ def make_adapter(
     ``zero_b`` gives the all-zero update (B = 0, A random): exactly the base model's bytes.
     The adapter is bound to ``model_dir``'s model hash.
     """
-    from .model import ModelDir
-
     model = model_dir if isinstance(model_dir, ModelDir) else ModelDir(model_dir, hybrid=True)
     geom = model.geometry
     contract = contract or model.contract().fingerprint
@@ -360,27 +360,6 @@ def make_adapter(
         base_model=str(model.path),
         model_hash=model.model_hash,
     )
-
-
-def perturb_adapter(adapter_dir, out_dir, key: str, delta: float = 2.0**-9) -> Path:
-    """A copy with one factor's first element moved by ``delta`` (the perturbed control).
-
-    The config and the bindings are kept; a Lockstep export's recorded hash is renewed (the
-    copy is a deliberate new adapter), a foreign adapter stays without one.
-    """
-    src = Path(adapter_dir)
-    config = json.loads((src / CONFIG).read_text())
-    with safe_open(str(src / WEIGHTS), "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iter)
-        meta = dict(f.metadata() or {})
-    if key not in tensors:
-        raise AdapterError(f"adapter has no factor {key}")
-    t = tensors[key].float().clone()
-    t.view(-1)[0] += delta
-    tensors[key] = t.to(tensors[key].dtype)
-    if HASH_KEY in meta:
-        meta[HASH_KEY] = adapter_sha256(tensors, config)
-    return _write_dir(Path(out_dir), tensors, config, meta)
 
 
 def _check_config(path: Path, config: dict[str, Any]) -> tuple[int, float]:
@@ -519,8 +498,6 @@ def load_adapter(
     ``model_hash``), a Lockstep export bound to another base model is refused; given
     ``contract``, one made for another contract. ``AdapterError`` names every problem.
     """
-    from .lanes.qwen3_next import Geometry as NextGeometry
-
     bare = isinstance(model, (Geometry, NextGeometry))
     geom = model if bare else model.geometry
     shown = model_dir if bare else model.path

@@ -11,11 +11,14 @@ directory is put back. A single file goes through a temporary file beside it and
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
+
+from .hashing import sha256_bytes
 
 __all__ = [
     "MANIFEST",
@@ -114,10 +117,6 @@ MANIFEST = "manifest.json"
 def write_manifested(target: str | os.PathLike[str], files: Mapping[str, bytes], fmt: str) -> Path:
     """``write_dir`` of ``files`` plus ``manifest.json`` (``fmt`` and the sha256 of every other
     file), written last: it vouches for the rest. Checkpoints are written this way."""
-    import json
-
-    from .hashing import sha256_bytes
-
     manifest = {"format": fmt, "files": {n: sha256_bytes(b) for n, b in sorted(files.items())}}
     return write_dir(target, {**files, MANIFEST: json.dumps(manifest, indent=2).encode()})
 
@@ -135,10 +134,6 @@ def read_manifested(
     Raises ``error`` naming the problem: no manifest (a partial or foreign ``what``), a
     corrupted manifest, another format (``why_format`` appended), a file missing or not listed,
     a file whose sha256 differs."""
-    import json
-
-    from .hashing import sha256_bytes
-
     d = Path(path)
     if not (d / MANIFEST).is_file():
         raise error(f"{d} has no {MANIFEST}: a partial or foreign {what}")

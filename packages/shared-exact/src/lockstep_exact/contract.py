@@ -30,6 +30,8 @@ def environment_pins(backend: str) -> dict[str, str]:
     """
     pins = {"lockstep_exact": __version__, "backend": backend}
     if backend == "cuda":
+        # The cuda backend needs triton, which a cpu-only install lacks: an optional backend,
+        # imported only when asked for (as the programs' dispatch does).
         from .programs.cuda import environment
 
         pins.update(environment())
@@ -152,36 +154,20 @@ def _parse_value(text: str):
     return text
 
 
-def lane_contract(model_dir, *, backend: str = "cpu", tp: int = 1, ep: int = 1) -> Contract:
-    """The contract of the Qwen3-family exact lane for an HF model directory."""
-    from .lanes import qwen3
-
-    return geometry_contract(
-        qwen3.Geometry.from_model_dir(model_dir), backend=backend, tp=tp, ep=ep
-    )
-
-
-def geometry_contract(geom, *, backend: str = "cpu", tp: int = 1, ep: int = 1) -> Contract:
-    """The contract of the Qwen3-family exact lane for a ``lanes.qwen3.Geometry`` (or the
-    qwen3-next lane for a ``lanes.qwen3_next.Geometry``)."""
-    from .lanes import qwen3
-
-    lane = qwen3
-    if geom.family == "qwen3-next":
-        from .lanes import qwen3_next as lane
-
-        if tp != 1 or ep != 1:
-            raise LayoutRefused(
-                f"layout: the qwen3-next lane runs on one device so far (tp 1, ep 1); asked for "
-                f"tp {tp}, ep {ep}"
-            )
+def make_contract(
+    geom, sites: Mapping[str, Program], *, k_parts: int, backend: str, tp: int, ep: int
+) -> Contract:
+    """A lane's contract: the lane of ``geom``'s family in bf16 on ``backend``, its op
+    ``sites``, ``k_parts`` canonical K partitions and the environment pins; the layout
+    (``tp``, ``ep``) is checked. Each lane (``lanes.qwen3``, ``lanes.qwen3_next``) states its
+    own sites through it; ``model.geometry_contract`` picks the lane of a geometry."""
     contract = Contract(
         lane=f"{geom.family}/bf16/{backend}",
         dtype="bf16",
         backend=backend,
-        layout={"k_parts": qwen3.K_PARTS},
+        layout={"k_parts": k_parts},
         geometry=geom.as_dict(),
-        sites=lane.op_sites(geom),
+        sites=sites,
         pins=environment_pins(backend),
     )
     check_layout(contract, tp=tp, ep=ep)

@@ -11,6 +11,18 @@ from collections.abc import Callable
 import torch
 
 from . import programs as P
+from .parity import bytes_sha256
+from .programs import Program
+
+# The contract's program parameters (programs.CATALOG), never restated here.
+BK = Program.of("gemm.kblock").param("bk")
+BLOCK = Program.of("attention.blocked").param("block")
+CHUNK = Program.of("gdn.chunked").param("chunk")
+EXPAND_BK = Program.of("lora.expand").param("bk")
+KPARTS = Program.of("gemm.kpart").param("parts")
+KPART_BK = Program.of("gemm.kpart").param("bk")
+SEGMENT = Program.of("attention.blocked").param("segment")
+SHRINK_BK = Program.of("lora.shrink").param("bk")
 
 _MUL = 6364136223846793005
 _INC = 1442695040888963407
@@ -42,8 +54,8 @@ def _gdn_golden(d: str, part: int) -> torch.Tensor:
     v = golden((150, 2, 16), 52, device=d)
     g = -golden((150, 2), 53, 0.05, f32, d).abs()
     beta = golden((150, 2), 54, 0.1, f32, d).abs().clamp(max=0.29) + 0.3
-    state = P.gdn_state(1, 2, 16, 16, device=d)
-    out, state = P.gdn_chunked(q, k, v, g, beta, state, position=0)
+    state = P.gdn_state(1, 2, 16, 16, device=d, chunk=CHUNK)
+    out, state = P.gdn_chunked(q, k, v, g, beta, state, position=0, chunk=CHUNK)
     return out if part == 0 else state.s
 
 
@@ -129,22 +141,30 @@ def _cases() -> dict[str, list[tuple[str, Callable[[str], torch.Tensor]]]]:
     pos = lambda t, dev: torch.arange(t, device=dev)  # noqa: E731
     return {
         "gemm.kblock": [
-            ("m1_k128_n96", lambda d: P.gemm(g((1, 128), 1, device=d), g((96, 128), 2, device=d))),
+            (
+                "m1_k128_n96",
+                lambda d: P.gemm(g((1, 128), 1, device=d), g((96, 128), 2, device=d), bk=BK),
+            ),
             (
                 "m67_k100_n33",
-                lambda d: P.gemm(g((67, 100), 3, device=d), g((33, 100), 4, device=d)),
+                lambda d: P.gemm(g((67, 100), 3, device=d), g((33, 100), 4, device=d), bk=BK),
             ),
             (
                 "m5_k96_n1000_fp32",
                 lambda d: P.gemm(
-                    g((5, 96), 5, device=d), g((1000, 96), 6, device=d), out_dtype=torch.float32
+                    g((5, 96), 5, device=d),
+                    g((1000, 96), 6, device=d),
+                    out_dtype=torch.float32,
+                    bk=BK,
                 ),
             ),
         ],
         "gemm.kpart": [
             (
                 "m3_k256_n40_p8",
-                lambda d: P.gemm_kpart(g((3, 256), 41, device=d), g((40, 256), 42, device=d)),
+                lambda d: P.gemm_kpart(
+                    g((3, 256), 41, device=d), g((40, 256), 42, device=d), bk=KPART_BK, parts=KPARTS
+                ),
             ),
             (
                 "m7_k100_n24_p4_fp32",
@@ -153,6 +173,7 @@ def _cases() -> dict[str, list[tuple[str, Callable[[str], torch.Tensor]]]]:
                     g((24, 100), 44, device=d),
                     parts=4,
                     out_dtype=torch.float32,
+                    bk=KPART_BK,
                 ),
             ),
         ],
@@ -191,6 +212,8 @@ def _cases() -> dict[str, list[tuple[str, Callable[[str], torch.Tensor]]]]:
                     g((45, 1, 32), 15, device=d),
                     g((45, 1, 32), 16, device=d),
                     pos(45, d),
+                    block=BLOCK,
+                    segment=SEGMENT,
                 ),
             ),
             (  # crosses the 512-key segment: the merge of two segments
@@ -200,6 +223,8 @@ def _cases() -> dict[str, list[tuple[str, Callable[[str], torch.Tensor]]]]:
                     g((600, 1, 32), 35, device=d),
                     g((600, 1, 32), 36, device=d),
                     pos(600, d),
+                    block=BLOCK,
+                    segment=SEGMENT,
                 ),
             ),
         ],
@@ -221,7 +246,9 @@ def _cases() -> dict[str, list[tuple[str, Callable[[str], torch.Tensor]]]]:
         "lora.shrink": [
             (
                 "t5_k96_r8",
-                lambda d: P.lora_shrink(g((5, 96), 22, device=d), g((8, 96), 23, 0.1, device=d)),
+                lambda d: P.lora_shrink(
+                    g((5, 96), 22, device=d), g((8, 96), 23, 0.1, device=d), bk=SHRINK_BK
+                ),
             )
         ],
         "lora.expand": [
@@ -232,6 +259,7 @@ def _cases() -> dict[str, list[tuple[str, Callable[[str], torch.Tensor]]]]:
                     g((5, 8), 25, device=d),
                     g((64, 8), 26, 0.1, device=d),
                     2.0,
+                    bk=EXPAND_BK,
                 ),
             ),
         ],
@@ -260,8 +288,6 @@ CASES = _cases()
 def case_hashes(device: str = "cpu") -> dict[str, dict[str, str]]:
     """{program: {case: sha256 of the output's raw bytes}} for every golden case of every
     program this backend implements."""
-    from .parity import bytes_sha256
-
     out = {}
     for name, cases in CASES.items():
         try:

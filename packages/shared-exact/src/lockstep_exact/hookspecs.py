@@ -115,7 +115,7 @@ def lockstep_trainer_session(request):
 def lockstep_reward(completion):
     """The reward of one sampled completion (a float), for ``lockstep train --reward hook``.
 
-    ``completion`` is a ``lockstep_exact.rewards.Completion`` (prompt text and ids, sampled
+    ``completion`` is a ``lockstep_exact.app.rewards.Completion`` (prompt text and ids, sampled
     ids and text, the data row it came from). Return None to leave it to another plugin.
     """
 

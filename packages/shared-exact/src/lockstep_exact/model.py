@@ -15,7 +15,12 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from safetensors import safe_open
+
+from .contract import Contract
 from .hashing import dir_sha256
+from .lanes import qwen3, qwen3_next
+from .lanes.config import HYBRID_FAMILIES
 from .lanes.qwen3 import Geometry, UnsupportedModel
 
 TOKENIZER_FILES: tuple[str, ...] = (
@@ -79,8 +84,6 @@ def _check_tokenizer_ids(path: Path, config: dict[str, Any]) -> None:
 def _check_weight_files(path: Path) -> None:
     """Refuse a ``*.safetensors`` file that cannot be read (truncated, damaged header) or that
     holds floating-point tensors other than bf16; only the headers are read."""
-    from safetensors import safe_open
-
     for f in sorted(path.glob("*.safetensors")):
         try:
             with safe_open(str(f), framework="pt") as st:
@@ -109,14 +112,24 @@ HYBRID_NOT_SERVED = (
 def geometry_of(config: dict[str, Any]):
     """The lane geometry of an HF config: ``lanes.qwen3_next.Geometry`` for Qwen3-Next, the
     Qwen3 / Qwen3-MoE ``Geometry`` otherwise (each refuses, naming the key, what it lacks)."""
-    from .lanes.config import HYBRID_FAMILIES
-
     archs = config.get("architectures")
     if isinstance(archs, list) and len(archs) == 1 and archs[0] in HYBRID_FAMILIES:
-        from .lanes.qwen3_next import Geometry as NextGeometry
-
-        return NextGeometry.from_hf_config(config)
+        return qwen3_next.Geometry.from_hf_config(config)
     return Geometry.from_hf_config(config)
+
+
+def geometry_contract(geom, *, backend: str = "cpu", tp: int = 1, ep: int = 1) -> Contract:
+    """The contract of the Qwen3-family exact lane for a ``lanes.qwen3.Geometry`` (or the
+    qwen3-next lane for a ``lanes.qwen3_next.Geometry``)."""
+    lane = qwen3_next if geom.family == "qwen3-next" else qwen3
+    return lane.geometry_contract(geom, backend=backend, tp=tp, ep=ep)
+
+
+def lane_contract(model_dir, *, backend: str = "cpu", tp: int = 1, ep: int = 1) -> Contract:
+    """The contract of the Qwen3-family exact lane for an HF model directory."""
+    return geometry_contract(
+        qwen3.Geometry.from_model_dir(model_dir), backend=backend, tp=tp, ep=ep
+    )
 
 
 class ModelDir:
@@ -162,8 +175,6 @@ class ModelDir:
 
     def contract(self, backend: str = "cpu"):
         """The lane contract for this model on ``backend``."""
-        from .contract import geometry_contract
-
         return geometry_contract(self.geometry, backend=backend)
 
     def __fspath__(self) -> str:

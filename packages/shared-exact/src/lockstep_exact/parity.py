@@ -1,4 +1,5 @@
-"""Byte parity: the only equality Lockstep asserts, and the one-ulp nudge that tests it.
+"""Byte parity: the only equality Lockstep asserts (its test assertion and the one-ulp nudge
+that tests it are in ``testing``).
 
 Every byte comparison lives here (``k3`` builds its report on these): tensors are compared
 through their raw bits as integers of the element width, so -0.0 and +0.0 differ and NaN
@@ -13,10 +14,8 @@ import hashlib
 import torch
 
 __all__ = [
-    "assert_same_bytes",
     "bytes_sha256",
     "first_difference",
-    "nudge_ulp",
     "ordered_bits",
     "ordered_int32",
     "raw_bits",
@@ -60,18 +59,6 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...] | None
     return None if diff.numel() == 0 else tuple(int(i) for i in diff[0])
 
 
-def assert_same_bytes(a: torch.Tensor, b: torch.Tensor, what: str = "tensors") -> None:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        raise AssertionError(f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}")
-    where = first_difference(a, b)
-    if where is not None:
-        n = int((raw_bits(a) != raw_bits(b)).sum())
-        raise AssertionError(
-            f"{what}: {n} element(s) differ in bytes; first at {where}: {a[where].item()!r} vs "
-            f"{b[where].item()!r} ({ulp_distance(a[where], b[where])} ulp)"
-        )
-
-
 def ordered_bits(t: torch.Tensor) -> torch.Tensor:
     """Float bits as int64 keys whose order is the float order, one step per ulp (any float
     width up to 32 bits). +0.0 and -0.0 both map to 0; NaNs map beyond the infinities."""
@@ -99,11 +86,3 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
     if a.numel() == 0:
         return 0
     return int(ulp_distances(a, b).max())
-
-
-def nudge_ulp(t: torch.Tensor, index: int = 0, ulps: int = 1) -> torch.Tensor:
-    """A copy of ``t`` with one element moved by ``ulps`` units in the last place."""
-    out = t.detach().clone().contiguous()
-    bits = raw_bits(out).view(-1)
-    bits[index] = bits[index] + ulps
-    return out

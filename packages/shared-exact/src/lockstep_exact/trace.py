@@ -41,6 +41,7 @@ import torch
 from safetensors.torch import load as safetensors_load
 
 from .atomic import write_dir
+from .contract import ContractMismatch, contract_from_json
 from .hashing import sha256_bytes, tensor_sha256
 from .safetensors_io import safetensors_bytes
 
@@ -308,8 +309,6 @@ class Trace:
                 )
 
     def _check_contract(self) -> None:
-        from .contract import ContractMismatch, contract_from_json
-
         try:
             fingerprint = contract_from_json(self.contract).fingerprint
         except (ContractMismatch, KeyError, TypeError, ValueError, AttributeError) as e:

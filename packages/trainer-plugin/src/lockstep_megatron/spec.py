@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from lockstep_exact import programs as P
-from lockstep_exact.contract import geometry_contract
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.lanes.ops import Ops, to_bf16
 from lockstep_exact.lanes.qwen3 import Geometry
 from lockstep_exact.layout import DistGather
+from lockstep_exact.model import geometry_contract
 
 from ._release import check as check_release
 from .cpu import init_single_process

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from lockstep_exact.contract import ContractMismatch, admit, geometry_contract
+from lockstep_exact.contract import ContractMismatch, admit
 from lockstep_exact.lanes import qwen3, qwen3_next
-from lockstep_exact.model import geometry_of
+from lockstep_exact.model import geometry_contract, geometry_of
 
 from .errors import _refuse
 

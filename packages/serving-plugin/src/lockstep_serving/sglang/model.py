@@ -43,11 +43,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lockstep_exact.contract import lane_contract
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.lanes.config import FAMILIES, HYBRID_FAMILIES
 from lockstep_exact.lanes.ops import Ops
-from lockstep_exact.model import model_hash
+from lockstep_exact.model import lane_contract, model_hash
 from lockstep_exact.sites import is_recording, paused
 
 from .._release import check as check_release

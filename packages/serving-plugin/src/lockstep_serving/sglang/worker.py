@@ -3,7 +3,7 @@
 SGLang and Megatron live in different environments (docs/sglang.md), so the ladder's trainer
 stages run in the workspace's python and its sampler stages here, in the SGLang environment's:
 ``python -m lockstep_serving.sglang.worker``, started and driven by
-``lockstep_exact.sampler_process``. One request per line on stdin, one JSON answer per line
+``lockstep_exact.app.sampler_process``. One request per line on stdin, one JSON answer per line
 on the protocol stream (the process's original stdout; everything else it or SGLang prints goes
 to stderr, the caller's engine log):
 

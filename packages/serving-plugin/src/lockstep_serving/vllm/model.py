@@ -16,14 +16,11 @@ import torch
 from torch import nn
 
 from lockstep_exact import programs as P
-from lockstep_exact.contract import (
-    ContractMismatch,
-    check_layout,
-    lane_contract,
-)
+from lockstep_exact.contract import ContractMismatch, check_layout
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.lanes.ops import Ops
 from lockstep_exact.layout import DistGather, shard_lora, shard_weight
+from lockstep_exact.model import lane_contract
 from lockstep_exact.sites import is_recording, paused
 
 from .._release import check as check_release

@@ -42,9 +42,10 @@ import torch
 from torch import nn
 
 from lockstep_exact import programs as P
-from lockstep_exact.contract import ContractMismatch, geometry_contract
+from lockstep_exact.contract import ContractMismatch
 from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.lanes.config import UnsupportedModel
+from lockstep_exact.model import geometry_contract
 from lockstep_exact.sites import is_recording, paused
 
 from .._release import check as check_release

@@ -15,10 +15,12 @@ from pathlib import Path
 import torch
 
 from .. import programs as P
+from ..contract import Contract, make_contract
 from ..programs import Program
 from ..programs.grouping import unsort
 from ..sites import is_recording, record
 from .config import UnsupportedModel, check_config
+from .ops import Ops
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3-moe"}
 
@@ -404,10 +406,14 @@ class DictSlots(Slots):
         return core(q, k, v, positions)
 
 
-def default_ops(geom: Geometry, backend: str = "cpu"):
-    from ..contract import geometry_contract
-    from .ops import Ops
+def geometry_contract(
+    geom: Geometry, *, backend: str = "cpu", tp: int = 1, ep: int = 1
+) -> Contract:
+    """This lane's contract for ``geom`` (``model.geometry_contract`` picks the lane)."""
+    return make_contract(geom, op_sites(geom), k_parts=K_PARTS, backend=backend, tp=tp, ep=ep)
 
+
+def default_ops(geom: Geometry, backend: str = "cpu"):
     return Ops(geometry_contract(geom, backend=backend))
 
 

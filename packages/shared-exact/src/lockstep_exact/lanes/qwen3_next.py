@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from .. import programs as P
+from ..contract import Contract, LayoutRefused, make_contract
 from ..programs import Program
 from ..programs import vjp as V
 from ..sites import record
@@ -549,9 +550,20 @@ def final_logits(ops: NextOps, geom: Geometry, slots: Slots, h: torch.Tensor) ->
     return ops.gemm("lm_head", hn, slots.weight(None, name))
 
 
-def default_ops(geom: Geometry, backend: str = "cpu") -> NextOps:
-    from ..contract import geometry_contract
+def geometry_contract(
+    geom: Geometry, *, backend: str = "cpu", tp: int = 1, ep: int = 1
+) -> Contract:
+    """This lane's contract for ``geom`` (``model.geometry_contract`` picks the lane): one
+    device so far."""
+    if tp != 1 or ep != 1:
+        raise LayoutRefused(
+            f"layout: the qwen3-next lane runs on one device so far (tp 1, ep 1); asked for "
+            f"tp {tp}, ep {ep}"
+        )
+    return make_contract(geom, op_sites(geom), k_parts=K_PARTS, backend=backend, tp=tp, ep=ep)
 
+
+def default_ops(geom: Geometry, backend: str = "cpu") -> NextOps:
     return NextOps(geometry_contract(geom, backend=backend))
 
 

@@ -148,11 +148,11 @@ def position_bound_now() -> int | None:
     return _POSITION_BOUND.get()
 
 
-def gemm(x, w, *, bk: int = 32, out_dtype=torch.bfloat16):
+def gemm(x, w, *, bk: int, out_dtype=torch.bfloat16):
     return _impl("gemm", x, w)(x, w, bk=bk, out_dtype=out_dtype)
 
 
-def kpart_partial(x, w, *, bk: int = 32, parts: int = 1):
+def kpart_partial(x, w, *, bk: int, parts: int):
     """gemm.kpart on one rank's share of K: fp32 [..., N], the balanced pairwise tree over its
     ``parts`` equal, contiguous K partitions of gemm.kblock fp32 sums (``parts`` a power of
     two dividing this K). A rank's partitions are a whole subtree of the full tree."""
@@ -214,7 +214,7 @@ class Gather:
 LOCAL = Gather()
 
 
-def gemm_kpart(x, w, *, bk: int = 32, parts: int = 8, out_dtype=torch.bfloat16, gather=LOCAL):
+def gemm_kpart(x, w, *, bk: int, parts: int, out_dtype=torch.bfloat16, gather=LOCAL):
     """gemm.kpart: x [..., K] times w [N, K]^T with K cut into ``parts`` canonical partitions.
 
     Each partition is a gemm.kblock fp32 sum; the partition sums are added over the balanced
@@ -241,7 +241,7 @@ def expert_plan(ids, experts: int):
     return _grouping.expert_plan(ids, experts)
 
 
-def gemm_grouped(x, w, plan, *, bk: int = 32, parts: int = 1, out_dtype=torch.bfloat16):
+def gemm_grouped(x, w, plan, *, bk: int, parts: int, out_dtype=torch.bfloat16):
     """Every sorted pair of ``plan`` through its expert's weight, the experts' gemm at once.
 
     ``x``: [P, K] rows in the plan's sorted order; ``w``: [E, N, K] the experts' weights
@@ -292,7 +292,7 @@ def rope_partial(x, positions, base: float, rotary: int):
     return _impl("rope_partial", x)(x, positions, base, rotary)
 
 
-def attention(q, k, v, positions, *, scale=None, block: int = 32, segment: int = 512):
+def attention(q, k, v, positions, *, scale=None, block: int, segment: int):
     return _impl("attention", q, k, v)(
         q, k, v, positions, scale=scale, block=block, segment=segment
     )
@@ -300,7 +300,7 @@ def attention(q, k, v, positions, *, scale=None, block: int = 32, segment: int =
 
 def attention_decode_paged(
     q, key_cache, value_cache, block_table, seq_lens, positions, *, max_seq_len: int,
-    block: int = 32, segment: int = 512,
+    block: int, segment: int,
 ):  # fmt: skip
     """attention.blocked for a batch of one-token decodes over a paged KV cache (the cuda
     backend; each row has the bytes ``attention`` gives on its request's contiguous keys)."""
@@ -397,11 +397,11 @@ def moe_fold(expert_out, weights, *, acc: str = "bf16"):
     raise ValueError(f"moe.fold: unknown accumulation {acc!r} (bf16 or fp32)")
 
 
-def lora_shrink(x, a, *, bk: int = 32):
+def lora_shrink(x, a, *, bk: int):
     return _impl("lora_shrink", x, a)(x, a, bk=bk)
 
 
-def lora_expand(base, t, b, scale: float, *, bk: int = 32):
+def lora_expand(base, t, b, scale: float, *, bk: int):
     return _impl("lora_expand", base, t, b)(base, t, b, scale, bk=bk)
 
 
@@ -409,13 +409,13 @@ def lora_expand(base, t, b, scale: float, *, bk: int = 32):
 GdnState = cpu.GdnState
 
 
-def gdn_state(h_k: int, h_v: int, d_k: int, d_v: int, *, chunk: int = 64, device=None) -> GdnState:
+def gdn_state(h_k: int, h_v: int, d_k: int, d_v: int, *, chunk: int, device=None) -> GdnState:
     """The gdn.chunked cache of a sequence at position 0 (S = 0, empty window), its tensors on
     ``device`` (cpu if None): a model's states live on its device."""
     return cpu.gdn_state(h_k, h_v, d_k, d_v, chunk=chunk, device=device)
 
 
-def gdn_chunked(q, k, v, g, beta, state, *, position: int, chunk: int = 64):
+def gdn_chunked(q, k, v, g, beta, state, *, position: int, chunk: int):
     """gdn.chunked: (out [T, Hv, V] bf16, state') for T new tokens of one sequence at absolute
     positions ``position ..``; ``state`` is the sequence's GdnState
     (docs/programs/gdn.chunked.md)."""

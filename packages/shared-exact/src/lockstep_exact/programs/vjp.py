@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from .cpu import rope_tables
+
 F32 = torch.float32
 
 
@@ -76,8 +78,6 @@ def rope(positions: torch.Tensor, base: float):
     """Rotation by theta, with the cpu program's own fp32 tables (its VJP rotates by -theta)."""
 
     def ideal(x):
-        from .cpu import rope_tables
-
         half = x.shape[-1] // 2
         cos_t, sin_t = rope_tables(base, x.shape[-1], int(positions.max()) + 1)
         pos = positions.to(cos_t.device)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lockstep_exact.contract import geometry_contract
 from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.lanes.config import HYBRID_FAMILIES
+from lockstep_exact.model import geometry_contract
 
 SESSION_REFUSED = (
     "the trainer session (policy / frozen) on the hybrid lane (qwen3-next) is not built yet, so "

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from lockstep_exact import programs as P
-from lockstep_exact.contract import geometry_contract
 from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.lanes.ops import to_bf16
+from lockstep_exact.model import geometry_contract
 
 from .._release import check as check_release
 from ..cpu import init_single_process

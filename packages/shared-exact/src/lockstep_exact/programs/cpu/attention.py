@@ -44,8 +44,8 @@ def attention(
     positions: torch.Tensor,
     *,
     scale: torch.Tensor | None = None,
-    block: int = 32,
-    segment: int = 512,
+    block: int,
+    segment: int,
 ) -> torch.Tensor:
     """Causal attention of the queries of ONE sequence.
 

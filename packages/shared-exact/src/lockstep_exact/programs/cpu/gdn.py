@@ -142,7 +142,7 @@ class GdnState:
         return self.start + self.k.shape[0]
 
 
-def gdn_state(h_k: int, h_v: int, d_k: int, d_v: int, *, chunk: int = 64, device=None) -> GdnState:
+def gdn_state(h_k: int, h_v: int, d_k: int, d_v: int, *, chunk: int, device=None) -> GdnState:
     """The state of a sequence at position 0: S = 0 and an empty window, on ``device`` (cpu
     if None)."""
     return GdnState(
@@ -229,7 +229,7 @@ def _check(q, k, v, g, beta, state: GdnState, position: int, chunk: int):
     return n, h_k, h_v, d_k, d_v
 
 
-def gdn_chunked(q, k, v, g, beta, state: GdnState, *, position: int, chunk: int = 64, scale=None):
+def gdn_chunked(q, k, v, g, beta, state: GdnState, *, position: int, chunk: int, scale=None):
     """(out [T, Hv, V] bf16, state'): the gated delta rule for T new tokens of ONE sequence.
 
     q, k [T, Hk, K] fp32 (gdn.l2norm outputs), v [T, Hv, V] bf16, g, beta [T, Hv] fp32

@@ -11,7 +11,7 @@ from .arith import F32, as_f32, require, round_bf16, tree_sum
 _CHUNK_BYTES = 48 << 20
 
 
-def gemm(x: torch.Tensor, w: torch.Tensor, *, bk: int = 32, out_dtype=torch.bfloat16):
+def gemm(x: torch.Tensor, w: torch.Tensor, *, bk: int, out_dtype=torch.bfloat16):
     """x [..., K] times w[N, K]^T.
 
     Products are formed in fp32 (exact for bf16 operands). Inside each block of ``bk``

@@ -8,15 +8,13 @@ from .arith import BF16, F32, as_f32, require, round_bf16
 from .gemm import gemm
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, *, bk: int = 32) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, *, bk: int) -> torch.Tensor:
     """t = bf16(gemm(x, A)): x [..., K] bf16, A [r, K] bf16; the rank-r buffer is bf16."""
     require(x.dtype == BF16 and a.dtype == BF16, "lora_shrink: bf16 x and A required")
     return gemm(x, a, bk=bk, out_dtype=torch.bfloat16)
 
 
-def lora_expand(
-    base: torch.Tensor, t: torch.Tensor, b: torch.Tensor, scale: float, *, bk: int = 32
-):
+def lora_expand(base: torch.Tensor, t: torch.Tensor, b: torch.Tensor, scale: float, *, bk: int):
     """out = base where delta == 0, else bf16(fp32(base) + delta), delta = gemm_fp32(t, B) * scale.
 
     B [N, r] bf16. A zero adapter (A = 0 or B = 0) therefore returns the base bytes exactly,

@@ -469,8 +469,8 @@ def attention(
     positions: torch.Tensor,
     *,
     scale: torch.Tensor | float | None = None,
-    block: int = 32,
-    segment: int = 512,
+    block: int,
+    segment: int,
     split: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of the queries of ONE sequence (the cpu program's interface).
@@ -595,8 +595,8 @@ def attention_paged(
     positions: torch.Tensor,
     *,
     scale: torch.Tensor | float | None = None,
-    block: int = 32,
-    segment: int = 512,
+    block: int,
+    segment: int,
 ) -> torch.Tensor:
     """attention.blocked for ONE sequence whose keys and values sit in a paged cache.
 
@@ -697,8 +697,8 @@ def attention_decode_paged(
     *,
     max_seq_len: int,
     scale: torch.Tensor | float | None = None,
-    block: int = 32,
-    segment: int = 512,
+    block: int,
+    segment: int,
 ) -> torch.Tensor:
     """attention.blocked for a batch of one-token decodes whose keys sit in a paged cache.
 

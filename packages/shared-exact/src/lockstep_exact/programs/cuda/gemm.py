@@ -65,7 +65,7 @@ TILINGS: dict[str, Tiles] = {
 _SMS = 132
 
 
-def pick_tiling(m: int, n: int, bk: int = 32) -> str:
+def pick_tiling(m: int, n: int, bk: int) -> str:
     """Shape-based choice among byte-identical tilings (timed on the H200, docs/gpu.md).
 
     Up to 256 rows the kernel streams the weight, and the choice is the tile that gives the
@@ -252,7 +252,7 @@ def gemm(
     x: torch.Tensor,
     w: torch.Tensor,
     *,
-    bk: int = 32,
+    bk: int,
     out_dtype=torch.bfloat16,
     tiling: str | None = None,
     block_k: int | None = None,
@@ -300,6 +300,7 @@ def gemm(
     t = TILINGS[tiling or pick_tiling(m_dim, n_dim, block_k)]
     tiles = triton.cdiv(m_dim, t.block_m) * triton.cdiv(n_dim, t.block_n)
     if t.persistent and tma_ok(x2, wc):
+        # Only where TMA runs (tma_ok): older triton builds lack the module.
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         progs = min(tiles, _sms(x.device))

@@ -178,8 +178,8 @@ def gemm_grouped(
     w: torch.Tensor,
     plan: ExpertPlan,
     *,
-    bk: int = 32,
-    parts: int = 1,
+    bk: int,
+    parts: int,
     out_dtype=torch.bfloat16,
 ) -> torch.Tensor:
     """Per sorted pair i of ``plan``: x[i] times w[expert(i)]^T -> [P, N].
@@ -211,7 +211,7 @@ def gemm_grouped(
     return round_bf16(y)
 
 
-def kpart_partial(x: torch.Tensor, w: torch.Tensor, *, bk: int = 32, parts: int = 1):
+def kpart_partial(x: torch.Tensor, w: torch.Tensor, *, bk: int, parts: int):
     """gemm.kpart's partial over plain rows in one launch: fp32 [..., N], the balanced pair
     tree over ``parts`` equal contiguous K partitions, each a gemm.kblock fp32 sum."""
     lead = x.shape[:-1]

@@ -29,7 +29,7 @@ from .arith import require_cuda
 from .rope import rope
 
 
-def gdn_chunked(q, k, v, g, beta, state: GdnState, *, position: int, chunk: int = 64, scale=None):
+def gdn_chunked(q, k, v, g, beta, state: GdnState, *, position: int, chunk: int, scale=None):
     """gdn.chunked (docs/programs/gdn.chunked.md) on CUDA tensors; the state on the same device."""
     require_cuda(q, k, v, g, beta, *state_tensors(state))
     if isinstance(scale, torch.Tensor):

@@ -56,13 +56,16 @@ import hashlib
 import json
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers.trainers import BpeTrainer
 
-from .atomic import write_file
-from .safetensors_io import safetensors_bytes
+from ..atomic import write_file
+from ..safetensors_io import safetensors_bytes
 
 __all__ = [
     "ARCHES",
@@ -495,8 +498,6 @@ def tiny_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Te
     numel = sum(math.prod(shape) for _, shape, _ in specs)
     workers = min(16, os.cpu_count() or 1) if numel >= _PARALLEL_NUMEL else 1
     if workers > 1:
-        from concurrent.futures import ThreadPoolExecutor
-
         with ThreadPoolExecutor(max_workers=workers) as pool:
             drawn = list(pool.map(one, specs))
     else:
@@ -534,9 +535,6 @@ def _next_linear_attention(specs: list, config: dict[str, Any], p: str) -> None:
 def train_tokenizer(vocab: int = 1024):
     """Train the byte-level BPE tokenizer (a ``tokenizers.Tokenizer``) with exactly ``vocab``
     entries, special and reserved tokens included."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-    from tokenizers.trainers import BpeTrainer
-
     _check_int("vocab", vocab, MIN_VOCAB)
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()

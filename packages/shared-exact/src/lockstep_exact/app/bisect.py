@@ -7,7 +7,10 @@ from pathlib import Path
 
 import torch
 
-from .parity import raw_bits, ulp_distance
+from ..parity import raw_bits, ulp_distance
+from ..plugins import require_hook
+from ..requests import DumpRequest
+from ..trace import Trace
 
 
 @dataclass(frozen=True)
@@ -86,10 +89,6 @@ def bisect(
     ``sampler_model`` (default ``model_dir``) lets the sampler half read its own copy of the
     model, as when a serving fleet's copy is suspected to differ from the trainer's.
     """
-    from .plugins import require_hook
-    from .requests import DumpRequest
-    from .trace import Trace
-
     trace = Trace.load(trace_dir)
     tokens, position = decision_tokens(trace, index)
     hook = require_hook(pm, "lockstep_dump_sites", "sampler and trainer", "both plugins")

@@ -16,16 +16,18 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
-from .adapters import load_adapter, make_adapter, perturb_adapter
-from .contract import admit, check_layout, geometry_contract
-from .k3 import compare, k3
-from .model import ModelDir
-from .parity import same_bytes
-from .plugins import MissingHalf, require_hook
-from .requests import CaptureRequest, ReplayRequest, TrainRequest
+from .. import __version__
+from ..adapters import load_adapter, make_adapter
+from ..contract import admit, check_layout
+from ..k3 import compare, k3
+from ..model import ModelDir, geometry_contract
+from ..parity import same_bytes
+from ..plugins import MissingHalf, require_hook
+from ..requests import CaptureRequest, ReplayRequest, TrainRequest
+from ..testing import perturb_adapter
+from ..trace import Trace
+from .bisect import bisect
 from .tiny import default_prompts
-from .trace import Trace
 
 
 @dataclass
@@ -517,7 +519,6 @@ class Ladder:
                 f"not run for this {self.backend} ladder (decision {index} of {trace.name})"
             }
             return
-        from .bisect import bisect
 
         try:
             self.say(f"bisect decision {index} of {trace.name}")

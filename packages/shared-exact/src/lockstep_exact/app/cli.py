@@ -10,6 +10,7 @@ last line names the log. ``--verbose`` streams the engine output to the terminal
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -17,7 +18,23 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import __version__
+import torch
+
+from .. import __version__, plugins
+from ..adapters import adapter_record
+from ..k3 import compare
+from ..model import ModelDir
+from ..plugins import MissingHalf, require_hook
+from ..requests import CaptureRequest, ReplayRequest
+from ..trace import Trace
+from . import report as report_mod
+from .bisect import bisect
+from .qualify import Ladder, check_backend
+from .quiet import engine_output
+from .sampler_process import SamplerProcess, sampler_python
+from .textfile import read_lines
+from .tiny import default_prompts, make_tiny
+from .train_loop import Progress, TrainConfig, TrainStopped, prepare_train, step_line
 
 QUIET_COMMANDS = ("qualify", "capture", "replay", "bisect", "train", "doctor")
 
@@ -45,8 +62,6 @@ def _beside(path: Path, suffix: str) -> Path:
 
 def _engines(args):
     """The context that sends engine output to the command's log (``--verbose``: and here)."""
-    from .quiet import engine_output
-
     args.engine_log = _engine_log(args)
     return engine_output(args.engine_log, verbose=args.verbose)
 
@@ -54,8 +69,6 @@ def _engines(args):
 def _only_engine(pm, hook_name: str, engine: str, package: str):
     """``hook_name``'s caller restricted to the plugin registered under the entry-point name
     ``engine`` (``vllm``, ``sglang``), or MissingHalf naming the installed ones."""
-    from .plugins import MissingHalf
-
     impls = getattr(pm.hook, hook_name).get_hookimpls()
     names = sorted({pm.get_name(i.plugin) for i in impls})
     if engine not in names:
@@ -70,9 +83,7 @@ def _only_engine(pm, hook_name: str, engine: str, package: str):
 def _drive(args, hook_name: str, half: str, package: str, message: str, request, engine=None):
     """Call one plugin hook with the engine output sent to the command's log. ``engine``:
     only the plugin of that entry-point name answers (None: every installed one)."""
-    from .plugins import manager, require_hook
-
-    pm = manager()
+    pm = plugins.manager()
     hook = require_hook(pm, hook_name, half, package)
     if engine is not None:
         hook = _only_engine(pm, hook_name, engine, package)
@@ -80,8 +91,6 @@ def _drive(args, hook_name: str, half: str, package: str, message: str, request,
         console.say(message)
         result = hook(request=request)
     if result is None and engine is not None:
-        from .plugins import MissingHalf
-
         raise MissingHalf(
             f"the {engine!r} plugin did not answer {hook_name}: {engine} is not installed in "
             f"this environment; install {package}"
@@ -90,8 +99,6 @@ def _drive(args, hook_name: str, half: str, package: str, message: str, request,
 
 
 def _cmd_tiny(args) -> int:
-    from .tiny import make_tiny
-
     kw = {
         k: getattr(args, k)
         for k in (
@@ -110,7 +117,6 @@ def _cmd_tiny(args) -> int:
         if getattr(args, k) is not None
     }
     out = make_tiny(args.out, arch=args.arch, **kw)
-    from .model import ModelDir
 
     print(f"wrote {args.arch} model to {out}")
     print(f"contract {ModelDir(out, hybrid=True).contract().fingerprint}")
@@ -118,8 +124,6 @@ def _cmd_tiny(args) -> int:
 
 
 def _cmd_contract_show(args) -> int:
-    from .model import ModelDir
-
     if args.json and (args.adapter or args.model_hash):
         raise ValueError(
             "--json prints the contract's canonical JSON only: drop --adapter and "
@@ -149,8 +153,6 @@ def _cmd_contract_show(args) -> int:
 def _show_adapter(adapter_dir, model, fingerprint: str) -> None:
     """The hashes adapter refusals name: the adapter's own (traces record it), the contract
     and base model a Lockstep export was made for, each beside this model's and lane's."""
-    from .adapters import adapter_record
-
     rec = adapter_record(adapter_dir)
 
     def versus(recorded, mine):
@@ -174,17 +176,12 @@ def _cmd_doctor(args) -> int:
 
 
 def _doctor(args, say) -> int:
-    import torch
-
-    from .model import ModelDir
-    from .plugins import manager
-
     say(f"lockstep-exact {__version__}  python {sys.version.split()[0]}  torch {torch.__version__}")
     backends = ["cpu"]
     if torch.cuda.is_available():
         backends.append(f"cuda ({torch.cuda.get_device_name()})")
     say(f"backends      {', '.join(backends)}")
-    pm = manager()
+    pm = plugins.manager()
     infos = [i for i in pm.hook.lockstep_engine_info() if i is not None]
     roles = {}
     if not infos:
@@ -202,8 +199,6 @@ def _doctor(args, say) -> int:
     models = [Path(args.model)] if args.model else None
     with tempfile.TemporaryDirectory() as tmp:
         if models is None:
-            from .tiny import make_tiny
-
             models = [make_tiny(Path(tmp) / a, arch=a) for a in ("qwen3", "qwen3-moe")]
         refused = []
         for model in models:
@@ -232,10 +227,6 @@ def _doctor(args, say) -> int:
 
 
 def _cmd_capture(args) -> int:
-    from .requests import CaptureRequest
-    from .textfile import read_lines
-    from .tiny import default_prompts
-
     # Refused before the engine starts (as train refuses the same values).
     if args.decisions < 1:
         raise ValueError(f"--decisions must be an int >= 1, got {args.decisions}")
@@ -286,12 +277,6 @@ def _cmd_capture(args) -> int:
 
 
 def _cmd_replay(args) -> int:
-    import torch
-
-    from .k3 import compare
-    from .requests import ReplayRequest
-    from .trace import Trace
-
     trace = Trace.load(args.trace)
     result = _drive(
         args,
@@ -332,12 +317,6 @@ def _cmd_replay(args) -> int:
 
 
 def _cmd_qualify(args) -> int:
-    import time
-
-    from . import report as report_mod
-    from .plugins import manager
-    from .qualify import Ladder, check_backend
-
     # cuda where torch sees no device is refused here, before a model is made or read
     check_backend(args.backend, args.trainer_tp, args.trainer_ep)
     python = _sampler_python(args)
@@ -351,12 +330,10 @@ def _cmd_qualify(args) -> int:
         if args.model:
             model = Path(args.model)
         else:
-            from .tiny import make_tiny
-
             model = out / f"tiny-{args.tiny}"
             say(f"making tiny {args.tiny} model in {model}")
             make_tiny(model, arch=args.tiny, seed=args.seed)
-        pm = manager()
+        pm = plugins.manager()
         engines = [vars(i) for i in pm.hook.lockstep_engine_info() if i is not None]
         if sampler is not None:  # the sampler half is the process's engine, not this one's
             say(f"sampler: {args.sampler} in {python}")
@@ -394,7 +371,6 @@ def _sampler_python(args) -> Path | None:
         if args.sampler_python:
             raise ValueError("--sampler-python is for a sampler in another environment (sglang)")
         return None
-    from .sampler_process import sampler_python
 
     if args.sampler_tp != 1:
         raise ValueError(f"--sampler {args.sampler} runs on one process: --sampler-tp 1")
@@ -404,11 +380,8 @@ def _sampler_python(args) -> Path | None:
 def _sampler_process(args, python):
     """The sampler process of ``--sampler sglang`` (its output goes to the engine log), or a
     context that gives None (the installed sampler plugin, in this process)."""
-    import contextlib
-
     if python is None:
         return contextlib.nullcontext()
-    from .sampler_process import SamplerProcess
 
     return SamplerProcess(args.sampler, python)
 
@@ -439,8 +412,6 @@ class _Bar:
             self.say(f"resuming after step {done} of {total}")
 
     def step(self, row: dict, total: int) -> None:
-        from .train_loop import step_line
-
         self.done = row["step"]
         if not self.tty:
             self.say(step_line(row, total))
@@ -481,9 +452,6 @@ def _trained_line(rows: list[dict], algo: str) -> str:
 
 
 def _cmd_train(args) -> int:
-    from .plugins import manager
-    from .train_loop import Progress, TrainConfig, TrainStopped, prepare_train
-
     config = TrainConfig(
         algo=args.algo,
         steps=args.steps,
@@ -511,7 +479,7 @@ def _cmd_train(args) -> int:
     stopped = None
     # Refusals (the settings, the model, what --out holds) come before anything is written:
     # a refused run leaves --out, its engine log included, as it was.
-    plan = prepare_train(manager(), Path(args.model), out, config, resume=args.resume)
+    plan = prepare_train(plugins.manager(), Path(args.model), out, config, resume=args.resume)
     with plan.claim():
         if plan.complete:  # a resume with no step left: no engine starts, the log is kept
             plan.run(progress=Progress())  # says so; the report is rewritten
@@ -535,13 +503,10 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_bisect(args) -> int:
-    from .bisect import bisect
-    from .plugins import manager
-
     with _engines(args) as console:
         console.say(f"bisecting decision {args.decision}: recording every op site on both halves")
         div, missing = bisect(
-            manager(),
+            plugins.manager(),
             Path(args.trace),
             args.decision,
             Path(args.model),

@@ -9,6 +9,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..golden import case_hashes
+from ..model import geometry_contract, geometry_of
+from ..programs import CATALOG
+from .tiny import tiny_config
+
 LOCK_FORMAT = "lockstep.contracts-lock/1"
 
 # The lanes whose fingerprints the lock pins: the geometries ``lockstep tiny`` makes by default.
@@ -16,12 +21,6 @@ LOCKED_ARCHES = ("qwen3", "qwen3-moe", "qwen3-next")
 
 
 def build(backend: str = "cpu") -> dict:
-    from .contract import geometry_contract
-    from .golden import case_hashes
-    from .model import geometry_of
-    from .programs import CATALOG
-    from .tiny import tiny_config
-
     hashes = case_hashes(backend)
     programs = {}
     for name, (version, params) in sorted(CATALOG.items()):

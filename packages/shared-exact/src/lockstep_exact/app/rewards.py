@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import importlib
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,9 +63,6 @@ class ToyTask:
 def load_function(spec: str) -> Callable[[Completion], float]:
     """``module:function`` (the module importable from the current environment or the working
     directory) as a callable, or ``RewardError`` naming what is missing."""
-    import sys
-    from pathlib import Path
-
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise RewardError(f"--reward {spec!r}: expected MODULE:FUNCTION (e.g. my_rewards:score)")

@@ -48,17 +48,19 @@ from typing import Any
 
 import torch
 
+from ..atomic import read_manifested, write_manifested
+from ..hashing import dir_sha256, sha256_file
+from ..k3 import compare
+from ..model import ModelDir, model_hash, tokenizer_hash
+from ..plugins import require_hook
+from ..requests import SamplerSessionRequest, TrainerSessionRequest
+from ..trace import Trace
 from . import rl
-from .atomic import read_manifested, write_manifested
-from .hashing import sha256_file
-from .k3 import compare
-from .model import ModelDir, model_hash, tokenizer_hash
-from .plugins import require_hook
-from .requests import SamplerSessionRequest, TrainerSessionRequest
+from .bisect import bisect
 from .rewards import Completion, RewardError, ToyTask, hook_reward, load_function, score
 from .textfile import read_lines
 from .tiny import default_prompts
-from .trace import Trace
+from .train_report import render
 
 RUN_FORMAT = "lockstep.train.run/1"
 CHECKPOINT_FORMAT = "lockstep.train.checkpoint/1"
@@ -794,8 +796,6 @@ def _adapter_rank(adapter: str | None) -> int:
 
 
 def _adapter_files_hash(path: Path) -> str:
-    from .hashing import dir_sha256
-
     if not path.is_dir():
         raise TrainSetupError(f"train: --adapter {path}: not a directory")
     return dir_sha256(path, ("*.safetensors", "adapter_config.json"))
@@ -830,8 +830,6 @@ def _mismatch_message(run: _Run, m: _Mismatch) -> str:
         f"{_last_checkpoint_name(run.out)}; trace {m.trace_dir}"
     )
     try:
-        from .bisect import bisect
-
         div, missing = bisect(run.pm, m.trace_dir, m.cmp.first_diff, run.model.path, m.adapter)
         found = (
             str(div)
@@ -877,8 +875,6 @@ def _truncate(out: Path, done: int) -> None:
 
 
 def write_report(out: Path, rows: list[dict], identity: dict, stopped: str | None = None) -> Path:
-    from .train_report import render
-
     path = out / "report.html"
     tmp = out / "report.html.tmp"
     tmp.write_text(render(rows, identity, stopped), encoding="utf-8")

@@ -18,8 +18,9 @@ import subprocess
 from dataclasses import asdict
 from pathlib import Path
 
-from .requests import CaptureRequest
-from .trace import Trace
+from ..contract import contract_from_json
+from ..requests import CaptureRequest
+from ..trace import Trace
 
 ENGINES = ("vllm", "sglang")
 PYTHON_ENV = {"sglang": "LOCKSTEP_SGLANG_PYTHON"}
@@ -106,8 +107,6 @@ class SamplerProcess:
         return self._info
 
     def contract(self, model_dir, backend: str = "cpu"):
-        from .contract import contract_from_json
-
         body = self.call("contract", model_dir=str(model_dir), backend=backend)["contract"]
         return contract_from_json(body)
 
