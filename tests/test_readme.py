@@ -197,7 +197,7 @@ def test_the_tiny_model_and_its_contract(tmp_path, capsys):
 
 
 def test_the_serve_commands_print_vllms_server_on_the_lane(tmp_path, capsys):
-    from lockstep_exact.tiny import make_tiny
+    from lockstep_exact.app.tiny import make_tiny
 
     model = make_tiny(tmp_path / "m", arch="qwen3", hidden=64, vocab=512)
     for command in (c for c in RUN_HERE if "lockstep_serving.vllm.server" in c):
