@@ -24,10 +24,10 @@ README = ROOT / "README.md"
 RUN_HERE = {
     "uv run lockstep tiny --arch qwen3 --out /tmp/m": "test_the_tiny_model_and_its_contract",
     "uv run lockstep contract show --model /tmp/m": "test_the_tiny_model_and_its_contract",
-    "uv run python -m lockstep_serving.vllm.server --model DIR --backend cpu --print": (
+    "uv run lockstep serve --model DIR --backend cpu --print": (
         "test_the_serve_commands_print_vllms_server_on_the_lane"
     ),
-    "uv run python -m lockstep_serving.vllm.server --model DIR --backend cpu -- --port 8000": (
+    "uv run lockstep serve --model DIR --backend cpu -- --port 8000": (
         "test_the_serve_commands_print_vllms_server_on_the_lane"
     ),
 }
@@ -68,10 +68,15 @@ RUNNERS = {
         ENGINE_RUNNER,
         "def test_the_readmes_engine_commands_run_as_written",
     ),
-    "uv run python -m lockstep_serving.vllm.server --model DIR --backend cpu -- --port 8000": (
+    "uv run lockstep serve --model DIR --backend cpu -- --port 8000": (
         "packages/serving-plugin/tests/test_openai_server.py::"
         "test_a_served_completion_has_the_logprobs_of_the_offline_capture",
-        '"lockstep_serving.vllm.server",',
+        '"serve",',
+    ),
+    "uv run lockstep verify --model DIR --rollouts responses.jsonl": (
+        "packages/serving-plugin/tests/test_openai_server.py::"
+        "test_served_responses_verify_byte_for_byte_in_megatron",
+        'main(["verify", "--model"',
     ),
     "uv run python examples/megatron_train_step.py --model /tmp/m --steps 2 --backend cpu "
     "--dump-rollouts /tmp/rollouts.jsonl --adapter-out /tmp/adapter": (
@@ -187,7 +192,9 @@ def test_every_relative_link_and_repository_path_in_the_readme_exists():
 
 def test_the_tiny_model_and_its_contract(tmp_path, capsys):
     main = lockstep_main()
-    tiny, show = (c for c in RUN_HERE if c.startswith("uv run lockstep "))
+    tiny, show = (
+        c for c in RUN_HERE if c.startswith(("uv run lockstep tiny", "uv run lockstep contract"))
+    )
     assert main(substitute(tiny, tmp_path, tmp_path / "m")[1:]) == 0
     assert (tmp_path / "m" / "config.json").is_file()
     capsys.readouterr()
@@ -200,17 +207,17 @@ def test_the_serve_commands_print_vllms_server_on_the_lane(tmp_path, capsys):
     from lockstep_exact.app.tiny import make_tiny
 
     model = make_tiny(tmp_path / "m", arch="qwen3", hidden=64, vocab=512)
-    for command in (c for c in RUN_HERE if "lockstep_serving.vllm.server" in c):
+    for command in (c for c in RUN_HERE if c.startswith("uv run lockstep serve")):
         words = substitute(command, tmp_path, model)
-        assert words[:3] == ["python", "-m", "lockstep_serving.vllm.server"], command
-        args = words[3:]
+        assert words[:2] == ["lockstep", "serve"], command
+        args = words[1:]
         if "--print" not in args:  # a command that starts the server: print it instead
             cut = args.index("--") if "--" in args else len(args)
             args = [*args[:cut], "--print", *args[cut:]]
-        from lockstep_serving.vllm.server import main
+        from lockstep_exact.app.cli import main
 
         assert main(args) == 0, capsys.readouterr().err
-        out = capsys.readouterr().out.split()
+        out = shlex.split(capsys.readouterr().out)
         assert out[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
         assert "--hf-overrides" in out and "--enforce-eager" in out
         tail = args[args.index("--") + 1 :] if "--" in args else []

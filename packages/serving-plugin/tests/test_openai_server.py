@@ -1,4 +1,4 @@
-"""vLLM's OpenAI server started by `lockstep_serving.vllm.server` serves exact logprobs.
+"""vLLM's OpenAI server started by `lockstep serve` serves the lane's exact logprobs.
 
 Loopback only; the server is stopped by its pid.
 """
@@ -54,15 +54,19 @@ def server(tiny_models, tmp_path_factory):
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w")  # noqa: SIM115
     env = dict(os.environ, VLLM_PLUGINS="lockstep")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    # The documented way to start it: lockstep_serving.vllm.server adds the lane's flags.
+    # The documented way to start it: `lockstep serve` (the CLI adds the lane's flags and
+    # supervises vLLM's server, whose output goes to its --log).
     cmd = [
         sys.executable,
         "-m",
-        "lockstep_serving.vllm.server",
+        "lockstep_exact.app.cli",
+        "serve",
         "--model",
         str(model_dir),
         "--backend",
         "cpu",
+        "--log",
+        str(tmp_path_factory.mktemp("serve") / "vllm.log"),
         "--",
         "--max-model-len",
         "512",
@@ -146,7 +150,7 @@ def test_a_sampling_parameter_outside_the_lanes_rule_is_a_400_naming_it(server):
     assert _post(base + "/v1/completions", {**body, "top_k": 0})["choices"][0]["text"] is not None
 
 
-def test_served_responses_verify_byte_for_byte_in_megatron(server, tmp_path):
+def test_served_responses_verify_byte_for_byte_in_megatron(server, tmp_path, capsys):
     """What `lockstep verify` reads: the server's own answers, saved as {prompt, response}
     lines, recomputed by Megatron on the lane. Control: the same answers against a model whose
     LM head differs by one ulp in one element (an input changed) are reported as differing."""
@@ -177,3 +181,10 @@ def test_served_responses_verify_byte_for_byte_in_megatron(server, tmp_path):
     nudged = nudge_one_ulp(model_dir, tmp_path / "nudged")
     report = check_rollout(lane_model_provider(nudged)(), path)
     assert not report.equal and report.first_difference is not None, report
+    # The same through the CLI, as the README runs it.
+    from lockstep_exact.app.cli import main
+
+    assert main(["verify", "--model", str(model_dir), "--rollouts", str(path)]) == 0
+    assert f"EXACT: {2 * DECISIONS}/{2 * DECISIONS}" in capsys.readouterr().out
+    assert main(["verify", "--model", str(nudged), "--rollouts", str(path)]) == 1
+    assert "NOT EXACT" in capsys.readouterr().out

@@ -67,3 +67,18 @@ def test_cpu_env_bounds_the_kv_cache():
     assert server_env("cpu", {})["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert server_env("cpu", {"VLLM_CPU_KVCACHE_SPACE": "4"})["VLLM_CPU_KVCACHE_SPACE"] == "4"
     assert "VLLM_CPU_KVCACHE_SPACE" not in server_env("cuda", {})
+
+
+def test_the_cli_serve_prints_refuses_and_verify_names_a_bad_line(tiny_models, tmp_path, capsys):
+    from lockstep_exact.app.cli import main as cli
+
+    model = str(tiny_models["qwen3"])
+    assert cli(["serve", "--model", model, "--backend", "cpu", "--print", "--", "--port", "9"]) == 0
+    out = capsys.readouterr().out
+    assert "vllm.entrypoints.openai.api_server" in out and out.rstrip().endswith("--port 9")
+    assert cli(["serve", "--model", model, "--backend", "cpu", "--", "-O3"]) == 2
+    assert "-O3 is set by the lane" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"tokens": [1, 2, 3], "prompt_len": 1, "logprobs": [-1.0]}\n')
+    assert cli(["verify", "--model", model, "--rollouts", str(bad)]) == 2
+    assert f"{bad}:1" in capsys.readouterr().err

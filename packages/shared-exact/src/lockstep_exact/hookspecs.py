@@ -130,3 +130,18 @@ def lockstep_load_adapter(adapter_dir, model_dir, role):
     hash covers the factors and the adapter config's numeric fields (``adapters.load_adapter``);
     adapters made by ``peft`` are accepted and hashed on load.
     """
+
+
+@hookspec(firstresult=True)
+def lockstep_serve_command(request):
+    """The command line and environment that start the engine's OpenAI-compatible server on
+    the lane (``requests.ServeRequest``): ``(argv, env)``. Must refuse (``ValueError``) engine
+    flags that would take the lane's place, naming the flag."""
+
+
+@hookspec(firstresult=True)
+def lockstep_verify(request):
+    """Recompute a rollout file's sampled log-probabilities in the trainer on the lane
+    (``requests.VerifyRequest``) and compare them on their bytes: a dict with ``equal``,
+    ``sequences``, ``decisions``, ``byte_equal``, ``first_difference`` (None or a dict with
+    ``sequence``, ``position``, ``sampler``, ``trainer``), ``k3_max`` and ``max_ulp``."""

@@ -116,3 +116,24 @@ class TrainResult:
     backbone_hash_before: str
     backbone_hash_after: str
     adapter_dir: Path
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    """An OpenAI-compatible server on the lane: ``extra`` are the engine's own flags."""
+
+    model_dir: Path
+    backend: str = "cpu"
+    extra: tuple[str, ...] = ()
+    contract: str | None = None  # expected fingerprint; None: the lane's own
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    """A rollout file (``{"tokens", "prompt_len", "logprobs"}`` or ``{"prompt", "response"}``
+    lines) to recompute in the trainer on ``model_dir`` (and ``adapter_dir``)."""
+
+    model_dir: Path
+    rollouts: Path
+    adapter_dir: Path | None = None
+    backend: str = "cpu"

@@ -114,3 +114,16 @@ def _megatron_version() -> str:
 
 
 __all__ = ["TrainResult"]
+
+
+@hookimpl
+def lockstep_verify(request):
+    import dataclasses
+
+    from .integration import check_rollout, lane_model_provider, read_rollouts
+
+    rollouts = read_rollouts(request.rollouts)  # a malformed file fails before the model
+    model = lane_model_provider(
+        request.model_dir, backend=request.backend, adapter=request.adapter_dir
+    )()
+    return dataclasses.asdict(check_rollout(model, rollouts))

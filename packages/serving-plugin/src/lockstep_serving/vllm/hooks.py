@@ -101,3 +101,16 @@ def lockstep_dump_sites(request):
     from .dump import dump_sites
 
     return dump_sites(request)
+
+
+@hookimpl
+def lockstep_serve_command(request):
+    from .server import server_argv, server_env
+
+    argv = server_argv(
+        request.model_dir,
+        backend=request.backend,
+        extra=list(request.extra),
+        contract=request.contract,
+    )
+    return argv, server_env(request.backend)

@@ -50,7 +50,7 @@ def check_extra(extra: list[str]) -> None:
         name = _flag_name(arg)
         if name in OWNED_FLAGS or (name.startswith("-O") and name[2:].isdigit()):
             why = OWNED_FLAGS.get(name, OWNED_FLAGS["-O"])
-            raise ServeArgumentError(f"lockstep serve: {name} is set by the lane ({why})")
+            raise ServeArgumentError(f"{name} is set by the lane ({why})")
 
 
 def server_argv(
@@ -63,7 +63,7 @@ def server_argv(
 ) -> list[str]:
     """The command that starts vLLM's OpenAI server on the lane for ``model_dir``."""
     if backend not in ("cpu", "cuda"):
-        raise ServeArgumentError(f"lockstep serve: unknown backend {backend!r} (cpu or cuda)")
+        raise ServeArgumentError(f"unknown backend {backend!r} (cpu or cuda)")
     extra = list(extra)
     check_extra(extra)
     args = engine_args(model_dir, contract=contract, cuda_graphs=backend == "cuda")
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cmd = server_argv(args.model, backend=backend, extra=extra, contract=args.contract)
     except (ServeArgumentError, LaneRefused, FileNotFoundError) as err:
-        print(err, file=sys.stderr)
+        print(f"lockstep serve: error: {err}", file=sys.stderr)
         return 2
     if args.print:
         print(" ".join(cmd))

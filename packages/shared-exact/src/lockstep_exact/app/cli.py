@@ -13,9 +13,13 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
+import signal
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -25,7 +29,7 @@ from ..adapters import adapter_record
 from ..k3 import compare
 from ..model import ModelDir
 from ..plugins import MissingHalf, require_hook
-from ..requests import CaptureRequest, ReplayRequest
+from ..requests import CaptureRequest, ReplayRequest, ServeRequest, VerifyRequest
 from ..trace import Trace
 from . import report as report_mod
 from .bisect import bisect
@@ -36,7 +40,7 @@ from .textfile import read_lines
 from .tiny import default_prompts, make_tiny
 from .train_loop import Progress, TrainConfig, TrainStopped, prepare_train, step_line
 
-QUIET_COMMANDS = ("qualify", "capture", "replay", "bisect", "train", "doctor")
+QUIET_COMMANDS = ("qualify", "capture", "replay", "bisect", "train", "doctor", "verify")
 
 
 def _engine_log(args) -> Path:
@@ -53,6 +57,8 @@ def _engine_log(args) -> Path:
         return _beside(Path(args.out), ".log")
     if args.command == "replay" and args.out:
         return _beside(Path(args.out), ".log")
+    if args.command == "verify":
+        return _beside(Path(args.rollouts), ".verify.log")
     return _beside(Path(args.trace), f".{args.command}.log")
 
 
@@ -314,6 +320,98 @@ def _cmd_replay(args) -> int:
     )
     print(f"engine log: {args.engine_log}")
     return 0 if cmp.byte_equal == cmp.n else 1
+
+
+def _server_url(extra: list[str]) -> str:
+    """Where the server will answer, from vLLM's --host / --port flags (its defaults else)."""
+    found = {"--host": "127.0.0.1", "--port": "8000"}
+    for i, arg in enumerate(extra):
+        name, eq, value = arg.partition("=")
+        if name in found:
+            if eq:
+                found[name] = value
+            elif i + 1 < len(extra):
+                found[name] = extra[i + 1]
+    host = found["--host"]
+    host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+    return f"http://{host}:{found['--port']}"
+
+
+def _cmd_serve(args) -> int:
+    pm = plugins.manager()
+    require_hook(pm, "lockstep_serve_command", "sampler", "lockstep-serving[vllm]")
+    hook = _only_engine(pm, "lockstep_serve_command", "vllm", "lockstep-serving[vllm]")
+    backend = args.backend or ("cuda" if torch.cuda.is_available() else "cpu")
+    request = ServeRequest(Path(args.model), backend, tuple(args.extra), args.contract)
+    argv, env = hook(request=request)
+    if args.print:
+        print(shlex.join(argv))
+        return 0
+    url = _server_url(args.extra)
+    log = Path(args.log or "lockstep-serve.log")
+    print(f"starting vLLM's OpenAI server on the exact lane ({backend}); engine log: {log}")
+    with open(log, "w") as f:
+        out = None if args.verbose else f
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    def _stop(_signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)  # a supervisor's stop ends the server too
+    try:
+        while True:
+            if proc.poll() is not None:
+                print(
+                    f"lockstep serve: error: the server exited with code {proc.returncode} "
+                    f"before it answered; see {log}",
+                    file=sys.stderr,
+                )
+                return 1
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(1.0)
+        print(f"serving {args.model} at {url}/v1 (the lane's contract: {url}/lockstep/contract)")
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        proc.wait()
+        return 0
+
+
+def _cmd_verify(args) -> int:
+    request = VerifyRequest(
+        model_dir=Path(args.model),
+        rollouts=Path(args.rollouts),
+        adapter_dir=Path(args.adapter) if args.adapter else None,
+        backend=args.backend,
+    )
+    report = _drive(
+        args,
+        "lockstep_verify",
+        "trainer",
+        "lockstep-megatron",
+        f"recomputing the sampled tokens of {args.rollouts} in the trainer",
+        request,
+    )
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    n, equal = report["decisions"], report["byte_equal"]
+    verdict = "EXACT" if report["equal"] else "NOT EXACT"
+    line = (
+        f"{verdict}: {equal}/{n} sampled log-probabilities byte-equal over "
+        f"{report['sequences']} sequences, K3 max {report['k3_max']:.3g}"
+    )
+    first = report["first_difference"]
+    if first is not None:
+        line += (
+            f"; first difference: sequence {first['sequence']}, position {first['position']} "
+            f"(sampler {first['sampler']!r}, trainer {first['trainer']!r})"
+        )
+    print(line)
+    print(f"engine log: {args.engine_log}")
+    return 0 if report["equal"] else 1
 
 
 def _cmd_qualify(args) -> int:
@@ -627,6 +725,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rep.set_defaults(func=_cmd_replay)
 
+    srv = sub.add_parser(
+        "serve",
+        help="vLLM's OpenAI-compatible server on the exact lane",
+        description="Start vLLM's OpenAI-compatible server on the exact lane. Arguments after "
+        "'--' go to vLLM's server (--host, --port, --max-model-len, ...); flags that would "
+        "take the lane's place (--dtype, --hf-overrides, compilation) are refused by name.",
+    )
+    srv.add_argument("--model", required=True, help="HF-format model folder")
+    srv.add_argument(
+        "--backend",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="the lane's backend (default: cuda when a GPU is visible, else cpu)",
+    )
+    srv.add_argument("--contract", help="a contract fingerprint the lane must match")
+    srv.add_argument("--print", action="store_true", help="print the command, do not start it")
+    srv.add_argument("--log", help="the server's output (default: lockstep-serve.log)")
+    srv.add_argument("--verbose", action="store_true", help="the server's output on the terminal")
+    srv.set_defaults(func=_cmd_serve, extra=[])
+
+    ver = sub.add_parser(
+        "verify",
+        help="recompute a rollout file's sampled log-probabilities in the trainer",
+        description="Recompute, in Megatron on the lane, the log-probability of every sampled "
+        "token of a rollout file and compare bytes. Each line is either "
+        '{"tokens": [...], "prompt_len": N, "logprobs": [...]} or {"prompt": [token ids], '
+        '"response": <a /v1/completions answer asked with "logprobs": 0 and '
+        '"return_tokens_as_token_ids": true>}. Exit 0: every value byte-equal; 1: a '
+        "difference (the first is named); 2: bad input.",
+    )
+    ver.add_argument("--model", required=True, help="the model the sampler served")
+    ver.add_argument("--rollouts", required=True, help="the JSONL of rollouts or responses")
+    ver.add_argument("--adapter", help="the adapter the sampler served, if any")
+    ver.add_argument("--out", help="write the report as JSON here")
+    ver.add_argument(
+        "--backend", default="cpu", choices=("cpu", "cuda"), help="cuda: Megatron on one GPU"
+    )
+    ver.set_defaults(func=_cmd_verify)
+
     qual = sub.add_parser("qualify", help="run the qualification ladder (the main job)")
     src = qual.add_mutually_exclusive_group()
     src.add_argument("--model", help="HF model directory (default: a tiny model made now)")
@@ -728,15 +865,23 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument(
                 "--log",
                 help="the engine log file (default: engine.log in --out for qualify and train, "
-                "<out>.log beside a capture's trace or a replay's --out, a new "
-                "lockstep-doctor-*.log in the temp directory for doctor, else "
+                "<out>.log beside a capture's trace or a replay's --out, "
+                "<rollouts>.verify.log for verify, a new lockstep-doctor-*.log in the temp "
+                "directory for doctor, else "
                 "<trace>.<command>.log)",
             )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if argv[:1] == ["serve"] and "--" in argv:  # vLLM's own flags pass through untouched
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        args.extra = extra
     try:
         return args.func(args)
     except (ValueError, RuntimeError, KeyError, FileNotFoundError) as err:
