@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from lockstep_exact.app.tiny import default_prompts
 from lockstep_exact.requests import CaptureRequest, ReplayRequest
-from lockstep_exact.trace import Trace
+from lockstep_exact.trace import TEACHER_FORCED, SamplingSettings, Trace
 
 
 def replay(pm, model, trace_dir, adapter=None, control=False, micro_batch=3):
@@ -59,7 +59,7 @@ def nudged_copy(model, out, key: str, index: int = 0):
 
 def forge(trace: Trace, out, *, sampled=None, keep_rule: bool = True, **fields):
     """``trace`` saved again at ``out`` with some of its content replaced: other sampled tokens,
-    another model hash, ... ``keep_rule=False`` drops the sampling rule (no token check)."""
+    another model hash, ... ``keep_rule=False`` marks it teacher-forced (no token check)."""
     n = trace.num_sequences
     return Trace.from_sequences(
         [trace.prompt(i) for i in range(n)],
@@ -69,7 +69,11 @@ def forge(trace: Trace, out, *, sampled=None, keep_rule: bool = True, **fields):
             "contract_fingerprint": trace.contract_fingerprint,
             "contract": trace.contract,
             "model_hash": trace.model_hash,
-            **({"sampling": trace.sampling, "engine": trace.engine} if keep_rule else {}),
+            **(
+                {"sampling": trace.sampling, "engine": trace.engine}
+                if keep_rule
+                else {"sampling": SamplingSettings(rule=TEACHER_FORCED)}
+            ),
             **fields,
         },
     ).save(out)

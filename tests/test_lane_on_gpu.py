@@ -73,7 +73,7 @@ def test_megatron_on_gpu_replays_a_gpu_trace_byte_for_byte(arch, tmp_path):
     from lockstep_exact.lanes import qwen3
     from lockstep_exact.model import model_hash as dir_hash
     from lockstep_exact.testing import nudge_ulp
-    from lockstep_exact.trace import Trace
+    from lockstep_exact.trace import TEACHER_FORCED, SamplingSettings, Trace
     from lockstep_megatron.convert import build
     from lockstep_megatron.replay import score
 
@@ -90,6 +90,7 @@ def test_megatron_on_gpu_replays_a_gpu_trace_byte_for_byte(arch, tmp_path):
         contract_fingerprint=ops.invoked_contract().fingerprint,
         contract=ops.invoked_contract().to_json(),
         model_hash=dir_hash(model_dir),
+        sampling=SamplingSettings(rule=TEACHER_FORCED),
     )
 
     # decode over the cache == a one-shot prefill of the whole sequence (full model, GPU)

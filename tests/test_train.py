@@ -32,7 +32,7 @@ from lockstep_exact.app.train_loop import (
 from lockstep_exact.hashing import sha256_file
 from lockstep_exact.plugins import manager
 from lockstep_exact.testing import nudge_ulp
-from lockstep_exact.trace import Trace
+from lockstep_exact.trace import TEACHER_FORCED, SamplingSettings, Trace
 
 
 class Quiet:
@@ -254,6 +254,7 @@ class _FakeSampler:
         lps = [torch.tensor([-0.5, -0.25], dtype=torch.float32)] * n
         return Trace.from_sequences(
             [[1, 2]] * n, [[3, 4]] * n, lps, contract_fingerprint="c" * 64, model_hash="m" * 64
+            sampling=SamplingSettings(rule=TEACHER_FORCED),
         )
 
     def decode(self, ids):

@@ -80,7 +80,7 @@ def test_qualify_without_plugins_names_the_missing_half(tmp_path):
 def test_replay_of_a_trace_without_decisions_exits_2_naming_it(tmp_path, capsys):
     import torch
 
-    from lockstep_exact.trace import MANIFEST, Trace
+    from lockstep_exact.trace import MANIFEST, TEACHER_FORCED, SamplingSettings, Trace
 
     one = Trace.from_sequences(
         [[1, 2]],
@@ -88,6 +88,7 @@ def test_replay_of_a_trace_without_decisions_exits_2_naming_it(tmp_path, capsys)
         [torch.tensor([-0.5], dtype=torch.float32)],
         contract_fingerprint="c" * 64,
         model_hash="m" * 64,
+        sampling=SamplingSettings(rule=TEACHER_FORCED),
     )
     path = one.save(tmp_path / "trace")
     manifest = json.loads((path / MANIFEST).read_text())
@@ -106,7 +107,7 @@ def test_replay_of_a_trace_without_decisions_exits_2_naming_it(tmp_path, capsys)
 def test_bisect_of_a_decision_the_trace_lacks_exits_2_naming_the_range(tmp_path, capsys, index):
     import torch
 
-    from lockstep_exact.trace import Trace
+    from lockstep_exact.trace import TEACHER_FORCED, SamplingSettings, Trace
 
     one = Trace.from_sequences(
         [[1, 2]],
@@ -114,6 +115,7 @@ def test_bisect_of_a_decision_the_trace_lacks_exits_2_naming_the_range(tmp_path,
         [torch.tensor([-0.5], dtype=torch.float32)],
         contract_fingerprint="c" * 64,
         model_hash="m" * 64,
+        sampling=SamplingSettings(rule=TEACHER_FORCED),
     )
     path = one.save(tmp_path / "trace")
     argv = ["bisect", "--model", str(tmp_path), "--trace", str(path), "--decision", index]

@@ -266,15 +266,16 @@ def test_a_trace_keeps_the_rule_and_each_sequences_seed(tmp_path):
     settings = SamplingSettings(0.8, 0.9, 3, seeds=(3, 4), rule="sample.gumbel_topp@1{rounds=3}")
     loaded = Trace.load(_trace(settings).save(tmp_path / "t"))
     assert loaded.sampling == settings
-    # Unset, they stay out of the manifest: older traces read back unchanged.
-    assert "seeds" not in SamplingSettings(1.0, 1.0, 0).to_json()
+    # Unset seeds stay out of the manifest; the rule is always written.
+    assert "seeds" not in SamplingSettings(1.0, 1.0, 0, rule="x").to_json()
+    assert SamplingSettings(1.0, 1.0, 0, rule="x").to_json()["rule"] == "x"
 
 
 def test_a_trace_refuses_seeds_that_are_not_one_per_sequence():
     from lockstep_exact.trace import SamplingSettings, TraceError
 
     with pytest.raises(TraceError, match="sampling.seeds has 3 entries for 2 sequences"):
-        _trace(SamplingSettings(1.0, 1.0, 0, seeds=(1, 2, 3)))
+        _trace(SamplingSettings(1.0, 1.0, 0, seeds=(1, 2, 3), rule="x"))
 
 
 @pytest.mark.parametrize(
@@ -282,7 +283,7 @@ def test_a_trace_refuses_seeds_that_are_not_one_per_sequence():
     [
         ("seeds", [1, "2"], "sampling.seeds must be a list of ints"),
         ("seeds", 7, "sampling.seeds must be a list of ints"),
-        ("rule", 3, "sampling.rule must be a string"),
+        ("rule", 3, "sampling.rule must be a non-empty string"),
     ],
 )
 def test_a_manifest_with_malformed_rule_fields_is_refused(key, value, message):

@@ -38,7 +38,9 @@ def _trace(**kw) -> Trace:
         contract_fingerprint=FP,
         model_hash=MODEL,
         adapter_hash=None,
-        sampling=SamplingSettings(temperature=0.7, top_p=0.9, seed=42),
+        sampling=SamplingSettings(
+            temperature=0.7, top_p=0.9, seed=42, rule="sample.gumbel_topp@1{rounds=3}"
+        ),
         engine={"name": "vllm", "version": "0.x", "plugin": "lockstep-serving"},
         prompt_texts=["a b c", "d", "e f"],
     )
@@ -90,7 +92,7 @@ def test_trace_round_trips_every_field_and_the_raw_logprob_bytes(saved):
     assert _bits(loaded.logprobs)[3].item() == _bits(torch.tensor([-0.0]))[0].item()
     assert loaded.contract_fingerprint == FP and loaded.model_hash == MODEL
     assert loaded.adapter_hash is None
-    assert loaded.sampling == SamplingSettings(0.7, 0.9, 42)
+    assert loaded.sampling == SamplingSettings(0.7, 0.9, 42, rule="sample.gumbel_topp@1{rounds=3}")
     assert loaded.engine["name"] == "vllm"
     assert loaded.prompt_texts == ["a b c", "d", "e f"]
     assert loaded.created == original.created or loaded.created.endswith("Z")

@@ -25,7 +25,7 @@ from lockstep_exact.k3 import compare
 from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.model import model_hash as dir_hash
 from lockstep_exact.requests import TrainerSessionRequest
-from lockstep_exact.trace import Trace
+from lockstep_exact.trace import TEACHER_FORCED, SamplingSettings, Trace
 from lockstep_megatron import gdn
 from lockstep_megatron.convert import build, load_hf_weights
 from lockstep_megatron.replay import replay
@@ -250,6 +250,7 @@ def test_replay_on_a_one_ulp_copy_reports_a_difference(next_dir, next_trace, tmp
         contract_fingerprint=original.contract_fingerprint,
         contract=original.contract,
         model_hash=dir_hash(nudged),
+        sampling=SamplingSettings(rule=TEACHER_FORCED),
     ).save(tmp_path / "trace")
     lps, _ = replay(nudged, forged, micro_batch=4)
     cmp = compare(original.logprobs, lps)

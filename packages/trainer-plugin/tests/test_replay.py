@@ -11,7 +11,7 @@ from trainer_support import nudge_one_ulp, reference_trace
 from lockstep_exact.k3 import compare
 from lockstep_exact.plugins import manager
 from lockstep_exact.requests import ReplayRequest
-from lockstep_exact.trace import Trace, TraceError
+from lockstep_exact.trace import TEACHER_FORCED, SamplingSettings, Trace, TraceError
 from lockstep_megatron import plugin
 from lockstep_megatron.replay import AdmissionError, replay
 
@@ -54,6 +54,7 @@ def test_one_ulp_model_change_reports_the_first_differing_decision(
         [original.sequence_logprobs(i) for i in range(original.num_sequences)],
         contract_fingerprint=original.contract_fingerprint,
         model_hash=dir_hash(nudged),
+        sampling=SamplingSettings(rule=TEACHER_FORCED),
     ).save(tmp_path / "trace")
     lps, _ = replay(nudged, forged)
     cmp = compare(original.logprobs, lps)
@@ -167,6 +168,7 @@ def test_a_trace_whose_sampler_ran_another_program_is_refused_naming_the_site(
         contract_fingerprint=skewed.fingerprint,
         contract=skewed.to_json(),
         model_hash=original.model_hash,
+        sampling=SamplingSettings(rule=TEACHER_FORCED),
     ).save(tmp_path / "trace")
     with pytest.raises(AdmissionError, match=r"block=64.*'layers\.\*\.self_attn\.core'"):
         replay(dense_dir, forged)

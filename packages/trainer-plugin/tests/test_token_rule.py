@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from lockstep_exact import programs as P
 from lockstep_exact.contract import Contract
 from lockstep_exact.lanes.ops import Ops
-from lockstep_exact.trace import SamplingSettings, Trace
+from lockstep_exact.trace import MANIFEST, TEACHER_FORCED, SamplingSettings, Trace, TraceError
 from lockstep_megatron.replay import TokenMismatch
 from lockstep_megatron.replay import TokenRule as _TokenRule
 
@@ -37,8 +39,21 @@ def _rows(n: int, v: int = 64) -> torch.Tensor:
     return P.log_softmax(torch.randn(n, v, generator=g) * 2)
 
 
-def test_a_trace_without_a_rule_has_no_draw_to_check():
-    assert not TokenRule(_trace(SamplingSettings(1.0, 1.0, 0)))
+def test_a_teacher_forced_reference_has_no_draw_to_check():
+    assert not TokenRule(_trace(SamplingSettings(1.0, 1.0, 0, rule=TEACHER_FORCED)))
+
+
+def test_a_trace_naming_no_rule_is_refused_when_built_and_when_loaded(tmp_path):
+    with pytest.raises(TraceError, match="names no sampling rule"):
+        _trace(SamplingSettings(1.0, 1.0, 0))
+    # A manifest written without the rule (an older trace, or one made by hand): refused on
+    # load, naming the field, not replayed with its tokens unchecked.
+    path = _trace(SamplingSettings(1.0, 1.0, 0, rule=RULE, seeds=(1, 2))).save(tmp_path / "t")
+    manifest = json.loads((path / MANIFEST).read_text())
+    del manifest["sampling"]["rule"]
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(TraceError, match="names no sampling rule"):
+        Trace.load(path)
 
 
 def test_a_trace_drawn_by_another_rule_is_refused():

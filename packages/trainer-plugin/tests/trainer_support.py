@@ -20,7 +20,7 @@ def reference_trace(model_dir: Path, out: Path, adapter_dir: Path | None = None,
     random prompts and continuations, each sequence's decisions from one reference forward."""
     from lockstep_exact.lanes import qwen3
     from lockstep_exact.model import model_hash as dir_hash
-    from lockstep_exact.trace import Trace
+    from lockstep_exact.trace import TEACHER_FORCED, SamplingSettings, Trace
     from lockstep_megatron.convert import load_hf_weights
 
     geom = qwen3.Geometry.from_model_dir(model_dir)
@@ -50,6 +50,7 @@ def reference_trace(model_dir: Path, out: Path, adapter_dir: Path | None = None,
         model_hash=dir_hash(model_dir),
         adapter_hash=adapter_hash,
         engine={"name": "reference"},
+        sampling=SamplingSettings(rule=TEACHER_FORCED),
     )
     return trace.save(out, overwrite=True)
 
@@ -62,7 +63,7 @@ def next_composition_trace(model_dir: Path, out: Path, plan, adapter_dir: Path |
     from lockstep_exact.lanes import qwen3_next as N
     from lockstep_exact.model import ModelDir
     from lockstep_exact.model import model_hash as dir_hash
-    from lockstep_exact.trace import Trace
+    from lockstep_exact.trace import TEACHER_FORCED, SamplingSettings, Trace
     from lockstep_megatron.convert import load_hf_weights
 
     geom = N.Geometry.from_model_dir(model_dir)
@@ -89,6 +90,7 @@ def next_composition_trace(model_dir: Path, out: Path, plan, adapter_dir: Path |
         model_hash=dir_hash(model_dir),
         adapter_hash=adapter.sha256 if adapter else None,
         engine={"name": "composition"},
+        sampling=SamplingSettings(rule=TEACHER_FORCED),
     )
     return trace.save(out, overwrite=True)
 

@@ -81,15 +81,26 @@ NO_DECISIONS = (
 )
 
 
+# ``sampling.rule`` of a reference whose tokens were given (teacher forcing), not drawn.
+TEACHER_FORCED = "teacher-forced"
+MISSING_RULE = (
+    "the trace names no sampling rule (sampling.rule: the program that drew its tokens, or "
+    f"{TEACHER_FORCED!r} for a teacher-forced reference); traces written before rules were "
+    "recorded, or by hand without one, are refused: capture it again with `lockstep capture`"
+)
+
+
 @dataclass(frozen=True)
 class SamplingSettings:
     """The sampling settings the trace was drawn with.
 
     ``seed`` is the base seed the caller asked for; ``seeds`` the seed each sequence was
-    drawn with (one per sequence), and ``rule`` the ident of the byte program that chose the
-    tokens (``sample.gumbel_topp@1{rounds=3}``). With ``rule`` set, replay recomputes the rule
-    and refuses a token it does not draw; without it (a trace not drawn by a lane's sampler)
-    the tokens are not checked. Both are left out of the manifest when unset.
+    drawn with (one per sequence, left out of the manifest when unset), and ``rule`` what
+    chose the tokens: the ident of the byte program that drew them
+    (``sample.gumbel_topp@1{rounds=3}``), whose draws replay recomputes and checks token by
+    token, or ``TEACHER_FORCED`` for a reference whose tokens were given, not drawn (replay
+    then has no draw to check). Every trace names its rule: one without it (written before
+    traces recorded it, or by hand) is refused when built or loaded.
     """
 
     temperature: float = 1.0
@@ -106,8 +117,7 @@ class SamplingSettings:
         }
         if self.seeds is not None:
             out["seeds"] = list(self.seeds)
-        if self.rule is not None:
-            out["rule"] = self.rule
+        out["rule"] = self.rule
         return out
 
     @classmethod
@@ -134,9 +144,11 @@ class SamplingSettings:
             or not all(isinstance(x, int) and not isinstance(x, bool) for x in seeds)
         ):
             raise TraceError(f"manifest sampling.seeds must be a list of ints, got {seeds!r}")
-        rule = obj.get("rule")
-        if rule is not None and not isinstance(rule, str):
-            raise TraceError(f"manifest sampling.rule must be a string, got {rule!r}")
+        if "rule" not in obj:
+            raise TraceError(MISSING_RULE)
+        rule = obj["rule"]
+        if not isinstance(rule, str) or not rule:
+            raise TraceError(f"manifest sampling.rule must be a non-empty string, got {rule!r}")
         return cls(
             float(temperature),
             float(top_p),
@@ -289,6 +301,8 @@ class Trace:
             raise TraceError("adapter_hash must be a string or None")
         if not isinstance(self.sampling, SamplingSettings):
             raise TraceError("sampling must be a SamplingSettings")
+        if not isinstance(self.sampling.rule, str) or not self.sampling.rule:
+            raise TraceError(MISSING_RULE)
         seeds = self.sampling.seeds
         if seeds is not None and len(seeds) != self.num_sequences:
             raise TraceError(

@@ -24,7 +24,7 @@ from lockstep_exact.contract import (
 )
 from lockstep_exact.lanes.ops import check_invoked
 from lockstep_exact.model import ModelDir
-from lockstep_exact.trace import MANIFEST, Trace
+from lockstep_exact.trace import MANIFEST, TEACHER_FORCED, Trace
 
 from . import export
 from .convert import build
@@ -46,13 +46,13 @@ class TokenRule:
     A trace drawn by a lane sampler records the rule (``sampling.rule``, a byte program
     ident), its temperature and top-p, and each sequence's seed; the token at position ``q``
     of sequence ``i`` must be ``P.sample(row, temperature, top_p, seeds[i], q)`` of the row
-    that predicts it. A trace without a rule (built by hand, teacher-forced references) has
-    no draw to check."""
+    that predicts it. A teacher-forced reference (``rule`` ``TEACHER_FORCED``: tokens given,
+    not drawn) has no draw to check; a trace naming no rule is refused when it is loaded."""
 
     def __init__(self, trace: Trace, ops):
         sampling = trace.sampling
         self.ops = ops
-        self.ident = sampling.rule
+        self.ident = None if sampling.rule == TEACHER_FORCED else sampling.rule
         self.temperature, self.top_p = sampling.temperature, sampling.top_p
         self.seeds = sampling.seeds
         if self.ident is None:
