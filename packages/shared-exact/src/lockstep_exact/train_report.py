@@ -18,6 +18,7 @@ import io
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,7 +127,10 @@ def plot_svg(q: Quantity, rows: list[dict]) -> str:
         buf = io.StringIO()
         fig.savefig(buf, format="svg", metadata={"Date": None})
     text = buf.getvalue()
-    return text[text.index("<svg") :].strip()  # inline: no XML declaration, no DOCTYPE
+    text = text[text.index("<svg") :].strip()  # inline: no XML declaration, no DOCTYPE
+    # matplotlib numbers its groups from 1 in every figure (axes_1, xtick_1): named by the
+    # quantity, ids stay unique on the page (the ids of clip paths and markers are salted)
+    return re.sub(r' id="([A-Za-z][\w.]*_\d+)"', rf' id="{q.key}-\1"', text)
 
 
 # ----------------------------------------------------------------------------- the page
