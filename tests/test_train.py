@@ -253,7 +253,11 @@ class _FakeSampler:
         n = len(prompts)
         lps = [torch.tensor([-0.5, -0.25], dtype=torch.float32)] * n
         return Trace.from_sequences(
-            [[1, 2]] * n, [[3, 4]] * n, lps, contract_fingerprint="c" * 64, model_hash="m" * 64
+            [[1, 2]] * n,
+            [[3, 4]] * n,
+            lps,
+            contract_fingerprint="c" * 64,
+            model_hash="m" * 64,
             sampling=SamplingSettings(rule=TEACHER_FORCED),
         )
 
@@ -323,7 +327,9 @@ def test_grpo_on_the_toy_task_is_exact_at_every_step_and_learns(grpo_run):
         assert trace.adapter_hash and meta  # admitted by the trainer: same hash
     assert _rows(out) == rows
     report = (out / "report.html").read_text()
-    assert "exact at every step" in report and report.count("<svg") == 2
+    assert "exact at every step" in report
+    plots = ["reward_mean", "k3_max", "loss", "seconds"]  # one axis each; no KL without one
+    assert report.count("<svg") == 4 and all(f"id='plot-{k}'" in report for k in plots)
     assert progress.lines[-1] == "step 10/10"
     load_checkpoint(out / "checkpoints" / "step-0010")  # intact
 

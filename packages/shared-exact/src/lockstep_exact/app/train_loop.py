@@ -60,7 +60,7 @@ from .bisect import bisect
 from .rewards import Completion, RewardError, ToyTask, hook_reward, load_function, score
 from .textfile import read_lines
 from .tiny import default_prompts
-from .train_report import render
+from .train_report import TensorBoard, render
 
 RUN_FORMAT = "lockstep.train.run/1"
 CHECKPOINT_FORMAT = "lockstep.train.checkpoint/1"
@@ -703,12 +703,16 @@ class TrainPlan:
         config, model, out, identity = self.config, self.model, self.out, self.identity
         done, loop, files = self.done, self.loop, self.files
         history = _read_metrics(out)
+        board = TensorBoard(out)  # scalars under out/tensorboard, if tensorboard is installed
+        if board.hint:
+            progress.say(board.hint)
         if self.complete:
             progress.say(
                 f"{out}: run already complete at step {done}; nothing to do (--steps "
                 f"{config.steps}; give a larger --steps to train on)"
             )
-            write_report(out, history, identity)
+            write_report(out, history, identity, board=board)
+            board.close()
             return history
 
         run = _Run(self.pm, model, out, config, progress, self.reward, self.rows)
@@ -768,12 +772,13 @@ class TrainPlan:
                         {"step": step, "adapter": row["adapter_out"]},
                     )
                 progress.step(row, config.steps)
-                write_report(out, history, identity)
+                write_report(out, history, identity, board=board)
         except TrainStopped as err:
             history = _read_metrics(out)
-            write_report(out, history, identity, stopped=str(err))
+            write_report(out, history, identity, stopped=str(err), board=board)
             raise
         finally:
+            board.close()
             progress.close()
             for session in (run.sampler, run.policy):
                 if session is not None:
@@ -874,7 +879,16 @@ def _truncate(out: Path, done: int) -> None:
     (out / "bisect.json").unlink(missing_ok=True)
 
 
-def write_report(out: Path, rows: list[dict], identity: dict, stopped: str | None = None) -> Path:
+def write_report(
+    out: Path,
+    rows: list[dict],
+    identity: dict,
+    stopped: str | None = None,
+    board: TensorBoard | None = None,
+) -> Path:
+    """``report.html`` (rewritten whole), and the steps ``board`` has not written yet."""
+    if board is not None:
+        board.write(rows)
     path = out / "report.html"
     tmp = out / "report.html.tmp"
     tmp.write_text(render(rows, identity, stopped), encoding="utf-8")
