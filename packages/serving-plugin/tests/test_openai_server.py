@@ -52,7 +52,8 @@ def server(tiny_models, tmp_path_factory):
     model_dir = tiny_models["qwen3"]
     port = _free_port()
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w")  # noqa: SIM115
-    env = dict(os.environ, VLLM_PLUGINS="lockstep")
+    env = dict(os.environ)
+    env.pop("VLLM_PLUGINS", None)  # `lockstep serve` names the lane's plugins itself
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     # The documented way to start it: `lockstep serve` (the CLI adds the lane's flags and
     # supervises vLLM's server, whose output goes to its --log).
@@ -122,7 +123,13 @@ def test_a_served_completion_has_the_logprobs_of_the_offline_capture(server):
         "logprobs": 0,
         "return_tokens_as_token_ids": True,
     }
-    choice = _post(base + "/v1/completions", body)["choices"][0]
+    req = urllib.request.Request(
+        base + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        # Every response names the contract it was served by.
+        assert r.headers["X-Lockstep-Contract"] == lane_contract(model_dir).fingerprint
+        choice = json.loads(r.read())["choices"][0]
     served_tokens = [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
     # JSON floats round-trip doubles exactly, and each double holds a float32 value.
     served = torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float64)

