@@ -12,9 +12,9 @@ from serving_support import assert_same_bytes_and_control, start_engine, stop_en
 from lockstep_exact import programs as P
 from lockstep_exact.app.tiny import default_prompts, make_tiny
 from lockstep_exact.programs import Program
-from lockstep_serving import attn_backend as ab
+from lockstep_serving.vllm import attn_backend as ab
+from lockstep_serving.vllm.model import paged_attention
 from lockstep_serving.vllm.patches import LaneRefused
-from lockstep_serving.vllm_model import paged_attention
 
 # The contract's program parameters (programs.CATALOG), never restated here.
 BLOCK = Program.of("attention.blocked").param("block")

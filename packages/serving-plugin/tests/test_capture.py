@@ -179,7 +179,7 @@ def test_a_cuda_capture_sizes_its_kv_cache_for_its_sequences(tmp_path):
     from lockstep_exact.app.tiny import make_tiny
     from lockstep_exact.model import ModelDir
     from lockstep_exact.requests import CaptureRequest
-    from lockstep_serving.capture import capture_options
+    from lockstep_serving.vllm.capture import capture_options
 
     model = ModelDir(make_tiny(tmp_path / "m", arch="qwen3"), hybrid=True)
 

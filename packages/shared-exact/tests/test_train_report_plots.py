@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from lockstep_exact import hookimpl, train_report
+from lockstep_exact import hookimpl
+from lockstep_exact.app import train_report
+from lockstep_exact.app.tiny import make_tiny
+from lockstep_exact.app.train_loop import TrainConfig, prepare_train
+from lockstep_exact.app.train_report import TensorBoard, quantities, render
 from lockstep_exact.plugins import manager
-from lockstep_exact.tiny import make_tiny
 from lockstep_exact.trace import Trace
-from lockstep_exact.train_loop import TrainConfig, prepare_train
-from lockstep_exact.train_report import TensorBoard, quantities, render
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -204,7 +205,7 @@ def _train(model, out, steps, resume=False):
     lines = []
     plan = prepare_train(pm, model, out, config, reward=lambda c: 0.25, resume=resume)
     with plan.claim():
-        from lockstep_exact.train_loop import Progress
+        from lockstep_exact.app.train_loop import Progress
 
         rows = plan.run(Progress(lines.append))
     return rows, lines

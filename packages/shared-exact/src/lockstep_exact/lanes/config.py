@@ -184,7 +184,7 @@ def check_config(cfg: Mapping) -> dict[str, Any]:
         raise UnsupportedModel(
             f"architecture {archs[0]!r} is not a Qwen3 / Qwen3-MoE model: its lane is qwen3-next "
             "(lanes.qwen3_next, config check check_next_config), which the vLLM and Megatron "
-            "plugins serve (lockstep_serving.vllm_next, lockstep_megatron.gdn); read it with "
+            "plugins serve (lockstep_serving.vllm.next, lockstep_megatron.gdn); read it with "
             "lockstep_exact.model.ModelDir(path, hybrid=True) or lanes.qwen3_next.Geometry; the "
             "SGLang plugin does not take it yet"
         )

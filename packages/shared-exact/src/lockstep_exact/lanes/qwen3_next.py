@@ -21,7 +21,7 @@ lora.expand after its gemm, as on the dense lane (``qwen3.linear``).
 
 Training: ``NextOps(grad=True)`` gives every program the VJP of its ideal op
 (``programs.vjp``), the caches included. Not wired yet: tensor/expert parallelism beyond the
-contract's K partitions. The vLLM half is ``lockstep_serving.vllm_next`` (``hidden``
+contract's K partitions. The vLLM half is ``lockstep_serving.vllm.next`` (``hidden``
 and ``final_logits``, attention through ``Slots.attend`` over vLLM's paged cache).
 """
 
