@@ -179,6 +179,7 @@ def test_the_lane_models_paged_attention_gives_the_contiguous_programs_bytes():
         kv_cache,
         torch.cat(slots),
         reqs,
+        core=lambda q, k, v, p: P.attention(q, k, v, p, block=BLOCK, segment=SEGMENT),
     )
     for i, (r, a, b, s) in enumerate(reqs):
         want = P.attention(qs[i], ks[i], vs[i], news[i], block=BLOCK, segment=SEGMENT)

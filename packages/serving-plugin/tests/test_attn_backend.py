@@ -20,6 +20,11 @@ from lockstep_serving.vllm.patches import LaneRefused
 BLOCK = Program.of("attention.blocked").param("block")
 SEGMENT = Program.of("attention.blocked").param("segment")
 
+
+def CORE(q, k, v, positions):  # noqa: N802 - the attention op site as the composition calls it
+    return P.attention(q, k, v, positions, block=BLOCK, segment=SEGMENT)
+
+
 HKV, HEADS, D, BS, NUM_BLOCKS = 2, 4, 16, 4, 8
 NO_CONNECTOR = SimpleNamespace(kv_transfer_config=None)  # all the builder reads of the config
 # Two requests, each over blocks that are neither adjacent nor in order.
@@ -101,7 +106,9 @@ def _run(layer_cache):
             _rows(10 * step + 1, n, HKV),
             _rows(10 * step + 2, n, HKV),
         )
-        outs.append(paged_attention(q, k, v, positions, md, layer_cache, md.slot_mapping, reqs))
+        outs.append(
+            paged_attention(q, k, v, positions, md, layer_cache, md.slot_mapping, reqs, core=CORE)
+        )
         for r, start, end, _ in reqs:
             ks[r].append(k[start:end])
             vs[r].append(v[start:end])
@@ -144,7 +151,7 @@ def test_the_cache_cell_holds_k_then_v_of_each_token():
     _, cache = _caches(KVCacheLayout.LBNHC)
     md, positions, reqs = _metadata(*STEPS[0])
     q, k, v = _rows(0, 9, HEADS), _rows(1, 9, HKV), _rows(2, 9, HKV)
-    paged_attention(q, k, v, positions, md, cache, md.slot_mapping, reqs)
+    paged_attention(q, k, v, positions, md, cache, md.slot_mapping, reqs, core=CORE)
     slots = md.slot_mapping.to(torch.int64)
     cells = cache[slots // BS, :, slots % BS]  # [tokens, kv_heads, 2 * D]
     assert torch.equal(cells[..., :D], k) and torch.equal(cells[..., D:], v)
@@ -167,7 +174,7 @@ def test_paged_attention_refuses_metadata_of_another_backend():
     cache = torch.zeros(NUM_BLOCKS, HKV, BS, 2 * D, dtype=torch.bfloat16)
     q, k = _rows(0, 9, HEADS), _rows(1, 9, HKV)
     with pytest.raises(LaneRefused, match="attention metadata of type CPUAttentionMetadata"):
-        paged_attention(q, k, k, positions, other, cache, md.slot_mapping, reqs)
+        paged_attention(q, k, k, positions, other, cache, md.slot_mapping, reqs, core=CORE)
 
 
 @pytest.mark.parametrize(
@@ -196,7 +203,7 @@ def test_paged_attention_refuses_a_cache_not_in_the_lanes_layout(shape, dtype, m
     cache = torch.zeros(shape, dtype=dtype)
     q, k = _rows(0, 9, HEADS), _rows(1, 9, HKV)
     with pytest.raises(LaneRefused, match=message):
-        paged_attention(q, k, k, positions, md, cache, md.slot_mapping, reqs)
+        paged_attention(q, k, k, positions, md, cache, md.slot_mapping, reqs, core=CORE)
 
 
 def test_the_builder_copies_the_batch_and_refuses_non_causal_metadata():

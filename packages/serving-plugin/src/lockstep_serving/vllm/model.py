@@ -373,7 +373,7 @@ class LockstepQwen3MoeForCausalLM(LockstepQwen3ForCausalLM):
     lane_arch = "LockstepQwen3MoeForCausalLM"
 
 
-def paged_attention(q, k, v, positions, md, kv_cache, slots, reqs, *, core=None):
+def paged_attention(q, k, v, positions, md, kv_cache, slots, reqs, *, core):
     """Write these rows' K/V into the paged cache, then attend each request over its cache.
 
     q/k/v/positions/slots hold the rows of the requests ``reqs`` = [(r, start, end, seq_len)]
@@ -381,7 +381,8 @@ def paged_attention(q, k, v, positions, md, kv_cache, slots, reqs, *, core=None)
     ``LaneAttentionMetadata`` and ``kv_cache`` the layer's cache in the lane's layout
     (``attn_backend``: [num_blocks, kv_heads, block_size, K|V]); both come from the lane's own
     attention backend, and anything else is refused. Every cache access is an exact copy.
-    ``core(q_rows, keys, values, positions)`` is the composition's attention op site.
+    ``core(q_rows, keys, values, positions)`` is the composition's attention op site (the
+    contract's program and parameters: there is no default).
     """
     from .attn_backend import LaneAttentionMetadata, kv_halves  # imports vLLM: engine only
 
@@ -411,5 +412,5 @@ def paged_attention(q, k, v, positions, md, kv_cache, slots, reqs, *, core=None)
         blocks = md.block_table[r].to(device=kv_cache.device, dtype=torch.int64)[at // bs]
         ks = key_cache[blocks, :, at % bs]
         vs = value_cache[blocks, :, at % bs]
-        out[lo:hi] = (core or P.attention)(q[lo:hi], ks, vs, pos)
+        out[lo:hi] = core(q[lo:hi], ks, vs, pos)
     return out
