@@ -24,7 +24,7 @@ from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.app.train_loop import TrainConfig, prepare_train
 from lockstep_exact.app.train_report import TensorBoard, quantities, render
 from lockstep_exact.plugins import manager
-from lockstep_exact.trace import Trace
+from lockstep_exact.trace import TEACHER_FORCED, SamplingSettings, Trace
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -157,7 +157,12 @@ class _Sampler:
         n = len(prompts)
         lps = [torch.tensor([-0.5, -0.25], dtype=torch.float32)] * n
         return Trace.from_sequences(
-            [[1, 2]] * n, [[3, 4]] * n, lps, contract_fingerprint="c" * 64, model_hash="m" * 64
+            [[1, 2]] * n,
+            [[3, 4]] * n,
+            lps,
+            contract_fingerprint="c" * 64,
+            model_hash="m" * 64,
+            sampling=SamplingSettings(rule=TEACHER_FORCED),
         )
 
     def decode(self, ids):
