@@ -383,9 +383,9 @@ def test_the_trainer_refuses_a_backend_it_cannot_train_on_by_name(tmp_path):
 
 
 def test_the_training_step_is_deterministic_on_cuda_and_unchanged_on_cpu(monkeypatch):
-    """``train.deterministic``: torch's deterministic algorithms on a cuda device only, the
+    """``session.deterministic``: torch's deterministic algorithms on a cuda device only, the
     caller's cuBLAS workspace kept, the previous setting back afterwards (no device needed)."""
-    from lockstep_megatron.train import deterministic
+    from lockstep_megatron.session import deterministic
 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     was = torch.are_deterministic_algorithms_enabled()

@@ -738,3 +738,43 @@ def test_resume_of_a_complete_run_says_so_and_starts_nothing(tiny_dense, tmp_pat
     assert "trained" not in printed and f"report: {out / 'report.html'}" in printed
     assert (out / "engine.log").read_text() == "the run's engine output\n"
     assert [r["step"] for r in _rows(out)] == [1, 2]
+
+
+# ----------------------------------------------------------------------------- the hybrid lane
+
+
+@pytest.fixture(scope="module")
+def tiny_next(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("tiny-next") / "qwen3-next", arch="qwen3-next")
+
+
+def test_a_hybrid_model_is_admitted_for_training(tiny_next, tmp_path):
+    """``lockstep train`` takes a Qwen3-Next model (the trainer session trains the hybrid lane
+    on cpu): admitted before any engine, its default rank a multiple of its top-k."""
+    plan = prepare_train(manager(), tiny_next, tmp_path / "o", TrainConfig())
+    assert plan.model.family == "qwen3-next" and plan.config.rank % plan.model.geometry.topk == 0
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_grpo_on_the_hybrid_lane_is_exact_at_every_step_and_resumes_byte_identically(
+    tiny_next, tmp_path
+):
+    """Qwen3-Next: vLLM samples, Megatron scores and trains (LoRA on the GatedDeltaNet too);
+    every decision of every step is byte-equal, and a run stopped after step 1 and resumed
+    gives step 2's adapter, AdamW state and log-probabilities byte for byte."""
+    config = dict(group=2, prompts=2, decisions=4)
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    rows = run_train(manager(), tiny_next, whole, TrainConfig(steps=2, **config), progress=Quiet())
+    assert [r["step"] for r in rows] == [1, 2]
+    _exact_every_step(rows)
+    assert rows[0]["decisions"] == 16
+    adapter = _files(whole, 2)["adapter"]
+    assert any("linear_attn.in_proj_qkvz" in k for k in adapter)
+    assert _files(whole, 1)["adapter"] != adapter  # the adapter moved
+    run_train(manager(), tiny_next, parts, TrainConfig(steps=1, **config), progress=Quiet())
+    resumed = run_train(
+        manager(), tiny_next, parts, TrainConfig(steps=2, **config), progress=Quiet(), resume=True
+    )
+    _exact_every_step(resumed)
+    assert _files(whole, 2) == _files(parts, 2)

@@ -33,7 +33,7 @@ def test_a_qwen3_next_model_where_it_is_not_taken_says_what_to_do(tmp_path):
     msg = str(err.value)
     assert not ISSUE.search(msg)
     assert "use a Qwen3 or Qwen3-MoE model here" in msg
-    assert "lockstep capture, replay and qualify take it" in msg
+    assert "lockstep capture, replay, qualify and train take it" in msg
 
 
 def test_check_config_sends_qwen3_next_to_the_hybrid_reader():

@@ -1,4 +1,5 @@
-"""Checkpoints: atomic, verified, and a cold resume in a new process is byte-identical."""
+"""Checkpoints of the ladder's training job (the trainer session's state and the job's record):
+atomic, verified, and a cold resume in a new process is byte-identical."""
 
 from __future__ import annotations
 
@@ -8,62 +9,53 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from lockstep_exact.parity import same_bytes
+from lockstep_exact.requests import TrainRequest
 from lockstep_exact.trace import Trace
 from lockstep_megatron.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from lockstep_megatron.convert import build
-from lockstep_megatron.train import TrainConfig, Trainer
+from lockstep_megatron.run import open_job
 
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).parent
-CONFIG = TrainConfig(rank=4, alpha=8.0, lr=1e-2, micro_batch=3, seed=11)
+SETTINGS = dict(rank=4, alpha=8.0, lr=1e-2, micro_batch=3, seed=11)
 
 
-def _flat_state(trainer: Trainer) -> dict[str, torch.Tensor]:
-    s = trainer.state()
-    return {
-        **{f"param/{k}": v for k, v in s["adapters"].items()},
-        **{f"optim/{k}": v for k, v in s["optimizer"].items()},
-    }
+def _request(model_dir, trace_dir, **change):
+    return TrainRequest(
+        model_dir=model_dir, trace_dir=trace_dir, adapter_in=None, adapter_out=Path("unused"),
+        **{**SETTINGS, **change},
+    )  # fmt: skip
 
 
 RESUME = """
-import os, sys, torch
+import sys, torch
 torch.set_num_threads(1)
 from pathlib import Path
-from safetensors.torch import save_file
-from lockstep_exact.trace import Trace
-from lockstep_megatron.checkpoint import load_checkpoint
-from lockstep_megatron.convert import build
-from lockstep_megatron.train import TrainConfig, Trainer
+from lockstep_exact.requests import TrainRequest
+from lockstep_megatron.run import open_job
 model_dir, trace_dir, ckpt, out = map(Path, sys.argv[1:5])
-state = load_checkpoint(ckpt)
-t = Trainer(build(model_dir), Trace.load(trace_dir), TrainConfig(**state["config"]))
-t.load_state(state)
-for _ in range(2):
-    t.step()
-s = t.state()
-flat = {**{f"param/{k}": v for k, v in s["adapters"].items()},
-        **{f"optim/{k}": v.contiguous() for k, v in s["optimizer"].items()}}
-save_file(flat, str(out))
+settings = dict(rank=4, alpha=8.0, lr=1e-2, micro_batch=3, seed=11)
+job = open_job(TrainRequest(model_dir, trace_dir, None, Path("unused"), **settings))
+job.resume(ckpt)
+job.run(2)
+out.mkdir()
+for name, data in job.session.state_files().items():
+    (out / name).write_bytes(data)
 """
 
 
 @pytest.mark.parametrize("arch", ["dense", "moe"])
 def test_cold_resume_in_a_new_process_is_byte_identical(arch, request, tmp_path):
+    from safetensors.torch import load
+
     model_dir = request.getfixturevalue(f"{arch}_dir")
     trace_dir = request.getfixturevalue(f"{arch}_trace")
-    trainer = Trainer(build(model_dir), Trace.load(trace_dir), CONFIG)
-    for _ in range(3):
-        trainer.step()
-    ckpt = save_checkpoint(trainer.state(), tmp_path / "step-3")
-    for _ in range(2):
-        trainer.step()
-    here = _flat_state(trainer)
+    job = open_job(_request(model_dir, trace_dir))
+    job.run(3)
+    ckpt = job.save(tmp_path / "step-3")
+    job.run(2)
+    here = job.session.state_files()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(
         [
@@ -73,29 +65,29 @@ def test_cold_resume_in_a_new_process_is_byte_identical(arch, request, tmp_path)
             str(model_dir),
             str(trace_dir),
             str(ckpt),
-            str(tmp_path / "resumed.safetensors"),
+            str(tmp_path / "resumed"),
         ],
         check=True,
         env=env,
         cwd=HERE,
     )
-    there = load_file(str(tmp_path / "resumed.safetensors"))
+    there = {p.name: p.read_bytes() for p in (tmp_path / "resumed").iterdir()}
     assert set(here) == set(there)
-    failures = [k for k in here if not same_bytes(here[k], there[k])]
-    n_params = sum(k.startswith("param/") for k in here)
-    n_optim = sum(k.startswith("optim/") for k in here)
+    failures = [k for k in here if here[k] != there[k]]
+    n_params = len(load(here["adapters.safetensors"]))
+    n_optim = len(load(here["optimizer.safetensors"]))
     print(
-        f"\ncold resume ({arch}): {n_params} parameter + {n_optim} optimizer tensors compared, "
-        f"{len(failures)} failures"
+        f"\ncold resume ({arch}): {len(here)} state files ({n_params} parameter + {n_optim} "
+        f"optimizer tensors) compared byte for byte, {len(failures)} failures"
     )
     assert n_params > 0 and n_optim == 3 * n_params and not failures
 
 
 @pytest.fixture(scope="module")
 def saved(dense_dir, dense_trace, tmp_path_factory):
-    trainer = Trainer(build(dense_dir), Trace.load(dense_trace), CONFIG)
-    trainer.step()
-    return save_checkpoint(trainer.state(), tmp_path_factory.mktemp("ck") / "step-1")
+    job = open_job(_request(dense_dir, dense_trace))
+    job.run(1)
+    return job.save(tmp_path_factory.mktemp("ck") / "step-1")
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -106,8 +98,9 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def test_checkpoint_round_trips(saved):
-    state = load_checkpoint(saved)
-    assert state["position"] == 1 and state["config"]["rank"] == CONFIG.rank
+    files, job = load_checkpoint(saved)
+    assert job["position"] == 1 and job["settings"]["rank"] == SETTINGS["rank"]
+    assert {"adapters.safetensors", "optimizer.safetensors", "trainer.json"} <= set(files)
 
 
 def test_partial_checkpoint_is_refused(saved, tmp_path):
@@ -135,26 +128,20 @@ def test_checkpoint_with_a_missing_file_is_refused(saved, tmp_path):
 
 def test_checkpoints_are_never_overwritten(saved):
     with pytest.raises(FileExistsError):
-        save_checkpoint(load_checkpoint(saved), saved)
+        save_checkpoint(saved, *load_checkpoint(saved))
 
 
 def test_checkpoint_records_the_trace_and_the_training_settings(saved, dense_trace):
-    settings = load_checkpoint(saved)["settings"]
+    settings = load_checkpoint(saved)[1]["settings"]
     assert settings["trace_sha256"] == Trace.load(dense_trace).sha256()
-    assert {k: settings[k] for k in ("lr", "rank", "alpha", "seed", "micro_batch")} == {
-        "lr": CONFIG.lr,
-        "rank": CONFIG.rank,
-        "alpha": CONFIG.alpha,
-        "seed": CONFIG.seed,
-        "micro_batch": CONFIG.micro_batch,
-    }
+    assert {k: settings[k] for k in SETTINGS} == SETTINGS
     assert len(settings["advantages"]) == Trace.load(dense_trace).num_sequences
 
 
 def test_resuming_with_the_same_settings_is_accepted(saved, dense_dir, dense_trace):
-    trainer = Trainer(build(dense_dir), Trace.load(dense_trace), CONFIG)
-    trainer.load_state(load_checkpoint(saved))
-    assert trainer.position == 1
+    job = open_job(_request(dense_dir, dense_trace))
+    job.resume(saved)
+    assert job.session.position == 1
 
 
 @pytest.mark.parametrize(
@@ -171,12 +158,10 @@ def test_resuming_with_the_same_settings_is_accepted(saved, dense_dir, dense_tra
 def test_resuming_with_another_setting_is_refused_naming_it(
     saved, dense_dir, dense_trace, field, change
 ):
-    from dataclasses import replace
-
-    trainer = Trainer(build(dense_dir), Trace.load(dense_trace), replace(CONFIG, **change))
-    recorded = load_checkpoint(saved)["settings"][field]
+    job = open_job(_request(dense_dir, dense_trace, **change))
+    recorded = load_checkpoint(saved)[1]["settings"][field]
     with pytest.raises(CheckpointError) as err:
-        trainer.load_state(load_checkpoint(saved), where=str(saved))
+        job.resume(saved)
     assert str(err.value).startswith(f"{saved} was made with {field} = {recorded!r}, this job has")
     assert str(err.value).endswith("; refusing to resume")
 
@@ -184,17 +169,16 @@ def test_resuming_with_another_setting_is_refused_naming_it(
 def test_resuming_on_another_trace_is_refused_naming_it(saved, dense_dir, tmp_path):
     from trainer_support import reference_trace
 
-    other = Trace.load(reference_trace(dense_dir, tmp_path / "other", seed=1))
-    trainer = Trainer(build(dense_dir), other, CONFIG)
+    job = open_job(_request(dense_dir, reference_trace(dense_dir, tmp_path / "other", seed=1)))
     with pytest.raises(CheckpointError, match=r"was made with trace_sha256 = '[0-9a-f]{64}'"):
-        trainer.load_state(load_checkpoint(saved))
+        job.resume(saved)
 
 
 def test_a_checkpoint_without_settings_is_refused(saved, tmp_path):
-    state = load_checkpoint(saved)
-    del state["settings"]
+    files, job = load_checkpoint(saved)
+    del job["settings"]
     with pytest.raises(CheckpointError, match="needs the training settings it was made with"):
-        save_checkpoint(state, tmp_path / "step-9")
+        save_checkpoint(tmp_path / "step-9", files, job)
 
 
 def test_a_checkpoint_of_the_older_format_is_refused(saved, tmp_path):
@@ -202,10 +186,10 @@ def test_a_checkpoint_of_the_older_format_is_refused(saved, tmp_path):
 
     old = _copy(saved, tmp_path / "old")
     manifest = json.loads((old / "manifest.json").read_text())
-    manifest["format"] = "lockstep.megatron.checkpoint/1"
+    manifest["format"] = "lockstep.megatron.checkpoint/2"
     (old / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(
-        CheckpointError, match=r"checkpoint/1' checkpoint, not 'lockstep.megatron.checkpoint/2'"
+        CheckpointError, match=r"checkpoint/2' checkpoint, not 'lockstep.megatron.checkpoint/3'"
     ):
         load_checkpoint(old)
 

@@ -4,7 +4,7 @@ gated SelfAttention and MoELayer with its shared expert, the lane's programs in 
 The claim: Megatron's log-probabilities are the composition's (``lanes.qwen3_next.forward``)
 bytes, for sequences longer than the GDN chunk (64: the lane's contract) and shorter, alone or
 right-padded in a batch; a one-ulp weight change is caught; ``lockstep replay`` of a trace made
-by the composition is exact; what is not built yet is refused by name.
+by the composition is exact; what is not built yet is refused by name, naming what works.
 
 Models: the default tiny qwen3-next (hidden 128, one GDN then one attention layer, 2 key heads
 for 4 value heads) and an odd one (hidden 96, three GDN layers then attention, one key head for
@@ -276,15 +276,20 @@ def default_dir(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("next-refusals") / "m", arch="qwen3-next")
 
 
-def test_the_trainer_session_and_training_off_cpu_are_refused_by_name(default_dir):
-    """Training is built (test_hybrid_train.py); the RL loop's session and cuda are not."""
+def test_the_trainer_session_opens_on_cpu_and_training_off_cpu_is_refused_by_name(default_dir):
+    """The trainer session (``lockstep train``, the ladder's gate) takes the hybrid lane on
+    cpu: a policy with adapters on the GatedDeltaNet, a frozen model; cuda is refused, naming
+    what works."""
+    from lockstep_megatron import adapters as AD
     from lockstep_megatron.session import open_session
 
-    want = "the trainer session \\(policy / frozen\\) on the hybrid lane \\(qwen3-next\\) is not"
-    for role in ("policy", "frozen"):
-        with pytest.raises(gdn.HybridRefused, match=want):
-            open_session(TrainerSessionRequest(model_dir=default_dir, role=role))
-    with pytest.raises(gdn.HybridRefused, match="training: the hybrid lane .* cpu only .* 'cuda'"):
+    policy = open_session(TrainerSessionRequest(model_dir=default_dir, role="policy", rank=4))
+    assert any(".lora." in n for n, _ in policy.model.named_parameters())
+    assert any("linear_attn.in_proj_qkvz" in s.hf_module for s in AD.sites(policy.model))
+    frozen = open_session(TrainerSessionRequest(model_dir=default_dir, role="frozen"))
+    assert frozen.backbone_hash() == policy.backbone_hash()
+    want = "training: the hybrid lane .* cpu only .* 'cuda': run it with --backend cpu"
+    with pytest.raises(gdn.HybridRefused, match=want):
         gdn.refuse_training(default_dir, "cuda")
     gdn.refuse_training(default_dir, "cpu")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from trainer_support import reference_trace
@@ -138,10 +140,10 @@ def test_shared_make_adapter_replays_byte_equal_and_zero_b_is_the_base(model_dir
 
 def test_surrogate_gradients_descend_the_grpo_loss(dense_dir, dense_trace):
     """The backward is the ideal op's VJP: full-batch AdamW steps lower the token loss."""
-    from lockstep_megatron.train import TrainConfig, Trainer
+    from lockstep_megatron.run import open_job
 
-    trainer = Trainer(
-        build(dense_dir), Trace.load(dense_trace), TrainConfig(lr=1e-2, micro_batch=7)
+    job = open_job(
+        TrainRequest(dense_dir, dense_trace, None, Path("unused"), lr=1e-2, micro_batch=7)
     )
-    losses = [trainer.step() for _ in range(5)]
+    losses = job.run(5)
     assert losses[-1] < losses[0], losses

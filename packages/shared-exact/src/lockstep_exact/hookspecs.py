@@ -80,7 +80,8 @@ def lockstep_train_step(request):
     ``request`` is a ``TrainRequest`` (model, adapter in/out, trace to learn from, steps,
     learning rate, checkpoint dir, one advantage per trace sequence). Return a
     ``TrainResult`` (losses, backbone hash before and after, the exported adapter directory).
-    Answered by the trainer plugin.
+    Answered by the trainer plugin, through the same trainer session as
+    ``lockstep_trainer_session`` (one training stack).
     """
 
 

@@ -104,8 +104,8 @@ HYBRID_NOT_SERVED = (
     "architecture 'Qwen3NextForCausalLM': its exact lane (qwen3-next, the composition "
     "lockstep_exact.lanes.qwen3_next) is served by the vLLM plugin (lockstep_serving.vllm.next) "
     "and scored and trained by the Megatron plugin (lockstep_megatron.gdn): lockstep capture, "
-    "replay and qualify take it; this command and the SGLang plugin do not take it yet: use a "
-    "Qwen3 or Qwen3-MoE model here, or capture with the vLLM engine (--engine vllm)"
+    "replay, qualify and train take it; this command and the SGLang plugin do not take it yet: "
+    "use a Qwen3 or Qwen3-MoE model here, or capture with the vLLM engine (--engine vllm)"
 )
 
 

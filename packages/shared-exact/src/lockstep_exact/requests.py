@@ -81,6 +81,7 @@ class TrainRequest:
     backend: str = "cpu"
     # One advantage per trace sequence (GRPO); None: the trainer's deterministic toy reward.
     advantages: tuple[float, ...] | None = None
+    micro_batch: int = 4  # sequences per AdamW step (the trainer session's micro-batch)
 
 
 @dataclass(frozen=True)

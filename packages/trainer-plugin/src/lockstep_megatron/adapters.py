@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,21 @@ def attach(
         alphas[key] = float(a)
     model.lora_config = {"r": rank, "alpha": float(alpha), "alphas": alphas}
     return model
+
+
+@contextmanager
+def set_aside(model: LockstepGPT) -> Iterator[LockstepGPT]:
+    """The model without its adapters for the block (the forward runs the base weights only,
+    and its invoked contract names no LoRA site); they come back after, untouched."""
+    linears = {id(s.linear): s.linear for s in sites(model)}.values()
+    held = [(lin, lin.lora) for lin in linears]
+    for lin, _ in held:
+        lin.lora = torch.nn.ModuleDict()
+    try:
+        yield model
+    finally:
+        for lin, lora in held:
+            lin.lora = lora
 
 
 def adapter_parameters(model: LockstepGPT) -> list[torch.nn.Parameter]:

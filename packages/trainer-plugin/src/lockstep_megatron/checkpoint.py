@@ -1,8 +1,11 @@
-"""Checkpoints of a LoRA run: adapters (fp32 masters), AdamW state, RNG, data position, and
-what they continue: the training settings (``settings``: the trace's sha256, lr, rank, alpha,
-seed, micro-batch, the advantages) and the job's identity (``identity``: contract fingerprint,
-model hash, adapter-in hash, steps, ...). A resume compares both with the job that resumes
-(``check_resume``) and refuses, naming the field, a checkpoint made for anything else.
+"""Checkpoints of the ladder's training job (``run.Job``): the policy session's state files
+(``session.PolicySession.state_files``: fp32 adapter masters, AdamW state, the micro-batch
+generator, the position: the one trainer state format, which ``lockstep train``'s checkpoints
+hold too) and ``job.json``: what they continue, the training settings (``settings``: the
+trace's sha256, lr, rank, alpha, seed, micro-batch, the advantages) and the job's identity
+(``identity``: contract fingerprint, model hash, adapter-in hash, steps, ...). A resume
+compares both with the job that resumes (``check_resume``) and refuses, naming the field, a
+checkpoint made for anything else.
 
 Written atomically (``lockstep_exact.atomic.write_manifested``): every file goes into a temporary
 directory beside the target and is fsynced, ``manifest.json`` (the sha256 of every other file)
@@ -17,40 +20,26 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load
-
 from lockstep_exact.atomic import read_manifested, write_manifested
-from lockstep_exact.safetensors_io import safetensors_bytes
 
-FORMAT = "lockstep.megatron.checkpoint/2"
+FORMAT = "lockstep.megatron.checkpoint/3"
+JOB = "job.json"
 
 
 class CheckpointError(ValueError):
     """A checkpoint that is partial, corrupted, not one of ours, or made for another job."""
 
 
-def _files(state: dict) -> dict[str, bytes]:
-    meta = {
-        "position": state["position"],
-        "config": state["config"],
-        "settings": state["settings"],
-        "identity": state.get("identity", {}),
-    }
-    return {
-        "adapters.safetensors": safetensors_bytes(state["adapters"]),
-        "optimizer.safetensors": safetensors_bytes(state["optimizer"]),
-        "rng.safetensors": safetensors_bytes(state["rng"]),
-        "meta.json": (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode(),
-    }
-
-
-def save_checkpoint(state: dict, path: str | Path) -> Path:
+def save_checkpoint(path: str | Path, trainer_files: Mapping[str, bytes], job: dict) -> Path:
+    """Write ``trainer_files`` (a session's ``state_files()``) and ``job`` (``position``,
+    ``settings``, ``identity``) to ``path``, atomically; never over an existing one."""
     target = Path(path)
     if target.exists():
         raise FileExistsError(f"{target} exists; checkpoints are never overwritten in place")
-    if not isinstance(state.get("settings"), Mapping) or not state["settings"]:
+    if not isinstance(job.get("settings"), Mapping) or not job["settings"]:
         raise CheckpointError("a checkpoint needs the training settings it was made with")
-    return write_manifested(target, _files(state), FORMAT)
+    meta = (json.dumps(job, indent=2, sort_keys=True) + "\n").encode()
+    return write_manifested(target, {**trainer_files, JOB: meta}, FORMAT)
 
 
 def _canonical(value: Any) -> Any:
@@ -88,20 +77,14 @@ def check_resume(
             )
 
 
-def load_checkpoint(path: str | Path) -> dict:
+def load_checkpoint(path: str | Path) -> tuple[dict[str, bytes], dict]:
+    """(the session's state files, the job record), or ``CheckpointError`` naming what is
+    damaged."""
     blobs = read_manifested(
         path,
         FORMAT,
         CheckpointError,
-        why_format=" (older ones do not record the settings a resume must match)",
+        why_format=" (older ones hold another trainer state format)",
     )
-    meta = json.loads(blobs["meta.json"])
-    return {
-        "adapters": load(blobs["adapters.safetensors"]),
-        "optimizer": load(blobs["optimizer.safetensors"]),
-        "rng": load(blobs["rng.safetensors"]),
-        "position": meta["position"],
-        "config": meta["config"],
-        "settings": meta["settings"],
-        "identity": meta.get("identity", {}),
-    }
+    job = json.loads(blobs.pop(JOB))
+    return blobs, job

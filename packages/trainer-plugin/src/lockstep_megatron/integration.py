@@ -24,7 +24,7 @@ here restates the model, the weight conversion or the scoring:
   against the trainer byte for byte (``k3.compare``): a ``RolloutReport`` with ``equal`` and
   the first differing (sequence, position).
 - ``lane_trainable_parameters`` / ``export_lane_adapter``: the LoRA masters an optimizer steps
-  (the backbone is frozen, as in ``train.Trainer``) and their PEFT export for the sampler.
+  (the backbone is frozen, as in ``session.PolicySession``) and their PEFT export for the sampler.
 
 Scope: Qwen3 and Qwen3-MoE model directories (``spec.py``'s ModuleSpecs); backends ``cpu`` and
 ``cuda`` (one GPU). A Qwen3-Next directory is refused here.
@@ -183,8 +183,8 @@ def lane_model_provider(
 
 def lane_trainable_parameters(model) -> list[torch.nn.Parameter]:
     """The LoRA fp32 masters of ``model`` (``adapters.adapter_parameters``): what an optimizer
-    steps. The backbone is frozen (as in ``train.Trainer``); this raises if any other parameter
-    requires grad."""
+    steps. The backbone is frozen (as in ``session.PolicySession``); this raises if any other
+    parameter requires grad."""
     from . import adapters as AD
 
     params = AD.adapter_parameters(model)

@@ -1,22 +1,44 @@
-"""One training job as the ladder runs it: admit, build, (resume), train, checkpoint, export."""
+"""The qualification ladder's training job (hook ``lockstep_train_step``), run through the one
+trainer stack: a policy session (``session.PolicySession``, the one ``lockstep train`` uses)
+admits the trace, takes the steps (a GRPO-style token loss, AdamW on the adapters), writes a
+checkpoint of the session's state (``checkpoint.py``) and exports the adapter (PEFT).
+
+``open_job`` builds the job (``Job``); ``train`` is the hook's whole job: open, resume from
+the latest checkpoint under ``checkpoint_dir``, step, checkpoint, export.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from lockstep_exact.model import ModelDir
-from lockstep_exact.requests import TrainRequest, TrainResult
+from lockstep_exact.requests import TrainerSessionRequest, TrainRequest, TrainResult
 from lockstep_exact.trace import Trace
 
-from . import adapters as AD
 from . import export
 from .checkpoint import check_resume, load_checkpoint, save_checkpoint
-from .convert import build
-from .gdn.refusals import refuse_training
-from .scoring import admit_invoked, admit_trace
-from .train import TrainConfig, Trainer
+from .scoring import sequences
+from .session import PolicySession, check_backend
+
+
+def toy_advantages(trace: Trace, vocab: int) -> torch.Tensor:
+    """GRPO advantages from a toy reward (share of sampled ids in the lower half of the
+    vocabulary), normalized over the trace: deterministic, so the ladder can check bytes."""
+    r = torch.stack(
+        [
+            (trace.sampled(i) < vocab // 2).to(torch.float32).mean()
+            for i in range(trace.num_sequences)
+        ]
+    )
+    return (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
+
+
+def grpo_token_loss(logprobs: list[torch.Tensor], advantages: torch.Tensor) -> torch.Tensor:
+    """-(sum over sampled tokens of A_seq * logprob) / number of tokens (on-policy: ratio 1)."""
+    total = sum((-a * lp).sum() for lp, a in zip(logprobs, advantages, strict=True))
+    return total / sum(len(lp) for lp in logprobs)
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -27,63 +49,105 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def check_train_backend(backend: str) -> None:
-    """cpu, or cuda on one GPU: the model and its adapters move to the device and the
-    programs dispatch on the tensors' device, as in replay (the step is made deterministic
-    there: ``train.deterministic``)."""
-    if backend not in ("cpu", "cuda"):
-        raise NotImplementedError(f"the Megatron exact lane trains on cpu or cuda, not {backend!r}")
-    if backend == "cuda" and not torch.cuda.is_available():
-        raise NotImplementedError("training on cuda: no CUDA device here")
+@dataclass
+class Job:
+    """One trace to learn from, a policy session, and what a resume must match: ``settings``
+    (the trace's sha256, rank, alpha, lr, micro-batch, seed, the advantages in use) and
+    ``identity`` (contract, model hash, adapter-in hash, steps, backend)."""
+
+    request: TrainRequest
+    session: PolicySession
+    trace: Trace
+    advantages: torch.Tensor
+    settings: dict
+    identity: dict
+
+    def run(self, steps: int) -> list[float]:
+        """``steps`` AdamW steps, one micro-batch each (the session draws them)."""
+        seqs = sequences(self.trace)
+        return self.session.update(
+            seqs, None, lambda lps, idx: grpo_token_loss(lps, self.advantages[idx]), steps
+        )
+
+    def save(self, path: str | Path) -> Path:
+        job = {
+            "position": self.session.position,
+            "settings": self.settings,
+            "identity": self.identity,
+        }
+        return save_checkpoint(path, self.session.state_files(), job)
+
+    def resume(self, path: str | Path) -> None:
+        """Continue from the checkpoint at ``path``; refuses (``CheckpointError``), naming the
+        field, one made for another job or with other settings."""
+        files, job = load_checkpoint(path)
+        check_resume(job["identity"], self.identity, str(path), free=("steps",))
+        check_resume(job["settings"], self.settings, str(path))
+        self.session.load_state_files(files)
+
+    def export(self, out_dir: str | Path) -> Path:
+        path, _ = self.session.export(out_dir)
+        return path
 
 
-def train(request: TrainRequest) -> TrainResult:
-    check_train_backend(request.backend)  # before the trace or the model is read
-    refuse_training(request.model_dir, request.backend)  # the hybrid lane trains on cpu only
-    # Parsed and hashed once for every check below; the hybrid lane (Qwen3-Next) trains too.
-    model_dir = ModelDir(request.model_dir, hybrid=True)
-    adapter_in = Path(request.adapter_in) if request.adapter_in else None
+def open_job(request: TrainRequest) -> Job:
+    check_backend(request.backend)  # before the trace or the model is read
     trace = Trace.load(request.trace_dir)
-    admit_trace(trace, model_dir, adapter_in, request.backend)
-    model = build(model_dir.path)
-    if adapter_in is not None:
-        export.load_into(model, adapter_in, model_dir, request.backend)
-    if request.backend == "cuda":
-        model = model.cuda()  # fresh adapters (no adapter_in) follow in Trainer
-    admit_invoked(trace, model, model_dir, request.backend)  # before any backward pass
-    before = AD.backbone_hash(model)
-    trainer = Trainer(
-        model,
-        trace,
-        TrainConfig(
+    adapter_in = Path(request.adapter_in) if request.adapter_in else None
+    session = PolicySession(
+        TrainerSessionRequest(
+            model_dir=Path(request.model_dir),
+            role="policy",
+            backend=request.backend,
+            adapter_in=adapter_in,
             rank=request.rank,
             alpha=request.alpha,
             lr=request.lr,
             seed=request.seed,
-            advantages=getattr(request, "advantages", None),
-        ),
+            micro_batch=request.micro_batch,
+        )
     )
-    # What the job continues, beside the trainer's own settings (trace, lr, rank, ...).
+    session.admit(trace, adapter_in)  # before any backward pass
+    if request.advantages is None:
+        advantages = toy_advantages(trace, session.base.geometry.vocab)
+    elif len(request.advantages) != trace.num_sequences:
+        raise ValueError(
+            f"{len(request.advantages)} advantages for {trace.num_sequences} trace sequences"
+        )
+    else:
+        advantages = torch.tensor(request.advantages, dtype=torch.float32)
+    settings = {
+        "trace_sha256": trace.sha256(),
+        "rank": request.rank,
+        "alpha": request.alpha,
+        "lr": request.lr,
+        "micro_batch": request.micro_batch,
+        "seed": request.seed,
+        "advantages": [float(a) for a in advantages.tolist()],
+    }
     identity = {
         "contract": trace.contract_fingerprint,
         "model_hash": trace.model_hash,
         "adapter_in": (
-            export.adapter_hash(adapter_in, model_dir, request.backend) if adapter_in else None
+            export.adapter_hash(adapter_in, session.base, request.backend) if adapter_in else None
         ),
         "steps": request.steps,
         "backend": request.backend,
     }
+    return Job(request, session, trace, advantages, settings, identity)
+
+
+def train(request: TrainRequest) -> TrainResult:
+    job = open_job(request)
+    before = job.session.backbone_hash()
     ckpt_root = Path(request.checkpoint_dir) if request.checkpoint_dir else None
     if ckpt_root is not None and (last := latest_checkpoint(ckpt_root)) is not None:
-        state = load_checkpoint(last)
-        check_resume(state["identity"], identity, str(last), free=("steps",))
-        trainer.load_state(state, where=str(last))
-    losses = tuple(trainer.step() for _ in range(request.steps))
+        job.resume(last)
+    losses = tuple(job.run(request.steps))
     if ckpt_root is not None:
-        state = {**trainer.state(), "identity": identity}
-        save_checkpoint(state, ckpt_root / f"step-{trainer.position}")
-    after = AD.backbone_hash(model)
-    out = export.export_peft(model, request.adapter_out, model_dir, request.backend)
+        job.save(ckpt_root / f"step-{job.session.position}")
+    after = job.session.backbone_hash()
+    out = job.export(request.adapter_out)
     return TrainResult(
         losses=losses, backbone_hash_before=before, backbone_hash_after=after, adapter_dir=out
     )

@@ -561,7 +561,8 @@ def prepare_train(
     Reads only: a refusal here leaves ``out_dir`` (its engine log included) as it was."""
     config.check()
     out = Path(out_dir)
-    model = ModelDir(model_dir)  # refuses, naming it, what the lane cannot run
+    # refuses, naming it, what the lane cannot run; the hybrid lane (Qwen3-Next) trains on cpu
+    model = ModelDir(model_dir, hybrid=True)
     _fit_rank(config, model)
     fn = _reward_function(pm, config, model, reward)
     rows = read_data(config.data, config.algo == "sft") if config.data else None
@@ -808,7 +809,7 @@ def _adapter_files_hash(path: Path) -> str:
 
 def _check_teacher(student: ModelDir, teacher_dir: Path) -> str:
     """Refuse a teacher whose token ids do not mean the student's texts; its model hash."""
-    teacher = ModelDir(teacher_dir)
+    teacher = ModelDir(teacher_dir, hybrid=True)
     mine, theirs = tokenizer_hash(student.path), tokenizer_hash(teacher.path)
     if mine is None or theirs is None:
         raise TrainSetupError(

@@ -40,23 +40,22 @@ runs lora.shrink / lora.expand after that projection's gemm.
 Training: the lane's ops run with ``grad=True`` (``NextOps``: each program's bytes forward,
 its ideal op's VJP backward, the GDN state and conv window included), so a loss on the
 log-probabilities differentiates through the whole composition, to the backbone's parameters
-and the adapters alike; ``lockstep train`` trains a LoRA adapter (``train.Trainer``) on cpu.
+and the adapters alike; the trainer session (``session.PolicySession``: ``lockstep train`` and
+the ladder's training gate) trains a LoRA adapter on cpu.
 
 Scope: tp 1, ep 1. The model's forward runs on cpu or, moved to a GPU, whole on cuda: each
 batch column's caches are made on the hidden states' device (``_sequence_rows``) and every
 program dispatches to the cuda backend (tests/test_hybrid_gpu.py). Refused by name: training
-and replay on another backend than cpu (``refuse_training``, ``check_replay``), the trainer
-session of the RL loop (``SESSION_REFUSED``), other layouts (``check_replay``).
+and replay on another backend than cpu (``refuse_training``, ``check_replay``), other layouts
+(``check_replay``).
 """
 
 from .convert import megatron_state
 from .refusals import (
     BACKEND_REFUSED,
-    SESSION_REFUSED,
     HybridRefused,
     check_replay,
     is_hybrid,
-    refuse_session,
     refuse_training,
 )
 from .spec import (
@@ -70,7 +69,6 @@ from .spec import (
 )
 
 __all__ = [
-    "SESSION_REFUSED",
     "HybridRefused",
     "LockstepNext",
     "NextSlots",
@@ -82,7 +80,6 @@ __all__ = [
     "gated_qkv_parts",
     "in_proj_parts",
     "is_hybrid",
-    "refuse_session",
     "refuse_training",
     "transformer_config",
 ]

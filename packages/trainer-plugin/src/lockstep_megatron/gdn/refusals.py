@@ -1,6 +1,6 @@
 """What the Megatron half of the hybrid lane (qwen3-next) refuses, by name, before it reads
-anything else: training and replay on another backend than cpu, other layouts, the trainer
-session of the RL loop."""
+anything else: training (the trainer session: the ladder's
+training gate and ``lockstep train``) and replay on another backend than cpu, other layouts."""
 
 from __future__ import annotations
 
@@ -11,14 +11,10 @@ from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.lanes.config import HYBRID_FAMILIES
 from lockstep_exact.model import geometry_contract
 
-SESSION_REFUSED = (
-    "the trainer session (policy / frozen) on the hybrid lane (qwen3-next) is not built yet, so "
-    "lockstep train does not take a Qwen3-Next model; the qualification ladder trains its "
-    "adapter (lockstep qualify --model DIR, its training gate)"
+BACKEND_REFUSED = (
+    "the hybrid lane (qwen3-next) runs in Megatron on cpu only so far, not {!r}: run it with "
+    "--backend cpu"
 )
-
-
-BACKEND_REFUSED = "the hybrid lane (qwen3-next) runs in Megatron on cpu only so far, not {!r}"
 
 
 class HybridRefused(NotImplementedError):
@@ -42,12 +38,6 @@ def refuse_training(model_dir: str | Path, backend: str) -> None:
     other than cpu (``HybridRefused``)."""
     if is_hybrid(model_dir) and backend != "cpu":
         raise HybridRefused(f"training: {BACKEND_REFUSED.format(backend)}")
-
-
-def refuse_session(model_dir: str | Path) -> None:
-    """Refuse (``HybridRefused``, ``SESSION_REFUSED``) a trainer session on a hybrid model."""
-    if is_hybrid(model_dir):
-        raise HybridRefused(f"{SESSION_REFUSED}: {model_dir} is a Qwen3-Next model")
 
 
 def check_replay(model_dir, adapter_dir, backend: str, tp: int, ep: int) -> None:
