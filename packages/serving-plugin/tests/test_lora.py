@@ -186,7 +186,7 @@ def test_an_adapter_made_for_another_contract_is_refused(tiny_models, tmp_path):
 
 def test_an_export_for_another_base_model_is_refused(tiny_models, tmp_path):
     from lockstep_exact.app.tiny import make_tiny
-    from lockstep_serving.vllm.lora import adapter_hash
+    from lockstep_serving.common.capture import adapter_hash
 
     model_dir = tiny_models["qwen3"]
     other = make_tiny(tmp_path / "other", arch="qwen3", seed=9)  # same shapes, other bytes
