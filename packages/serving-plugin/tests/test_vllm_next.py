@@ -97,9 +97,11 @@ def _composition(weights, geom, prompt, tokens):
     return torch.stack([ref[len(prompt) - 1 + j, t] for j, t in enumerate(tokens)])
 
 
-def _nudged(weights):
-    """The model's weights with the final norm's element 0 one bf16 ulp away."""
-    return {**weights, "model.norm.weight": nudge_ulp(weights["model.norm.weight"])}
+def _nudged(weights, token: int):
+    """The model's weights with element 0 of ``token``'s embedding row one bf16 ulp away (the
+    lane's norms scale by 1 + w: one ulp of a norm weight near 0 is absorbed)."""
+    key = "model.embed_tokens.weight"
+    return {**weights, key: nudge_ulp(weights[key], token * weights[key].shape[1])}
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +172,7 @@ def test_sampled_logprobs_equal_the_composition_run_directly(runs, model_dir):
         _same_and_comparator(want, got, f"prompt of {len(prompt)} tokens: vLLM vs composition")
     # control: the composition on the model with one weight one ulp off parts from vLLM's bytes
     tokens, got = _decisions(runs["batch"][0])
-    moved = _composition(_nudged(weights), geom, runs["prompts"][0], tokens)
+    moved = _composition(_nudged(weights, runs["prompts"][0][0]), geom, runs["prompts"][0], tokens)
     assert not same_bytes(moved, got), "the check misses a one-ulp model change"
 
 
@@ -253,7 +255,7 @@ def test_lockstep_capture_records_the_lanes_logprobs(model_dir, tmp_path):
     _same_and_comparator(torch.stack(want), trace.logprobs, "captured vs composition")
     # control: the composition on the model with one weight one ulp off parts from the capture
     prompt, sampled = trace.prompt(0).tolist(), trace.sampled(0).tolist()
-    moved = _composition(_nudged(weights), geom, prompt, sampled)
+    moved = _composition(_nudged(weights, prompt[0]), geom, prompt, sampled)
     assert not same_bytes(moved, trace.sequence_logprobs(0))
 
 
