@@ -20,8 +20,12 @@ from lockstep_exact.model import model_hash as dir_hash
 from lockstep_exact.parity import same_bytes
 from lockstep_exact.plugins import manager
 from lockstep_exact.requests import ReplayRequest
+from lockstep_exact.testing import perturb_adapter
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+# An adapter factor of every rank (attention is not expert-parallel): the LoRA controls move it.
+O_PROJ_B = "base_model.model.model.layers.0.self_attn.o_proj.lora_B.weight"
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +70,10 @@ def test_megatron_at_tp2_replays_vllm_lora_decisions_byte_for_byte(pm, dense):
     trace = capture(pm, model, root / "A-trace", adapter=adapter)
     cmp = compare(trace.logprobs, _replay(pm, model, root / "A-trace", 2, adapter=adapter))
     assert cmp.exact and cmp.n == 64, str(cmp)
+    # control: the trainer at tp 2 on the adapter with one factor moved by 2^-9 parts from it
+    pert = perturb_adapter(adapter, root / "A-pert", O_PROJ_B)
+    moved = _replay(pm, model, root / "A-trace", 2, control=True, adapter=pert)
+    assert not compare(trace.logprobs, moved).exact
 
 
 def test_control_megatron_at_tp2_on_a_one_ulp_copy_parts_from_the_trace(pm, dense):
@@ -137,6 +145,10 @@ def test_megatron_moe_at_ep2_replays_vllm_lora_decisions_byte_for_byte(pm, moe):
     trace = capture(pm, model, root / "A-trace", adapter=adapter)
     cmp = compare(trace.logprobs, _replay(pm, model, root / "A-trace", 1, adapter=adapter, ep=2))
     assert cmp.exact and cmp.n == 64, str(cmp)
+    # control: the trainer at ep 2 on the adapter with one factor moved by 2^-9 parts from it
+    pert = perturb_adapter(adapter, root / "A-pert", O_PROJ_B)
+    moved = _replay(pm, model, root / "A-trace", 1, control=True, adapter=pert, ep=2)
+    assert not compare(trace.logprobs, moved).exact
 
 
 def test_control_megatron_moe_at_ep2_with_a_rank_1_expert_one_ulp_off_differs(pm, moe, moe_control):

@@ -49,6 +49,10 @@ def test_vllm_samples_the_same_bytes_at_tp1_and_tp2(pm, tp2):
     assert torch.equal(one.sampled_tokens, trace.sampled_tokens)
     assert compare(one.logprobs, trace.logprobs).exact
     assert one.contract_fingerprint == trace.contract_fingerprint  # one contract, two layouts
+    # control: vLLM at tp 1 on a copy with one norm weight one bf16 ulp off parts from tp 2
+    copy = nudged_copy(model, root / "nudged-tp1", "model.norm.weight")
+    moved = capture(pm, copy, root / "tp1-nudged-trace", adapter=adapter)
+    assert not compare(moved.logprobs, trace.logprobs).exact
 
 
 def test_control_one_ulp_on_the_trainer_side_parts_from_the_tp2_bytes(pm, tp2):

@@ -10,10 +10,11 @@ is refused, naming that decision.
 from __future__ import annotations
 
 import pytest
-from cross_support import forge, replay
+from cross_support import forge, nudged_copy, replay
 
 from lockstep_exact.app.tiny import default_prompts, make_tiny
 from lockstep_exact.k3 import compare
+from lockstep_exact.model import model_hash as dir_hash
 from lockstep_exact.plugins import manager
 from lockstep_exact.requests import CaptureRequest
 from lockstep_exact.trace import Trace
@@ -66,6 +67,17 @@ def test_megatron_replays_a_chunked_prefill_capture_byte_for_byte_tokens_checked
     trace = Trace.load(trace_dir)
     cmp = compare(trace.logprobs, replay(pm, model, trace_dir))
     assert trace.num_decisions == 64 and cmp.exact and cmp.k3_max == 0.0, str(cmp)
+
+
+def test_control_megatron_on_a_one_ulp_model_copy_parts_from_the_chunked_capture(pm, chunked):
+    """The trace admitted as if sampled from a copy with one norm weight one bf16 ulp off
+    (without its rule: the tokens are not re-drawn), replayed: the logprob bytes differ."""
+    root, model, trace_dir = chunked
+    original = Trace.load(trace_dir)
+    copy = nudged_copy(model, root / "nudged", "model.norm.weight")
+    forged = forge(original, root / "forged-model", keep_rule=False, model_hash=dir_hash(copy))
+    cmp = compare(original.logprobs, replay(pm, copy, forged))
+    assert not cmp.exact and cmp.first_diff is not None, str(cmp)
 
 
 def test_a_trace_with_one_token_changed_is_refused_naming_the_decision(pm, chunked):

@@ -150,7 +150,10 @@ def test_vllm_and_sglang_traces_of_the_same_requests_are_byte_equal(pm, lane):
     assert vllm.contract_fingerprint == sgl.contract_fingerprint
     assert vllm.sampling.seeds == sgl.sampling.seeds and vllm.sampling.rule == sgl.sampling.rule
     assert same_bytes(vllm, sgl)
-    assert not same_bytes(vllm, one_ulp_off(sgl))
+    assert not same_bytes(vllm, one_ulp_off(sgl))  # the comparator sees one ulp
+    # control (an input): vLLM on the same requests with other seeds parts from SGLang's bytes
+    other = capture(pm, model, root / "vllm-seed-4", seed=4)
+    assert not same_bytes(other, sgl)
 
 
 def test_chunked_prefill_gives_the_bytes_of_one_pass(lane):
@@ -282,7 +285,13 @@ def test_vllm_and_sglang_lora_traces_of_the_same_requests_are_byte_equal(pm, lor
     vllm = capture(pm, model, root / "vllm-A", adapter=adapters / "A", seed=3)
     assert vllm.adapter_hash == sgl.adapter_hash
     assert same_bytes(vllm, sgl)
-    assert not same_bytes(vllm, one_ulp_off(sgl))
+    assert not same_bytes(vllm, one_ulp_off(sgl))  # the comparator sees one ulp
+    # control (an input): vLLM on A with one factor moved by 2^-9 parts from SGLang's A bytes
+    from lockstep_exact.testing import perturb_adapter
+
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    nudged = perturb_adapter(adapters / "A", root / "A-nudged-vllm", key)
+    assert not same_bytes(capture(pm, model, root / "vllm-A-nudged", adapter=nudged, seed=3), sgl)
 
 
 def test_adapters_the_lane_refuses_are_named_and_never_served(lora_lane):

@@ -18,6 +18,7 @@ from lockstep_exact.model import model_hash as dir_hash
 from lockstep_exact.plugins import manager
 from lockstep_exact.programs import Program
 from lockstep_exact.requests import CaptureRequest
+from lockstep_exact.testing import perturb_adapter
 from lockstep_exact.trace import Trace
 
 pytestmark = pytest.mark.engine
@@ -67,6 +68,20 @@ def test_zero_adapter_is_the_base_bytes_in_both_engines(pm, lane):
     assert torch.equal(zt.sampled_tokens, base.sampled_tokens)
     assert compare(base.logprobs, zt.logprobs).exact
     assert compare(zt.logprobs, replay(pm, model, root / "zero-trace", adapter=zero)).exact
+    # control: the trainer on the zero adapter with one B element moved by 2^-9 parts from them
+    moved = perturb_adapter(zero, root / "zero-pert", _down_proj_b(model))
+    assert not compare(
+        zt.logprobs, replay(pm, model, root / "zero-trace", adapter=moved, control=True)
+    ).exact
+
+
+def _down_proj_b(model) -> str:
+    """A B factor of layer 0's MLP (expert 0's on the MoE lane)."""
+    return (
+        "base_model.model.model.layers.0.mlp.experts.0.down_proj.lora_B.weight"
+        if (model / "config.json").read_text().count("Moe")
+        else "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"
+    )
 
 
 def test_megatron_replays_vllm_lora_decisions_byte_for_byte(pm, lane):
@@ -76,14 +91,7 @@ def test_megatron_replays_vllm_lora_decisions_byte_for_byte(pm, lane):
     cmp = compare(trace.logprobs, replay(pm, model, root / "A-trace", adapter=ad))
     assert cmp.exact and cmp.k3_max == 0.0, str(cmp)
     # control: the trainer on an adapter one factor 2^-9 away sees different bytes
-    from lockstep_exact.testing import perturb_adapter
-
-    key = (
-        "base_model.model.model.layers.0.mlp.experts.0.down_proj.lora_B.weight"
-        if (model / "config.json").read_text().count("Moe")
-        else "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"
-    )
-    pert = perturb_adapter(ad, root / "A-pert", key)
+    pert = perturb_adapter(ad, root / "A-pert", _down_proj_b(model))
     assert not compare(
         trace.logprobs, replay(pm, model, root / "A-trace", adapter=pert, control=True)
     ).exact

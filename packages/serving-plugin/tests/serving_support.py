@@ -45,10 +45,22 @@ def flip_lowest_bit(t):
     return out
 
 
-def assert_same_bytes_and_control(a, b, what: str) -> None:
-    """a and b are byte-identical, and the check would catch a one-ulp change of b."""
+def assert_same_bytes_and_comparator(a, b, what: str) -> None:
+    """a and b are byte-identical, and the comparator sees a one-ulp change of b.
+
+    Only the comparator's check: it is no negative control (a check built from the thing it
+    checks cannot fail). Each test pairs it with a control that changes an input (a weight, an
+    adapter factor, a seed, a cache entry) and shows the compared result moves."""
     from lockstep_exact.parity import same_bytes
     from lockstep_exact.testing import assert_same_bytes
 
     assert_same_bytes(a, b, what)
     assert not same_bytes(a, flip_lowest_bit(b)), f"{what}: the check misses a one-ulp change"
+
+
+def nudged_weights(weights: dict, key: str, index: int = 0) -> dict:
+    """``weights`` with element ``index`` of ``key`` one bf16 ulp away (a reference forward's
+    input control: the model the engine did not run)."""
+    from lockstep_exact.testing import nudge_ulp
+
+    return {**weights, key: nudge_ulp(weights[key], index)}

@@ -3,15 +3,18 @@ layout is read the same way in every stride order vLLM can resolve, byte for byt
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 import torch
-from serving_support import assert_same_bytes_and_control, start_engine, stop_engine
+from serving_support import assert_same_bytes_and_comparator, start_engine, stop_engine
 
 from lockstep_exact import programs as P
 from lockstep_exact.app.tiny import default_prompts, make_tiny
+from lockstep_exact.parity import same_bytes
 from lockstep_exact.programs import Program
+from lockstep_exact.testing import nudge_ulp
 from lockstep_serving.vllm import attn_backend as ab
 from lockstep_serving.vllm.model import paged_attention
 from lockstep_serving.vllm.patches import LaneRefused
@@ -19,10 +22,7 @@ from lockstep_serving.vllm.patches import LaneRefused
 # The contract's program parameters (programs.CATALOG), never restated here.
 BLOCK = Program.of("attention.blocked").param("block")
 SEGMENT = Program.of("attention.blocked").param("segment")
-
-
-def CORE(q, k, v, positions):  # noqa: N802 - the attention op site as the composition calls it
-    return P.attention(q, k, v, positions, block=BLOCK, segment=SEGMENT)
+CORE = partial(P.attention, block=BLOCK, segment=SEGMENT)  # the composition's op site
 
 
 HKV, HEADS, D, BS, NUM_BLOCKS = 2, 4, 16, 4, 8
@@ -96,9 +96,20 @@ def _rows(seed, n, heads):
 STEPS = [([0, 6, 9], [6, 3]), ([0, 1, 6], [7, 8])]
 
 
-def _run(layer_cache):
+def _nudge_cache_entry(layer_cache, block: int, slot: int) -> None:
+    """K of kv head 0 at ``slot`` of ``block``, element 0, one bf16 ulp away, in place."""
+    key_cache, _ = ab.kv_halves(layer_cache, torch.empty(0, HKV, D, dtype=torch.bfloat16))
+    entry = key_cache[block, 0, slot, 0:1]
+    entry.copy_(nudge_ulp(entry))
+
+
+def _run(layer_cache, corrupt: bool = False):
+    """``corrupt``: between the steps, one cache entry that request 0 wrote in step 1 (its
+    position 0: block BLOCK_TABLE[0, 0], slot 0) is moved by one ulp (the input control)."""
     outs, ks, vs = [], [[], []], [[], []]
     for step, (qsl, seq_lens) in enumerate(STEPS):
+        if corrupt and step == 1:
+            _nudge_cache_entry(layer_cache, int(BLOCK_TABLE[0, 0]), 0)
         md, positions, reqs = _metadata(qsl, seq_lens)
         n = qsl[-1]
         q, k, v = (
@@ -138,11 +149,16 @@ def test_paged_attention_reads_the_same_bytes_in_every_kv_cache_layout():
     for layout in KVCacheLayout:
         _, cache = _caches(layout)  # layer 1: its view starts after layer 0's in every layout
         outs, ref = _run(cache)
-        assert_same_bytes_and_control(ref, outs[-1], f"{layout.name}: paged vs reference")
+        assert_same_bytes_and_comparator(ref, outs[-1], f"{layout.name}: paged vs reference")
         results[layout.name] = torch.cat(outs)
+        # control: the same steps on a fresh cache with one entry one ulp off between them
+        _, fresh = _caches(layout)
+        moved, same_ref = _run(fresh, corrupt=True)
+        assert same_bytes(same_ref, ref), layout.name  # the reference reads no cache
+        assert not same_bytes(ref, moved[-1]), f"{layout.name}: a cache entry's ulp is missed"
     first = results.pop("LBHNC")
     for name, got in results.items():
-        assert_same_bytes_and_control(first, got, f"LBHNC vs {name}")
+        assert_same_bytes_and_comparator(first, got, f"LBHNC vs {name}")
 
 
 def test_the_cache_cell_holds_k_then_v_of_each_token():
@@ -295,6 +311,14 @@ def _decisions(out):
     return list(out.outputs[0].token_ids), sampled_logprobs(out.outputs[0])
 
 
+def _nudge_every_page(model) -> None:
+    """In every attention layer's cache, K element 0 of kv head 0 at slot 0 of every page one
+    bf16 ulp away, in place: what a prefix-cache hit reads back (the input control)."""
+    for a in model.attn:
+        entry = a.kv_cache[:, 0, 0, 0]
+        entry.copy_((entry.view(torch.int16) + 1).view(torch.bfloat16))
+
+
 @pytest.mark.slow
 @pytest.mark.engine
 def test_head_dim_16_at_block_size_5_gives_the_same_bytes_on_cache_hits_and_chunks(tmp_path):
@@ -318,22 +342,34 @@ def test_head_dim_16_at_block_size_5_gives_the_same_bytes_on_cache_hits_and_chun
         (miss,) = llm.generate([target], seeded, use_tqdm=False)
         (hit,) = llm.generate([target], seeded, use_tqdm=False)
         whole = llm.generate(prompts, greedy, use_tqdm=False)
+        llm.apply_model(_nudge_every_page)
+        (hit_moved,) = llm.generate([target], seeded, use_tqdm=False)
     finally:
         stop_engine(llm)
     llm = start_engine(model, block_size=5, max_num_batched_tokens=16, max_num_seqs=8)
     try:
         chunked = llm.generate(prompts, greedy, use_tqdm=False)
+        llm.apply_model(_nudge_every_page)
+        (chunked_moved,) = llm.generate([target], greedy, use_tqdm=False)
     finally:
         stop_engine(llm)
     assert backends == [[("LaneAttentionImpl", "LOCKSTEP_LANE")] * 2]
     assert shapes == [[(2, 5, 32)] * 2]  # per block: [kv_heads, block_size, K|V]
     assert miss.num_cached_tokens == 0 and hit.num_cached_tokens >= 5
     assert _decisions(miss)[0] == _decisions(hit)[0]
-    assert_same_bytes_and_control(_decisions(miss)[1], _decisions(hit)[1], "miss vs hit")
+    assert_same_bytes_and_comparator(_decisions(miss)[1], _decisions(hit)[1], "miss vs hit")
+    # control: a hit on pages whose first K entry is one ulp off parts from the miss
+    assert hit_moved.num_cached_tokens >= 5
+    assert not same_bytes(_decisions(miss)[1], _decisions(hit_moved)[1])
     assert len(whole[prompts.index(target)].prompt_token_ids) > 3 * 16  # 4 chunks at least
     for i, (a, b) in enumerate(zip(whole, chunked, strict=True)):
         assert _decisions(a)[0] == _decisions(b)[0]
-        assert_same_bytes_and_control(_decisions(a)[1], _decisions(b)[1], f"prompt {i}: chunks")
+        assert_same_bytes_and_comparator(_decisions(a)[1], _decisions(b)[1], f"prompt {i}: chunks")
+    # control: the chunked engine, on its cached pages with one K entry one ulp off, parts from
+    # the whole prefill's bytes of the longest prompt
+    assert chunked_moved.num_cached_tokens >= 5
+    want = _decisions(whole[prompts.index(target)])[1]
+    assert not same_bytes(want, _decisions(chunked_moved)[1])
 
 
 def test_the_backend_declares_the_lanes_cache_shape_and_refuses_another_cache_dtype():

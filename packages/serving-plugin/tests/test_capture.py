@@ -7,14 +7,16 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 from safetensors.torch import load_file
-from serving_support import assert_same_bytes_and_control
+from serving_support import assert_same_bytes_and_comparator, nudged_weights
 
 from lockstep_exact.app.tiny import default_prompts
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.model import lane_contract
 from lockstep_exact.model import model_hash as dir_hash
+from lockstep_exact.parity import same_bytes
 from lockstep_exact.plugins import manager
 from lockstep_exact.requests import CaptureRequest
+from lockstep_exact.testing import nudge_ulp
 from lockstep_exact.trace import Trace
 
 
@@ -55,12 +57,19 @@ def test_captured_logprobs_are_the_raw_fp32_bytes_of_the_reference_forward(captu
     model_dir, trace, _ = captured
     weights = load_file(str(model_dir / "model.safetensors"))
     geom = qwen3.Geometry.from_model_dir(model_dir)
-    want = []
-    for i in range(trace.num_sequences):
-        prompt, sampled = trace.prompt(i), trace.sampled(i)
-        ref = qwen3.forward_logprobs(weights, geom, torch.cat([prompt, sampled]))
-        want += [ref[len(prompt) - 1 + j, int(t)] for j, t in enumerate(sampled)]
-    assert_same_bytes_and_control(torch.stack(want), trace.logprobs, "trace vs reference")
+
+    def reference(weights):
+        want = []
+        for i in range(trace.num_sequences):
+            prompt, sampled = trace.prompt(i), trace.sampled(i)
+            ref = qwen3.forward_logprobs(weights, geom, torch.cat([prompt, sampled]))
+            want += [ref[len(prompt) - 1 + j, int(t)] for j, t in enumerate(sampled)]
+        return torch.stack(want)
+
+    assert_same_bytes_and_comparator(reference(weights), trace.logprobs, "trace vs reference")
+    # control: the reference on the model with one norm weight one bf16 ulp off parts from it
+    nudged = reference(nudged_weights(weights, "model.norm.weight"))
+    assert not same_bytes(nudged, trace.logprobs), "the check misses a one-ulp model change"
 
 
 def test_capture_records_the_lane_contract_and_model_hash(captured):
@@ -112,13 +121,23 @@ def test_capture_with_an_adapter_records_its_hash_and_the_adapted_bytes(tiny_mod
         adapter_dir=adapter_dir, model_dir=model_dir, role="sampler"
     )
     weights = load_file(str(model_dir / "model.safetensors"))
-    want = []
-    for i in range(trace.num_sequences):
-        prompt, sampled = trace.prompt(i), trace.sampled(i)
-        seq = torch.cat([prompt, sampled])
-        ref = qwen3.forward_logprobs(weights, geom, seq, adapters=adapter.modules)
-        want += [ref[len(prompt) - 1 + j, int(t)] for j, t in enumerate(sampled)]
-    assert_same_bytes_and_control(torch.stack(want), trace.logprobs, "adapted trace vs reference")
+
+    def reference(modules):
+        want = []
+        for i in range(trace.num_sequences):
+            prompt, sampled = trace.prompt(i), trace.sampled(i)
+            seq = torch.cat([prompt, sampled])
+            ref = qwen3.forward_logprobs(weights, geom, seq, adapters=modules)
+            want += [ref[len(prompt) - 1 + j, int(t)] for j, t in enumerate(sampled)]
+        return torch.stack(want)
+
+    want = reference(adapter.modules)
+    assert_same_bytes_and_comparator(want, trace.logprobs, "adapted trace vs reference")
+    # control: the reference on the adapter with one B factor element one ulp off parts from it
+    key = next(k for k in adapter.modules if k.endswith("down_proj.weight"))
+    a, b, scale = adapter.modules[key]
+    moved = {**adapter.modules, key: (a, nudge_ulp(b, 0), scale)}
+    assert not same_bytes(reference(moved), trace.logprobs), "the check misses a factor's ulp"
 
 
 def test_the_default_max_model_len_stays_within_the_models_positions(tiny_models, tmp_path):

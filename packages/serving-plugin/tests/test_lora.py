@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from serving_support import FAMILIES, assert_same_bytes_and_control, start_engine, stop_engine
+from serving_support import (
+    FAMILIES,
+    assert_same_bytes_and_comparator,
+    start_engine,
+    stop_engine,
+)
 
 from lockstep_exact.adapters import PREFIX, AdapterError, load_adapter, make_adapter
 from lockstep_exact.lanes import qwen3
@@ -38,11 +43,14 @@ def runs(request, tiny_models, tmp_path_factory):
     factor = f"{PREFIX}model.layers.0.self_attn.q_proj.lora_B.weight"
     nudged = perturb_adapter(adapter, tmp / "nudged", factor, delta=2.0**-9)
     other = make_adapter(model_dir, tmp / "other", rank=8, seed=5)  # adapter B
-    lora, zero_req, nudged_req, other_req = (
-        lora_request_for(d, i) for i, d in ((1, adapter), (2, zero), (3, nudged), (4, other))
+    # the zero adapter with one B element moved: the control of the base rows
+    zero_nudged = perturb_adapter(zero, tmp / "zero-nudged", factor, delta=2.0**-9)
+    lora, zero_req, nudged_req, other_req, zero_nudged_req = (
+        lora_request_for(d, i)
+        for i, d in ((1, adapter), (2, zero), (3, nudged), (4, other), (5, zero_nudged))
     )
     r = {"family": request.param, "model_dir": model_dir, "adapter": adapter}
-    llm = start_engine(model_dir, enable_lora=True, max_loras=4, max_lora_rank=8)
+    llm = start_engine(model_dir, enable_lora=True, max_loras=5, max_lora_rank=8)
     try:
 
         def gen(prompts, loras, **kw):
@@ -55,6 +63,7 @@ def runs(request, tiny_models, tmp_path_factory):
         r["mixed_two"] = gen([BASE_PROMPT, LORA_PROMPT, LORA_PROMPT], [None, lora, other_req])
         (r["zero_on_base_prompt"],) = gen([BASE_PROMPT], zero_req)
         (r["nudged"],) = gen([LORA_PROMPT], nudged_req)
+        (r["zero_nudged_on_base_prompt"],) = gen([BASE_PROMPT], zero_nudged_req)
         # Upstream, LoRA + prompt_logprobs with 2+ prompts crashes in punica; the lane has none.
         r["prompt_logprobs"] = gen([BASE_PROMPT, LORA_PROMPT], [lora, lora], prompt_logprobs=0)
     finally:
@@ -69,9 +78,40 @@ def test_a_lora_request_equals_the_reference_forward_with_that_adapter(runs):
     adapters = load_adapter(runs["adapter"], geom).modules
     tokens, got = _decisions(runs["lora_solo"])
     prompt = list(runs["lora_solo"].prompt_token_ids)
-    ref = qwen3.forward_logprobs(weights, geom, torch.tensor(prompt + tokens), adapters=adapters)
-    want = torch.stack([ref[len(prompt) - 1 + j, t] for j, t in enumerate(tokens)])
-    assert_same_bytes_and_control(want, got, f"{runs['family']} lora vs reference")
+
+    def reference(adapters):
+        ref = qwen3.forward_logprobs(
+            weights, geom, torch.tensor(prompt + tokens), adapters=adapters
+        )
+        return torch.stack([ref[len(prompt) - 1 + j, t] for j, t in enumerate(tokens)])
+
+    assert_same_bytes_and_comparator(
+        reference(adapters), got, f"{runs['family']} lora vs reference"
+    )
+    # control: the reference on the adapter with one factor element moved by 2^-9 parts from it
+    assert not same_bytes(reference(_moved(adapters)), got)
+
+
+def _moved(adapters):
+    """The adapter's modules with element 0 of one q_proj B factor moved by 2^-9 (what
+    ``perturb_adapter`` does to a file; one bf16 ulp of B is absorbed where q_proj's output is
+    rounded to bf16)."""
+    key = next(k for k in adapters if k.endswith("q_proj.weight"))
+    a, b, scale = adapters[key]
+    moved = b.float().clone()
+    moved.view(-1)[0] += 2.0**-9
+    return {**adapters, key: (a, moved.to(b.dtype), scale)}
+
+
+def _controls(runs, base_row, lora_row):
+    """The input controls of a batch-vs-solo check: the same prompt with one adapter factor
+    moved by 2^-9 (the zero adapter on the base prompt, adapter A on the lora prompt), run
+    alone on the same engine, parts from the batched row."""
+    base_moved = _decisions(runs["zero_nudged_on_base_prompt"])
+    lora_moved = _decisions(runs["nudged"])
+    for moved, row, what in ((base_moved, base_row, "base"), (lora_moved, lora_row, "lora")):
+        tokens, lps = _decisions(row)
+        assert moved[0] != tokens or not same_bytes(moved[1], lps), f"{what}: control"
 
 
 def test_lora_and_base_requests_in_one_batch_each_equal_their_solo_runs(runs):
@@ -81,7 +121,8 @@ def test_lora_and_base_requests_in_one_batch_each_equal_their_solo_runs(runs):
         (runs["lora_solo"], lora_batch, "lora"),
     ):
         assert _decisions(solo)[0] == _decisions(batched)[0]
-        assert_same_bytes_and_control(_decisions(solo)[1], _decisions(batched)[1], what)
+        assert_same_bytes_and_comparator(_decisions(solo)[1], _decisions(batched)[1], what)
+    _controls(runs, base_batch, lora_batch)
 
 
 def test_base_adapter_a_and_adapter_b_in_one_batch_each_equal_their_solo_runs(runs):
@@ -92,16 +133,21 @@ def test_base_adapter_a_and_adapter_b_in_one_batch_each_equal_their_solo_runs(ru
         (runs["other_solo"], b_batch, "adapter B"),
     ):
         assert _decisions(solo)[0] == _decisions(batched)[0]
-        assert_same_bytes_and_control(_decisions(solo)[1], _decisions(batched)[1], what)
+        assert_same_bytes_and_comparator(_decisions(solo)[1], _decisions(batched)[1], what)
     # the two adapters are really two: the same prompt under A and under B differs
     assert not same_bytes(_decisions(a_batch)[1], _decisions(b_batch)[1])
+    _controls(runs, base_batch, a_batch)
 
 
 def test_the_zero_adapter_gives_exactly_the_base_bytes(runs):
     assert _decisions(runs["zero_on_base_prompt"])[0] == _decisions(runs["base_solo"])[0]
-    assert_same_bytes_and_control(
+    assert_same_bytes_and_comparator(
         _decisions(runs["base_solo"])[1], _decisions(runs["zero_on_base_prompt"])[1], "zero"
     )
+    # control: the zero adapter with one B element moved by 2^-9 parts from the base bytes
+    tokens, moved = _decisions(runs["zero_nudged_on_base_prompt"])
+    base_tokens, base = _decisions(runs["base_solo"])
+    assert tokens != base_tokens or not same_bytes(moved, base)
 
 
 def test_a_factor_moved_by_2_to_the_minus_9_changes_the_bytes(runs):
@@ -121,7 +167,11 @@ def test_prompt_logprobs_of_two_lora_prompts_equal_the_reference_forward(runs):
         ids = list(out.prompt_token_ids)
         ref = qwen3.forward_logprobs(weights, geom, torch.tensor(ids), adapters=adapters)
         want = torch.stack([ref[j, ids[j + 1]] for j in range(len(ids) - 1)])
-        assert_same_bytes_and_control(want, prompt_logprobs(out), "lora prompt logprobs")
+        assert_same_bytes_and_comparator(want, prompt_logprobs(out), "lora prompt logprobs")
+        # control: the reference on the adapter with one factor element moved by 2^-9
+        moved = qwen3.forward_logprobs(weights, geom, torch.tensor(ids), adapters=_moved(adapters))
+        moved = torch.stack([moved[j, ids[j + 1]] for j in range(len(ids) - 1)])
+        assert not same_bytes(moved, prompt_logprobs(out))
     assert _decisions(runs["prompt_logprobs"][1])[0] == _decisions(runs["lora_solo"])[0]
 
 

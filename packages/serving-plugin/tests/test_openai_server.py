@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 import torch
-from serving_support import assert_same_bytes_and_control
+from serving_support import assert_same_bytes_and_comparator
 
 from lockstep_exact.model import lane_contract
 from lockstep_exact.plugins import manager
@@ -140,7 +140,7 @@ def test_a_served_completion_has_the_logprobs_of_the_offline_capture(server):
     request = CaptureRequest(model_dir=model_dir, prompts=(PROMPT,), decisions=DECISIONS, seed=SEED)
     trace = pm.hook.lockstep_capture(request=request)
     assert trace.sampled(0).tolist() == served_tokens
-    assert_same_bytes_and_control(trace.logprobs, served.to(torch.float32), "server vs capture")
+    assert_same_bytes_and_comparator(trace.logprobs, served.to(torch.float32), "server vs capture")
 
 
 def test_a_sampling_parameter_outside_the_lanes_rule_is_a_400_naming_it(server):

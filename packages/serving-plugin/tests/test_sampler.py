@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from serving_support import assert_same_bytes_and_control, start_engine, stop_engine
+from serving_support import assert_same_bytes_and_comparator, start_engine, stop_engine
 
 from lockstep_exact import programs as P
 from lockstep_exact.app.tiny import default_prompts
@@ -151,14 +151,14 @@ def test_seeded_sampling_with_chunked_prefill_equals_one_prefill(runs):
         whole_tokens, whole_lps = _decisions(whole)
         chunked_tokens, chunked_lps = _decisions(chunked)
         assert whole_tokens == chunked_tokens, f"prompt {i}"
-        assert_same_bytes_and_control(whole_lps, chunked_lps, f"prompt {i}: whole vs chunked")
+        assert_same_bytes_and_comparator(whole_lps, chunked_lps, f"prompt {i}: whole vs chunked")
 
 
 def test_the_same_seed_draws_the_same_tokens_alone_and_in_a_batch(runs):
     alone_tokens, alone = _decisions(runs["alone"])
     batch_tokens, batch = _decisions(runs["whole"][TARGET])
     assert alone_tokens == batch_tokens
-    assert_same_bytes_and_control(alone, batch, "alone vs batch of 8")
+    assert_same_bytes_and_comparator(alone, batch, "alone vs batch of 8")
     after_tokens, _ = _decisions(runs["after_refusal"][0])
     assert after_tokens == alone_tokens  # refused requests left the engine serving
 

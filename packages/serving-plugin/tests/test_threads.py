@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from serving_support import assert_same_bytes_and_control
+from serving_support import assert_same_bytes_and_comparator
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -78,4 +78,4 @@ def test_decisions_with_one_thread_equal_decisions_with_two(tiny_models, by_thre
     for i, (a, b) in enumerate(zip(one["bits"], two["bits"], strict=True)):
         a32 = torch.tensor(a, dtype=torch.int32).view(torch.float32)
         b32 = torch.tensor(b, dtype=torch.int32).view(torch.float32)
-        assert_same_bytes_and_control(a32, b32, f"{family} prompt {i}: 1 vs 2 threads")
+        assert_same_bytes_and_comparator(a32, b32, f"{family} prompt {i}: 1 vs 2 threads")

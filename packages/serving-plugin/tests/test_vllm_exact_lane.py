@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from serving_support import FAMILIES, assert_same_bytes_and_control, start_engine, stop_engine
+from serving_support import FAMILIES, assert_same_bytes_and_comparator, start_engine, stop_engine
 
 from lockstep_exact.app.tiny import default_prompts
 from lockstep_exact.lanes import qwen3
@@ -86,14 +86,14 @@ def test_sampled_logprobs_equal_the_engine_free_reference_forward(runs):
         prompt = list(out.prompt_token_ids)
         ref = qwen3.forward_logprobs(weights, geom, torch.tensor(prompt + tokens))
         want = torch.stack([ref[len(prompt) - 1 + j, t] for j, t in enumerate(tokens)])
-        assert_same_bytes_and_control(want, got, f"{runs['family']} prompt {i}")
+        assert_same_bytes_and_comparator(want, got, f"{runs['family']} prompt {i}")
 
 
 def test_decisions_alone_equal_decisions_inside_a_batch_of_8(runs):
     alone_tokens, alone = _decisions(runs["miss"])
     batch_tokens, batch = _decisions(runs["batch"][TARGET])
     assert alone_tokens == batch_tokens
-    assert_same_bytes_and_control(alone, batch, "alone vs batch of 8")
+    assert_same_bytes_and_comparator(alone, batch, "alone vs batch of 8")
 
 
 def test_decisions_do_not_depend_on_chunked_prefill(runs):
@@ -101,7 +101,7 @@ def test_decisions_do_not_depend_on_chunked_prefill(runs):
     pairs = zip(runs["greedy_batch"], runs["chunked_batch"], strict=True)
     for i, (whole, chunked) in enumerate(pairs):
         assert _decisions(whole)[0] == _decisions(chunked)[0]
-        assert_same_bytes_and_control(
+        assert_same_bytes_and_comparator(
             _decisions(whole)[1], _decisions(chunked)[1], f"prompt {i}: one prefill vs chunks"
         )
 
@@ -112,14 +112,14 @@ def test_decisions_on_a_prefix_cache_hit_equal_those_on_a_miss(runs):
     miss_tokens, miss = _decisions(runs["miss"])
     hit_tokens, hit = _decisions(runs["hit"])
     assert miss_tokens == hit_tokens
-    assert_same_bytes_and_control(miss, hit, "prefix-cache miss vs hit")
+    assert_same_bytes_and_comparator(miss, hit, "prefix-cache miss vs hit")
 
 
 def test_repeated_runs_give_identical_decisions(runs):
     a_tokens, a = _decisions(runs["miss"])
     b_tokens, b = _decisions(runs["repeat"])
     assert a_tokens == b_tokens
-    assert_same_bytes_and_control(a, b, "run 1 vs run 2")
+    assert_same_bytes_and_comparator(a, b, "run 1 vs run 2")
 
 
 def test_prompt_logprobs_equal_decode_logprobs_at_the_same_positions(runs):
@@ -127,7 +127,7 @@ def test_prompt_logprobs_equal_decode_logprobs_at_the_same_positions(runs):
     _, decode = _decisions(runs["miss"])
     # prompt_logprobs(...)[j] is the logprob of token j+1; sampled token i sits at n_prompt+i.
     prefill = runs["prompt_logprobs"][n_prompt - 1 : n_prompt - 1 + DECISIONS]
-    assert_same_bytes_and_control(decode, prefill, "decode vs prompt logprobs")
+    assert_same_bytes_and_comparator(decode, prefill, "decode vs prompt logprobs")
 
 
 def test_the_engine_reports_the_contract_fingerprint_of_its_lane(runs):

@@ -37,8 +37,9 @@ ACROSS = LENGTHS.index(61)  # decodes positions 61..68, across the gdn chunk bou
 BUDGET = 24  # the chunked engine's token budget
 
 
-def _same_and_control(a, b, what: str) -> None:
-    """a and b are byte-identical, and the check fails on b moved by one ulp."""
+def _same_and_comparator(a, b, what: str) -> None:
+    """a and b are byte-identical, and the comparator sees b moved by one ulp (no negative
+    control: each test's control changes an input and shows the compared side moves)."""
     assert_same_bytes(a, b, what)
     assert not same_bytes(a, nudge_ulp(b)), f"{what}: the check misses a one-ulp change"
 
@@ -86,6 +87,23 @@ def model_dir():
     return make_tiny(_ROOT / "models" / "qwen3-next", arch="qwen3-next")
 
 
+def _other(token: int) -> int:
+    """Another token id of the prompts' range (the prompt-token control)."""
+    return 3 + (token - 3 + 1) % 997
+
+
+def _composition(weights, geom, prompt, tokens):
+    ref = N.forward_logprobs(weights, geom, torch.tensor(prompt + tokens))
+    return torch.stack([ref[len(prompt) - 1 + j, t] for j, t in enumerate(tokens)])
+
+
+def _nudged(weights, token: int):
+    """The model's weights with element 0 of ``token``'s embedding row one bf16 ulp away (the
+    lane's norms scale by 1 + w: one ulp of a norm weight near 0 is absorbed)."""
+    key = "model.embed_tokens.weight"
+    return {**weights, key: nudge_ulp(weights[key], token * weights[key].shape[1])}
+
+
 @pytest.fixture(scope="module")
 def runs(model_dir):
     from vllm import SamplingParams
@@ -102,6 +120,8 @@ def runs(model_dir):
             r["batch"] = llm.generate(prompts, _params(), use_tqdm=False)
         r["spans"] = spans
         (r["alone"],) = llm.generate([prompts[LONG]], _params(), use_tqdm=False)
+        # control: the same request with another seed
+        (r["alone_seed_8"],) = llm.generate([prompts[LONG]], _params(seed=8), use_tqdm=False)
         r["greedy"] = llm.generate(prompts, _params(greedy=True), use_tqdm=False)
         tokens, _ = _decisions(r["batch"][ACROSS])
         full = TokensPrompt(prompt_token_ids=r["prompts"][ACROSS] + tokens)
@@ -109,6 +129,14 @@ def runs(model_dir):
             [full], SamplingParams(max_tokens=1, prompt_logprobs=0, seed=7), use_tqdm=False
         )
         r["prompt_logprobs"] = prompt_logprobs(pl)
+        # control: the same prefill with the prompt's last token changed
+        moved = r["prompts"][ACROSS][:-1] + [_other(r["prompts"][ACROSS][-1])] + tokens
+        (pl,) = llm.generate(
+            [TokensPrompt(prompt_token_ids=moved)],
+            SamplingParams(max_tokens=1, prompt_logprobs=0, seed=7),
+            use_tqdm=False,
+        )
+        r["prompt_logprobs_moved"] = prompt_logprobs(pl)
     finally:
         stop_engine(llm)
     llm = start_engine(model_dir, max_num_batched_tokens=BUDGET, max_num_seqs=8)
@@ -119,6 +147,11 @@ def runs(model_dir):
             ]
         r["chunked_spans"] = spans
         r["chunked_batch"] = llm.generate(prompts, _params(greedy=True), use_tqdm=False)
+        # control: the long prompt with its last token changed, chunked the same way
+        moved = r["prompts"][LONG][:-1] + [_other(r["prompts"][LONG][-1])]
+        (r["chunked_moved"],) = llm.generate(
+            [TokensPrompt(prompt_token_ids=moved)], _params(greedy=True), use_tqdm=False
+        )
     finally:
         stop_engine(llm)
     return r
@@ -135,9 +168,12 @@ def test_sampled_logprobs_equal_the_composition_run_directly(runs, model_dir):
         tokens, got = _decisions(out)
         prompt = runs["prompts"][i]
         assert list(out.prompt_token_ids) == prompt
-        ref = N.forward_logprobs(weights, geom, torch.tensor(prompt + tokens))
-        want = torch.stack([ref[len(prompt) - 1 + j, t] for j, t in enumerate(tokens)])
-        _same_and_control(want, got, f"prompt of {len(prompt)} tokens: vLLM vs composition")
+        want = _composition(weights, geom, prompt, tokens)
+        _same_and_comparator(want, got, f"prompt of {len(prompt)} tokens: vLLM vs composition")
+    # control: the composition on the model with one weight one ulp off parts from vLLM's bytes
+    tokens, got = _decisions(runs["batch"][0])
+    moved = _composition(_nudged(weights, runs["prompts"][0][0]), geom, runs["prompts"][0], tokens)
+    assert not same_bytes(moved, got), "the check misses a one-ulp model change"
 
 
 @pytest.mark.engine
@@ -147,7 +183,10 @@ def test_decode_logprobs_equal_prompt_logprobs_across_the_gdn_chunk_boundary(run
     _, decode = _decisions(runs["batch"][ACROSS])
     # prompt_logprobs(...)[j] is the logprob of token j+1; decision i sits at position n+i.
     prefill = runs["prompt_logprobs"][n - 1 : n - 1 + DECISIONS]
-    _same_and_control(decode, prefill, "decode vs one prefill")
+    _same_and_comparator(decode, prefill, "decode vs one prefill")
+    # control: the prefill of the prompt with its last token changed parts from the decode
+    moved = runs["prompt_logprobs_moved"][n - 1 : n - 1 + DECISIONS]
+    assert not same_bytes(decode, moved)
 
 
 @pytest.mark.engine
@@ -155,7 +194,10 @@ def test_a_request_alone_equals_it_inside_a_batch(runs):
     alone_tokens, alone = _decisions(runs["alone"])
     batch_tokens, batch = _decisions(runs["batch"][LONG])
     assert alone_tokens == batch_tokens
-    _same_and_control(alone, batch, "alone vs batch of 5")
+    _same_and_comparator(alone, batch, "alone vs batch of 5")
+    # control: the same request alone with another seed parts from the batched one
+    seed_tokens, seed_8 = _decisions(runs["alone_seed_8"])
+    assert seed_tokens != batch_tokens or not same_bytes(seed_8, batch)
 
 
 @pytest.mark.engine
@@ -171,7 +213,9 @@ def test_chunked_prefill_equals_one_prefill(runs):
         for name, out in (("alone", alone), ("in a batch", batch)):
             tokens, got = _decisions(out)
             assert tokens == want_tokens, f"prompt {i} chunked {name}"
-            _same_and_control(want, got, f"prompt {i}: one prefill vs chunks of {BUDGET} {name}")
+            _same_and_comparator(want, got, f"prompt {i}: one prefill vs chunks of {BUDGET} {name}")
+    # control: the long prompt with its last token changed, chunked, parts from one prefill
+    assert not same_bytes(_decisions(runs["greedy"][LONG])[1], _decisions(runs["chunked_moved"])[1])
 
 
 @pytest.mark.engine
@@ -208,7 +252,11 @@ def test_lockstep_capture_records_the_lanes_logprobs(model_dir, tmp_path):
         prompt, sampled = trace.prompt(i), trace.sampled(i)
         ref = N.forward_logprobs(weights, geom, torch.cat([prompt, sampled]))
         want += [ref[len(prompt) - 1 + j, int(t)] for j, t in enumerate(sampled)]
-    _same_and_control(torch.stack(want), trace.logprobs, "captured vs composition")
+    _same_and_comparator(torch.stack(want), trace.logprobs, "captured vs composition")
+    # control: the composition on the model with one weight one ulp off parts from the capture
+    prompt, sampled = trace.prompt(0).tolist(), trace.sampled(0).tolist()
+    moved = _composition(_nudged(weights, prompt[0]), geom, prompt, sampled)
+    assert not same_bytes(moved, trace.sequence_logprobs(0))
 
 
 # --- refusals at start --------------------------------------------------------------------------
@@ -312,14 +360,14 @@ def test_a_state_page_round_trip_keeps_every_byte_and_the_next_step(model_dir):
         got = back.gdn[i]
         assert (got.start, got.chunk, got.position) == (64, geom.chunk, 70)
         for name in ("s", "k", "v", "g", "beta"):
-            _same_and_control(getattr(st, name), getattr(got, name), f"layer {i} {name}")
+            _same_and_comparator(getattr(st, name), getattr(got, name), f"layer {i} {name}")
         assert torch.equal(cache.conv[i], back.conv[i])
     # Attention K/V live in vLLM's pages, not in the state: carry them over for this check.
     back.keys, back.values = cache.keys, cache.values
     nxt = tokens[-1:]
     a = N.forward_logprobs(weights, geom, nxt, cache)
     b = N.forward_logprobs(weights, geom, nxt, back)
-    _same_and_control(a, b, "next step from the original vs from the pages")
+    _same_and_comparator(a, b, "next step from the original vs from the pages")
 
 
 def test_a_page_of_another_position_is_refused(model_dir):

@@ -22,7 +22,7 @@ from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.model import ModelDir
 from lockstep_exact.parity import same_bytes
-from lockstep_exact.testing import assert_same_bytes, nudge_ulp
+from lockstep_exact.testing import assert_same_bytes, nudge_ulp, perturb_adapter
 from lockstep_serving.vllm.patches import LaneRefused
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -30,9 +30,12 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 DECISIONS = 6
 LENGTHS = (5, 61, 70)
 BUDGET = 24  # the chunked engine's token budget
+GDN_B = "base_model.model.model.layers.0.linear_attn.in_proj_qkvz.lora_B.weight"
 
 
-def _same_and_control(a, b, what: str) -> None:
+def _same_and_comparator(a, b, what: str) -> None:
+    """Byte-equal, and the comparator sees b moved by one ulp (no negative control: the tests'
+    controls change an input, an adapter factor, and show the compared side moves)."""
     assert_same_bytes(a, b, what)
     assert not same_bytes(a, nudge_ulp(b)), f"{what}: the check misses a one-ulp change"
 
@@ -67,17 +70,21 @@ def runs(model_dir, tmp_path_factory):
     a = make_adapter(model_dir, tmp / "a", rank=8, seed=1)
     b = make_adapter(model_dir, tmp / "b", rank=8, seed=2)
     zero = make_adapter(model_dir, tmp / "zero", rank=8, zero_b=True)
+    # the control: the zero adapter with one B element of the GDN in_proj moved by 2^-9
+    zero_moved = perturb_adapter(zero, tmp / "zero-moved", GDN_B)
     gen = torch.Generator().manual_seed(16)
     prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in LENGTHS]
     # (prompt index, adapter): base, A, B, A again on another prompt, zero
     plan = [(0, None), (1, "a"), (2, "b"), (2, "a"), (1, "zero"), (1, None)]
     requests = {"a": lora_request_for(a, 1), "b": lora_request_for(b, 2)}
     requests["zero"] = lora_request_for(zero, 3)
+    requests["zero-moved"] = lora_request_for(zero_moved, 4)
     r = {"prompts": prompts, "plan": plan, "dirs": {"a": a, "b": b, "zero": zero}}
-    llm = start_engine(model_dir, enable_lora=True, max_loras=3, max_lora_rank=8)
+    llm = start_engine(model_dir, enable_lora=True, max_loras=4, max_lora_rank=8)
     try:
         r["batch"] = _generate(llm, prompts, requests, plan)
         r["solo"] = [_generate(llm, prompts, requests, [item])[0] for item in plan]
+        (r["zero_moved"],) = _generate(llm, prompts, requests, [(1, "zero-moved")])
     finally:
         stop_engine(llm)
     # chunked prefill: a 24-token budget splits the 61- and 70-token prefills (across the gdn
@@ -85,7 +92,7 @@ def runs(model_dir, tmp_path_factory):
     llm = start_engine(
         model_dir,
         enable_lora=True,
-        max_loras=3,
+        max_loras=4,
         max_lora_rank=8,
         max_num_batched_tokens=BUDGET,
         max_num_seqs=8,
@@ -114,7 +121,12 @@ def test_base_a_and_b_in_one_batch_each_equal_their_solo_runs(runs):
         bt, blp = _decisions(batch)
         st, slp = _decisions(solo)
         assert bt == st, f"prompt {i} adapter {k}"
-        _same_and_control(slp, blp, f"prompt {i}, adapter {k}: batch vs solo")
+        _same_and_comparator(slp, blp, f"prompt {i}, adapter {k}: batch vs solo")
+    # control: prompt 1 alone under the zero adapter with one factor moved parts from the
+    # batched prompt 1 under the zero adapter
+    moved_tokens, moved = _decisions(runs["zero_moved"])
+    zero_tokens, zero = _decisions(runs["batch"][4])
+    assert moved_tokens != zero_tokens or not same_bytes(moved, zero)
     # the adapters are really different: the same prompt under A and under B differs
     _, a = _decisions(runs["batch"][3])
     _, b = _decisions(runs["batch"][2])
@@ -133,7 +145,16 @@ def _equal_the_composition(runs, model_dir, key: str, what: str) -> None:
         mods = load_adapter(runs["dirs"][k], base).modules if k else None
         ref = N.forward_logprobs(weights, geom, torch.tensor(prompt + tokens), adapters=mods)
         want = torch.stack([ref[len(prompt) - 1 + j, t] for j, t in enumerate(tokens)])
-        _same_and_control(want, got, f"prompt {i}, adapter {k}: {what} vs composition")
+        _same_and_comparator(want, got, f"prompt {i}, adapter {k}: {what} vs composition")
+        if k == "a":  # control: the composition on A with one B element moved by 2^-9
+            key = next(m for m in mods if "in_proj_qkvz" in m)
+            fa, fb, scale = mods[key]
+            fb_moved = fb.float().clone()
+            fb_moved.view(-1)[0] += 2.0**-9
+            moved = {**mods, key: (fa, fb_moved.to(fb.dtype), scale)}
+            ref = N.forward_logprobs(weights, geom, torch.tensor(prompt + tokens), adapters=moved)
+            moved_lp = torch.stack([ref[len(prompt) - 1 + j, t] for j, t in enumerate(tokens)])
+            assert not same_bytes(moved_lp, got), f"prompt {i}: a moved factor is missed"
 
 
 @pytest.mark.engine
@@ -151,7 +172,10 @@ def test_the_zero_adapter_gives_exactly_the_base_bytes(runs):
     zero_tokens, zero = _decisions(runs["batch"][4])
     base_tokens, base = _decisions(runs["batch"][5])
     assert zero_tokens == base_tokens
-    _same_and_control(base, zero, "zero adapter vs base")
+    _same_and_comparator(base, zero, "zero adapter vs base")
+    # control: the zero adapter with one B element moved by 2^-9 parts from the base bytes
+    moved_tokens, moved = _decisions(runs["zero_moved"])
+    assert moved_tokens != base_tokens or not same_bytes(moved, base)
 
 
 def test_the_lora_manager_refuses_an_adapter_of_another_contract(model_dir, tmp_path):
