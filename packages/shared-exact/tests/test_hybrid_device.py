@@ -233,9 +233,11 @@ except ValueError as err:
 checked = []
 H.require_cuda = lambda *ts: checked.append(len(ts))
 e = lambda *s, dtype=torch.float32: torch.empty(*s, dtype=dtype, device=M)
-st = G.gdn_state(1, 2, 16, 16, device=M)
+from lockstep_exact.programs import Program
+CHUNK = Program.of("gdn.chunked").param("chunk")
+st = G.gdn_state(1, 2, 16, 16, chunk=CHUNK, device=M)
 out, st2 = H.gdn_chunked(e(70, 1, 16), e(70, 1, 16), e(70, 2, 16, dtype=BF16), e(70, 2),
-                         e(70, 2), st, position=0)
+                         e(70, 2), st, position=0, chunk=CHUNK)
 assert out.shape == (70, 2, 16) and st2.start == 64 and checked[-1] == 10, checked
 g, beta = H.gdn_gating(e(5, 4, dtype=BF16), e(5, 4, dtype=BF16), e(4), e(4, dtype=BF16))
 assert g.shape == beta.shape == (5, 4)
