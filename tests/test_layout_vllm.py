@@ -15,6 +15,9 @@ from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.k3 import compare
 from lockstep_exact.model import model_hash as dir_hash
 from lockstep_exact.plugins import manager
+from lockstep_exact.testing import perturb_adapter
+
+O_PROJ_B = "base_model.model.model.layers.0.self_attn.o_proj.lora_B.weight"
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -49,9 +52,15 @@ def test_vllm_samples_the_same_bytes_at_tp1_and_tp2(pm, tp2):
     assert torch.equal(one.sampled_tokens, trace.sampled_tokens)
     assert compare(one.logprobs, trace.logprobs).exact
     assert one.contract_fingerprint == trace.contract_fingerprint  # one contract, two layouts
-    # control: vLLM at tp 1 on a copy with one norm weight one bf16 ulp off parts from tp 2
-    copy = nudged_copy(model, root / "nudged-tp1", "model.norm.weight")
-    moved = capture(pm, copy, root / "tp1-nudged-trace", adapter=adapter)
+    # control: vLLM at tp 1 with one input moved parts from tp 2: with the adapter, one of its
+    # factors by 2^-9 (a model copy would change the base model the adapter is bound to, and
+    # be refused); without, a copy with one norm weight one bf16 ulp off
+    if adapter is not None:
+        moved_adapter = perturb_adapter(adapter, root / "A-moved", O_PROJ_B)
+        moved = capture(pm, model, root / "tp1-moved-trace", adapter=moved_adapter)
+    else:
+        copy = nudged_copy(model, root / "nudged-tp1", "model.norm.weight")
+        moved = capture(pm, copy, root / "tp1-nudged-trace")
     assert not compare(moved.logprobs, trace.logprobs).exact
 
 
