@@ -1,6 +1,6 @@
 """The ``lockstep`` command line. It drives engine plugins through the pluggy hooks only.
 
-``qualify``, ``capture``, ``replay``, ``bisect``, ``train`` and ``doctor`` are quiet by default:
+``qualify``, ``capture``, ``replay``, ``bisect``, ``train``, ``verify`` and ``doctor`` are quiet:
 while the engines work (or, for ``doctor``, are imported and asked what they serve), their
 output (vLLM's warnings, C++ prints, megatron-core's and torch's warnings) goes to a log file
 (``quiet.engine_output``) and only the command's progress and results reach the terminal; the
