@@ -1098,3 +1098,30 @@ def test_sample_takes_the_definition_for_a_nucleus_and_refuses_a_nan_row_in_its_
     lp[2, 7] = float("nan")
     with pytest.raises(ValueError, match="NaN log-probability"):
         kernel.sample(lp, **{**args, "top_p": 1.0})
+
+
+def test_the_kernel_record_names_the_form_each_call_ran():
+    """``programs.kernels``: a one-row gemm runs the pointer kernel, a 1024-row one the TMA-fed
+    persistent kernel, and each call's record says so (the forms' bytes are gated above); the
+    sampler's one-kernel form and the prefill attention's form are named too."""
+    from lockstep_exact.programs import kernels as K
+
+    w = cuda_rand(512, 1024, seed=1)
+    with K.noting() as one:
+        P.gemm(cuda_rand(1, 1024, seed=2), w, bk=BK)
+    with K.noting() as many:
+        P.gemm(cuda_rand(1024, 1024, seed=3), w, bk=BK)
+    assert one == {"cuda.gemm", "cuda.gemm:pointer"}
+    assert many == {"cuda.gemm", "cuda.gemm:tma"}
+    lp = torch.log_softmax(cuda_rand(4, 1000, seed=4, dtype=F32), -1)
+    with K.noting() as drawn:
+        P.sample(lp, temperature=1.0, top_p=1.0, seeds=[1, 2, 3, 4], positions=[5, 6, 7, 8])
+    assert drawn == {"cuda.sample", "cuda.sample:one-kernel"}
+    q = cuda_rand(2048, 8, 128, seed=5)
+    k = cuda_rand(2048, 2, 128, seed=6)
+    with K.noting() as attended:
+        P.attention(q, k, k, torch.arange(2048, device="cuda"), block=BLOCK, segment=SEGMENT)
+    forms = {n for n in attended if ":" in n}
+    assert len(forms) == 1 and forms <= {f"cuda.attention:{f}" for f in K.FORMS["attention"]}
+    for name in one | many | drawn | attended:
+        assert ":" not in name or K.gate_of(name) is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from trainer_support import nudge_one_ulp, reference_trace
 from lockstep_exact.k3 import compare
 from lockstep_exact.plugins import manager
 from lockstep_exact.requests import ReplayRequest
-from lockstep_exact.trace import TEACHER_FORCED, SamplingSettings, Trace, TraceError
+from lockstep_exact.trace import MANIFEST, TEACHER_FORCED, SamplingSettings, Trace, TraceError
 from lockstep_megatron import plugin
 from lockstep_megatron.replay import AdmissionError, replay
 
@@ -172,6 +173,52 @@ def test_a_trace_whose_sampler_ran_another_program_is_refused_naming_the_site(
     ).save(tmp_path / "trace")
     with pytest.raises(AdmissionError, match=r"block=64.*'layers\.\*\.self_attn\.core'"):
         replay(dense_dir, forged)
+
+
+def _with_contract(original, contract_json, tmp_path):
+    return Trace.from_sequences(
+        [original.prompt(i) for i in range(original.num_sequences)],
+        [original.sampled(i) for i in range(original.num_sequences)],
+        [original.sequence_logprobs(i) for i in range(original.num_sequences)],
+        contract_fingerprint=original.contract_fingerprint,
+        contract=contract_json,
+        model_hash=original.model_hash,
+        sampling=original.sampling,
+    ).save(tmp_path / "trace")
+
+
+def test_replay_refuses_a_trace_whose_site_ran_a_kernel_no_test_gates(
+    dense_dir, dense_trace, tmp_path
+):
+    """The sampler's record says one site ran a kernel its program has no gate for (here the
+    attention kernel at a projection); the fingerprint is unchanged, so only the kernel record
+    can refuse it. The unedited record replays (the first call)."""
+    original = Trace.load(dense_trace)
+    lps, _ = replay(dense_dir, _with_contract(original, original.contract, tmp_path / "a"))
+    assert torch.equal(lps, original.logprobs)
+    data = json.loads(json.dumps(original.contract))
+    data["kernels"]["layers.*.self_attn.q_proj"].append("cpu.attention")
+    forged = _with_contract(original, data, tmp_path / "b")
+    with pytest.raises(
+        AdmissionError, match=r"kernels: the sampler: op site 'layers\.\*\.self_attn\.q_proj'"
+    ):
+        replay(dense_dir, forged)
+
+
+def test_a_trace_without_a_kernel_record_is_refused_by_name(dense_trace, tmp_path):
+    original = Trace.load(dense_trace)
+    data = dict(original.contract)
+    del data["kernels"]
+    with pytest.raises(TraceError, match="no kernel record"):
+        _with_contract(original, data, tmp_path)
+    # and on load: the same trace's manifest with the record taken out
+    manifest = json.loads((dense_trace / MANIFEST).read_text())
+    del manifest["contract"]["kernels"]
+    edited = tmp_path / "edited"
+    shutil.copytree(dense_trace, edited)
+    (edited / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(TraceError, match="no kernel record"):
+        Trace.load(edited)
 
 
 @pytest.mark.parametrize("field", ["prompt_tokens", "sampled_tokens"])

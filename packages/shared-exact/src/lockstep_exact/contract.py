@@ -47,8 +47,19 @@ class Contract:
     geometry: Mapping[str, object]
     sites: Mapping[str, Program]
     pins: Mapping[str, str] = field(default_factory=dict)
+    # An invoked contract's record of the kernels each site ran (``programs.kernels``): site
+    # key -> sorted kernel names. Outside the fingerprint: gated forms give the same bytes, and
+    # two halves may run different ones (a 256-row prefill and a one-row decode, say).
+    kernels: Mapping[str, tuple[str, ...]] = field(default_factory=dict, compare=False)
 
     def to_json(self) -> dict:
+        """The contract's JSON form, with ``kernels`` where a record was made."""
+        out = self._fingerprinted()
+        if self.kernels:
+            out["kernels"] = {k: list(self.kernels[k]) for k in sorted(self.kernels)}
+        return out
+
+    def _fingerprinted(self) -> dict:
         return {
             "format": CONTRACT_FORMAT,
             "lane": self.lane,
@@ -62,17 +73,23 @@ class Contract:
 
     def canonical(self) -> bytes:
         """Sorted keys, no whitespace, ASCII: the bytes that are fingerprinted."""
-        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")).encode("ascii")
+        return json.dumps(self._fingerprinted(), sort_keys=True, separators=(",", ":")).encode(
+            "ascii"
+        )
 
     @property
     def fingerprint(self) -> str:
         return "sha256:" + hashlib.sha256(self.canonical()).hexdigest()
 
     def with_sites(self, sites: Mapping[str, Program]) -> Contract:
-        """The same lane, geometry and pins with other op sites (an invoked contract)."""
+        """The same lane, geometry and pins with other op sites (an invoked contract); the
+        kernel record keeps the sites that remain."""
+        sites = dict(sites)
+        kernels = {k: v for k, v in self.kernels.items() if k in sites}
         return Contract(
-            self.lane, self.dtype, self.backend, self.layout, self.geometry, dict(sites), self.pins
-        )
+            self.lane, self.dtype, self.backend, self.layout, self.geometry, sites, self.pins,
+            kernels,
+        )  # fmt: skip
 
     @property
     def short(self) -> str:
@@ -122,6 +139,11 @@ def contract_from_json(data: Mapping) -> Contract:
     if data.get("format") != CONTRACT_FORMAT:
         raise ContractMismatch(f"unknown contract format {data.get('format')!r}")
     sites = {k: _parse_ident(v) for k, v in data["sites"].items()}
+    kernels = data.get("kernels", {})
+    if not isinstance(kernels, Mapping) or not all(
+        isinstance(v, list) and all(isinstance(x, str) for x in v) for v in kernels.values()
+    ):
+        raise ContractMismatch("the contract's kernels must map op sites to lists of names")
     return Contract(
         lane=data["lane"],
         dtype=data["dtype"],
@@ -130,6 +152,7 @@ def contract_from_json(data: Mapping) -> Contract:
         geometry=dict(data["geometry"]),
         sites=sites,
         pins=dict(data["pins"]),
+        kernels={k: tuple(v) for k, v in kernels.items()},
     )
 
 

@@ -15,8 +15,9 @@ A trace is a directory with two files:
 ``manifest.json``: ``format`` (``"lockstep.trace"``), ``format_version`` (1), the contract
 fingerprint, the model hash, the adapter hash (or null), the sampling settings (temperature,
 top_p, seed), the engine (a free-form dict: name, version, ...), the creation time (UTC, ISO
-8601), the prompt texts (or null), the number of sequences and decisions, and ``payload``: the
-sha256 of ``payload.safetensors`` and, per tensor, its dtype, shape and
+8601), the prompt texts (or null), the sampler's invoked contract (or null; when present it must
+carry ``kernels``, the kernels each op site ran), the number of sequences and decisions, and
+``payload``: the sha256 of ``payload.safetensors`` and, per tensor, its dtype, shape and
 ``hashing.tensor_sha256``.
 
 A trace holds at least one decision: one with none is refused when built, saved or loaded
@@ -87,6 +88,12 @@ MISSING_RULE = (
     "the trace names no sampling rule (sampling.rule: the program that drew its tokens, or "
     f"{TEACHER_FORCED!r} for a teacher-forced reference); traces written before rules were "
     "recorded, or by hand without one, are refused: capture it again with `lockstep capture`"
+)
+
+MISSING_KERNELS = (
+    "the trace's recorded contract has no kernel record (contract.kernels: the kernels each op "
+    "site ran); traces written before kernels were recorded are refused: capture it again with "
+    "`lockstep capture`"
 )
 
 
@@ -286,8 +293,9 @@ class Trace:
     engine: dict[str, Any] = field(default_factory=dict)
     created: str = field(default_factory=_now)
     prompt_texts: list[str] | None = None
-    # The sampler's invoked contract (``Contract.to_json()`` of the sites it ran), whose
-    # fingerprint is ``contract_fingerprint``; replay compares it with its own, site by site.
+    # The sampler's invoked contract (``Contract.to_json()`` of the sites it ran, with the
+    # kernels each ran), whose fingerprint is ``contract_fingerprint``; replay compares it with
+    # its own, site by site, and refuses a kernel no test gates.
     contract: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -323,6 +331,8 @@ class Trace:
                 )
 
     def _check_contract(self) -> None:
+        if not isinstance(self.contract, Mapping) or not self.contract.get("kernels"):
+            raise TraceError(MISSING_KERNELS)
         try:
             fingerprint = contract_from_json(self.contract).fingerprint
         except (ContractMismatch, KeyError, TypeError, ValueError, AttributeError) as e:

@@ -22,7 +22,7 @@ from lockstep_exact.contract import (
     contract_from_json,
     first_difference,
 )
-from lockstep_exact.lanes.ops import check_invoked
+from lockstep_exact.lanes.ops import check_invoked, check_kernels
 from lockstep_exact.model import ModelDir
 from lockstep_exact.trace import MANIFEST, TEACHER_FORCED, Trace
 
@@ -120,6 +120,10 @@ def admit_trace(
             check_invoked(declared, sampler, "the sampler")
         except ContractMismatch as err:
             raise AdmissionError(f"contract fingerprint: {err}") from err
+        try:  # the kernels each site ran: recorded, and every one gated for its program
+            check_kernels(sampler, "the sampler")
+        except ContractMismatch as err:
+            raise AdmissionError(f"kernels: {err}") from err
     if trace.model_hash != base.model_hash:
         raise AdmissionError(
             f"model hash: the trace was sampled from {trace.model_hash}, "
@@ -178,6 +182,10 @@ def admit_invoked(
         check_invoked(ModelDir.of(model_dir).contract(backend), mine, "the Megatron lane")
     except ContractMismatch as err:
         raise AdmissionError(f"contract fingerprint: {err}") from err
+    try:
+        check_kernels(mine, "the Megatron lane")
+    except ContractMismatch as err:
+        raise AdmissionError(f"kernels: {err}") from err
     if mine.fingerprint == trace.contract_fingerprint:
         return
     where = None

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from lockstep_exact.contract import contract_from_json
-from lockstep_exact.lanes.ops import check_invoked
+from lockstep_exact.lanes.ops import check_invoked, check_kernels
 from lockstep_exact.model import ModelDir
 from lockstep_exact.trace import SamplingSettings, Trace
 
@@ -148,6 +148,7 @@ def invoked_contract(report: Path):
     declared = contract_from_json(body["declared"])
     invoked = contract_from_json(body["invoked"])
     check_invoked(declared, invoked, "the SGLang lane")
+    check_kernels(invoked, "the SGLang lane")  # each site's kernels recorded and gated
     return invoked
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from lockstep_exact.contract import contract_from_json
-from lockstep_exact.lanes.ops import check_invoked
+from lockstep_exact.lanes.ops import check_invoked, check_kernels
 
 from ..common.errors import LaneRefused
 from ..common.lane import CONTRACT_OVERRIDE
@@ -129,6 +129,7 @@ def invoked_contract(llm):
     invoked = contract_from_json(json.loads(found.pop()))
     declared = set(llm.apply_model(_declared_json))
     check_invoked(contract_from_json(json.loads(declared.pop())), invoked, "the vLLM lane")
+    check_kernels(invoked, "the vLLM lane")  # each site's kernels recorded and gated
     return invoked
 
 

@@ -15,6 +15,7 @@ textbook op's VJP backward: ``programs.vjp``), which is how a trainer runs the s
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 
@@ -23,6 +24,7 @@ import torch
 from .. import programs as P
 from ..contract import Contract, ContractMismatch
 from ..programs import Program
+from ..programs import kernels as K
 from ..programs import vjp as V
 from ..sites import record
 
@@ -38,6 +40,20 @@ class SiteNotInContract(ContractMismatch):
     """The composition reached an op site its contract does not name."""
 
 
+def site(method: Callable) -> Callable:
+    """An op-site method (``self, path, ...``): the kernels its programs note while it runs
+    are recorded under the site's key (``Ops.kernels``)."""
+
+    @functools.wraps(method)
+    def run(self, path: str, *args, **kwargs):
+        with K.noting() as notes:
+            out = method(self, path, *args, **kwargs)
+        self.kernels.setdefault(site_key(path), set()).update(notes)
+        return out
+
+    return run
+
+
 class Ops:
     """The byte programs of one contract, called by op-site path."""
 
@@ -45,6 +61,7 @@ class Ops:
         self.contract = contract
         self.grad = grad
         self.invoked: dict[str, Program] = {}
+        self.kernels: dict[str, set[str]] = {}  # site key -> the kernels it ran (``site``)
 
     # --- bookkeeping -----------------------------------------------------------------------
     def program(self, path: str, expect: str | tuple[str, ...]) -> Program:
@@ -78,8 +95,9 @@ class Ops:
                 "no op site has run yet: the invoked contract comes from a real forward"
             )
         c = self.contract
+        kernels = {k: tuple(sorted(self.kernels.get(k, ()))) for k in self.invoked}
         return Contract(
-            c.lane, c.dtype, c.backend, c.layout, c.geometry, dict(self.invoked), c.pins
+            c.lane, c.dtype, c.backend, c.layout, c.geometry, dict(self.invoked), c.pins, kernels
         )
 
     def _call(self, path: str, prog: Program, fn: Callable, ideal: Callable, *xs):
@@ -88,11 +106,14 @@ class Ops:
         return record(path, out)
 
     # --- the programs ------------------------------------------------------------------------
+    @site
     def embed(self, path: str, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         prog = self.program(path, "embedding.gather")
         self._ran(path, prog)
+        K.note("gather")  # a row copy on any device: no backend function
         return record(path, table[ids])
 
+    @site
     def gemm(self, path: str, x, w, gather=P.LOCAL):
         """gemm.kblock, or gemm.kpart where the contract says so (a row-parallel site: under
         tensor parallelism ``x``/``w`` are this rank's share of K and ``gather`` collects
@@ -118,6 +139,7 @@ class Ops:
 
         return self._call(path, prog, fn, V.gemm, x, w)
 
+    @site
     def gemm_grouped(self, path: str, x, w, plan):
         """The site's gemm.kblock or gemm.kpart (one device) for the rows of an expert plan
         (``path`` names the site with ``*`` for the expert): x [P, K] in the plan's sorted
@@ -131,19 +153,23 @@ class Ops:
         parts = prog.param("parts") if prog.name == "gemm.kpart" else 1
         return P.gemm_grouped(x, w, plan, bk=prog.param("bk"), parts=parts, out_dtype=out)
 
+    @site
     def rmsnorm(self, path: str, x, w):
         prog = self.program(path, "rmsnorm.qwen3")
         eps = prog.param("eps")
         return self._call(path, prog, lambda a, b: P.rmsnorm(a, b, eps), V.rmsnorm(eps), x, w)
 
+    @site
     def residual_add(self, path: str, a, b):
         prog = self.program(path, "residual.add")
         return self._call(path, prog, P.residual_add, V.residual_add, a, b)
 
+    @site
     def swiglu(self, path: str, gate, up):
         prog = self.program(path, "swiglu")
         return self._call(path, prog, P.swiglu, V.swiglu, gate, up)
 
+    @site
     def rope(self, path: str, x, positions):
         prog = self.program(path, "rope.neox")
         base = prog.param("base")
@@ -151,6 +177,7 @@ class Ops:
             path, prog, lambda a: P.rope(a, positions, base), V.rope(positions, base), x
         )
 
+    @site
     def attention(self, path: str, q, k, v, positions):
         """One sequence: q [T, Hq, D] at ``positions``, k/v [S, Hkv, D] from position 0."""
         prog = self.program(path, "attention.blocked")
@@ -165,6 +192,7 @@ class Ops:
             v,
         )
 
+    @site
     def attention_decode_paged(
         self, path: str, q, key_cache, value_cache, block_table, seq_lens, positions, *,
         max_seq_len: int,
@@ -181,6 +209,7 @@ class Ops:
         )  # fmt: skip
         return record(path, out)
 
+    @site
     def router(self, path: str, logits):
         """(expert ids [T, k], weights [T, k] bf16); ids are recorded as ``<path>.ids``."""
         prog = self.program(path, "router.softmax_topk")
@@ -190,6 +219,7 @@ class Ops:
         weights = self._call(path, prog, lambda _lg: wts, V.router_weights(ids, normalize), logits)
         return ids, weights
 
+    @site
     def moe_fold(self, path: str, expert_out, weights):
         prog = self.program(path, "moe.fold")
         acc = prog.param("acc")
@@ -197,11 +227,13 @@ class Ops:
             path, prog, lambda y, w: P.moe_fold(y, w, acc=acc), V.moe_fold, expert_out, weights
         )
 
+    @site
     def lora_shrink(self, path: str, x, a):
         prog = self.program(path, "lora.shrink")
         bk = prog.param("bk")
         return self._call(path, prog, lambda u, v: P.lora_shrink(u, v, bk=bk), V.lora_shrink, x, a)
 
+    @site
     def lora_expand(self, path: str, base, t, b, scale: float):
         prog = self.program(path, "lora.expand")
         bk = prog.param("bk")
@@ -215,6 +247,7 @@ class Ops:
             b,
         )
 
+    @site
     def log_softmax(self, path: str, logits, *, start: int = 0, vocab=None, gather=P.LOCAL):
         """log_softmax.tree over the row. Vocab-parallel (``vocab`` given, or ``gather`` over
         several ranks): ``logits`` are this rank's columns [start, start + n) of a possibly
@@ -230,6 +263,7 @@ class Ops:
 
         return self._call(path, prog, fn, _sharded_log_softmax_ideal(start, vocab, gather), logits)
 
+    @site
     def sample(self, path: str, logprobs, *, temperature, top_p, seeds, positions):
         """int64 [T]: each fp32 log-probability row's token under the contract's sampling rule.
 
@@ -278,6 +312,22 @@ def _sharded_log_softmax_ideal(start: int, vocab: int, gather):
         return torch.log_softmax(full, dim=-1)[..., lo : lo + real]
 
     return ideal
+
+
+def check_kernels(invoked: Contract, who: str) -> None:
+    """Every site ``who`` ran must have run kernels its program's tests gate on its backend
+    (``programs.kernels``), and a record must be there: an invoked contract without one is
+    refused."""
+    if not invoked.kernels:
+        raise ContractMismatch(
+            f"{who}'s invoked contract records no kernels; it was made before kernels were "
+            "recorded: run it again with this release"
+        )
+    where = K.ungated(
+        {k: p.name for k, p in invoked.sites.items()}, invoked.kernels, invoked.backend
+    )
+    if where is not None:
+        raise ContractMismatch(f"{who}: {where}")
 
 
 def check_invoked(declared: Contract, invoked: Contract, who: str) -> None:

@@ -40,7 +40,7 @@ from ..programs import Program
 from ..programs import vjp as V
 from ..sites import record
 from .config import UnsupportedModel, check_next_config
-from .ops import Ops
+from .ops import Ops, site
 from .qwen3 import K_PARTS, LoRA, k_parts, linear, local_dispatch
 
 ARCHITECTURES = {"Qwen3NextForCausalLM": "qwen3-next"}
@@ -205,6 +205,7 @@ class NextOps(Ops):
     def __init__(self, contract, *, grad: bool = False):
         super().__init__(contract, grad=grad)
 
+    @site
     def rmsnorm_zc(self, path, x, w):
         prog = self.program(path, "rmsnorm.zero_centered")
         eps = prog.param("eps")
@@ -217,6 +218,7 @@ class NextOps(Ops):
             w,
         )
 
+    @site
     def rmsnorm_gated(self, path, x, z, w):
         prog = self.program(path, "rmsnorm.gated")
         eps = prog.param("eps")
@@ -230,14 +232,17 @@ class NextOps(Ops):
             w,
         )
 
+    @site
     def sigmoid_gate(self, path, x, gate):
         prog = self.program(path, "gate.sigmoid")
         return self._call(path, prog, P.sigmoid_gate, V.sigmoid_gate, x, gate)
 
+    @site
     def shared_gate(self, path, routed, shared, logit):
         prog = self.program(path, "moe.shared_gate")
         return self._call(path, prog, P.shared_expert_gate, V.shared_gate, routed, shared, logit)
 
+    @site
     def rope_partial(self, path, x, positions):
         prog = self.program(path, "rope.partial")
         base, rotary = prog.param("base"), prog.param("rotary")
@@ -249,6 +254,7 @@ class NextOps(Ops):
             x,
         )
 
+    @site
     def conv1d(self, path, x, w, window):
         """(out, window'): ``out`` recorded; under grad window' is a copy of the inputs'
         last rows (the program's bytes) through which gradient reaches the earlier call."""
@@ -267,6 +273,7 @@ class NextOps(Ops):
             win = full[full.shape[0] - (kernel - 1) :]
         return y, win
 
+    @site
     def gating(self, path, a, b, a_log, dt_bias):
         """(g, beta), recorded as ``<path>.g`` and ``<path>.beta`` (under grad: g with the
         VJP of -exp(A_log) softplus(a + dt_bias), beta with that of sigmoid(b))."""
@@ -278,11 +285,13 @@ class NextOps(Ops):
             beta = V.exact(lambda _b: beta, V.gdn_beta, b)
         return record(f"{path}.g", g), record(f"{path}.beta", beta)
 
+    @site
     def l2norm(self, path, x):
         prog = self.program(path, "gdn.l2norm")
         eps = prog.param("eps")
         return self._call(path, prog, lambda a: P.l2norm(a, eps), V.l2norm(eps), x)
 
+    @site
     def gdn(self, path, q, k, v, g, beta, state, position: int):
         """(out, state'): ``out`` recorded. Under grad both carry the delta rule's VJP: the
         output's to q, k, v, g, beta and the incoming state, state' S's to the tokens of the

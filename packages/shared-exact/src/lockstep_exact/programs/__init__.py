@@ -21,6 +21,7 @@ import torch
 
 from . import cpu  # noqa: F401  (the always-present backend; tests reach it as P.cpu)
 from . import grouping as _grouping
+from .kernels import note
 
 
 @dataclass(frozen=True)
@@ -118,10 +119,12 @@ def backend_module(backend: str) -> ModuleType:
 
 
 def _impl(fn_name: str, *tensors: torch.Tensor):
-    module = backend_module(backend_of(*tensors))
+    backend = backend_of(*tensors)
+    module = backend_module(backend)
     fn = getattr(module, fn_name, None)
     if fn is None:
         raise BackendUnavailable(f"{module.__name__} does not implement {fn_name}")
+    note(f"{backend}.{fn_name}")  # the op site's kernel record (programs.kernels)
     return fn
 
 
@@ -162,10 +165,12 @@ def kpart_partial(x, w, *, bk: int, parts: int):
             f"gemm.kpart: {parts} partitions must be a power of two dividing K = {k_dim}"
         )
     size = k_dim // parts
-    module = backend_module(backend_of(x, w))
+    backend = backend_of(x, w)
+    module = backend_module(backend)
     rows = x.numel() // max(k_dim, 1)
     if parts > 1 and rows <= getattr(module, "KPART_ONE_LAUNCH_ROWS", 0):
         # The backend's one-launch form of the same partitions and fold (gated bitwise).
+        note(f"{backend}.kpart_partial")
         return module.kpart_partial(x, w, bk=bk, parts=parts)
     # K-slices as views: the cuda gemm reads them in place (a row stride), the cpu gemm's
     # elementwise fp32 operations give the same bytes whatever the operands' layout.
@@ -248,8 +253,10 @@ def gemm_grouped(x, w, plan, *, bk: int, parts: int, out_dtype=torch.bfloat16):
     stacked. Row i of the result is gemm.kblock{bk} (``parts`` = 1) or gemm.kpart{bk, parts}
     (one device) of x[i] and w[expert of pair i]: the bytes of running each expert's rows
     through the plain program, which a row's bytes never depend on the other rows of."""
-    one_launch = getattr(backend_module(backend_of(x, w)), "gemm_grouped", None)
+    backend = backend_of(x, w)
+    one_launch = getattr(backend_module(backend), "gemm_grouped", None)
     if one_launch is not None:
+        note(f"{backend}.gemm_grouped")
         return one_launch(x, w, plan, bk=bk, parts=parts, out_dtype=out_dtype)
     # The definition, run as it reads (the cpu backend): each expert's rows through the plain
     # program, the experts found by one host read of the plan's bounds.
@@ -372,7 +379,8 @@ def log_softmax_sharded(x, start: int, vocab: int, gather=LOCAL):
         raise ValueError(f"log_softmax.tree: the {len(metas)} shards end at column {end} < {vocab}")
     ranges = [(min(s0, vocab), min(s0 + w, vocab)) for s0, w, _ in metas]
     x2 = x.reshape(rows, real)
-    module = backend_module(backend_of(x))
+    backend = backend_of(x)
+    module = backend_module(backend)
     if not hasattr(module, "shard_tree_nodes"):
         full = gather.cat(x2, [hi - lo for lo, hi in ranges])
         lo = min(start, vocab)
@@ -380,6 +388,7 @@ def log_softmax_sharded(x, start: int, vocab: int, gather=LOCAL):
     m_local = x2.amax(-1) if real else x2.new_full((rows,), float("-inf"))
     m = torch.stack(gather.all(m_local)).amax(0)  # exact in any order
     s = x2 - m[:, None]
+    note(f"{backend}.shard_tree_nodes")
     nodes = module.shard_tree_nodes(s, min(start, vocab), vocab)
     total = module.fold_tree_nodes(ranges, gather.all(nodes), vocab)
     return module.log_softmax_from_sum(s, total).reshape(*lead, real)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ..cpu.attention import check_inputs, check_tiling, default_scale
+from ..kernels import note
 from . import attention_hopper
 from .arith import (
     BF16,
@@ -521,7 +522,9 @@ def attention(
     block_m, num_warps = _TILE
     n_tiles = triton.cdiv(n_rows, block_m)
     if not split and _HOPPER_PREFILL and attention_hopper.usable(qc, kc, vc, block):
+        note("cuda.attention:hopper")
         return attention_hopper.prefill(qc, kc, vc, pos, out, scale_f, block, segment)
+    note("cuda.attention:split" if split else "cuda.attention:one-pass")
     if split:
         m_buf = torch.empty(n_seg, h_kv, n_rows, dtype=F32, device=q.device)
         l_buf = torch.empty_like(m_buf)

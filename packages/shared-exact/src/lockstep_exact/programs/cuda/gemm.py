@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kernels import note
 from .arith import BF16, F32, require, require_cuda
 
 
@@ -300,6 +301,7 @@ def gemm(
     t = TILINGS[tiling or pick_tiling(m_dim, n_dim, block_k)]
     tiles = triton.cdiv(m_dim, t.block_m) * triton.cdiv(n_dim, t.block_n)
     if t.persistent and tma_ok(x2, wc):
+        note("cuda.gemm:tma")
         # Only where TMA runs (tma_ok): older triton builds lack the module.
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -322,6 +324,7 @@ def gemm(
             num_stages=t.fp32_stages if out_dtype == F32 and t.fp32_stages else t.num_stages,
         )
         return y.reshape(*lead, n_dim)
+    note("cuda.gemm:pointer")
     grid = (tiles,)
     _gemm_kernel[grid](
         x2,

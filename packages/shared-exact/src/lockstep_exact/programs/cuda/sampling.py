@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ..cpu import arith as _arith
 from ..cpu import sampling as _cpu
+from ..kernels import note
 from .arith import EXACT, require_cuda
 
 _BLOCK = 2048
@@ -195,7 +196,9 @@ def sample(
     if logprobs.dtype == torch.float32 and t > 0 and logprobs.shape[1] > 0:
         rows = _one_kernel_rows(temperature, top_p, seeds, positions, t, rounds)
     if rows is None:
+        note("cuda.sample:definition")
         return _cpu.sample(logprobs, rounds=rounds, **args)
+    note("cuda.sample:one-kernel")
     temp32, seed, pos = rows
     dev = logprobs.device
     lp = logprobs if logprobs.stride(-1) == 1 else logprobs.contiguous()
@@ -216,5 +219,6 @@ def sample(
         **EXACT,
     )
     if bool((out < 0).any()):  # the definition says what is wrong with the row
+        note("cuda.sample:definition")
         return _cpu.sample(logprobs, rounds=rounds, **args)
     return out

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ..kernels import note
 from .arith import EXACT, F32, next_pow2, require, require_cuda
 
 # Rows up to this length are held in registers (one read); longer rows are visited in chunks
@@ -159,6 +160,7 @@ def _launch(x: torch.Tensor, log: bool, split: bool | None = None) -> torch.Tens
     )
     if rows == 0:
         return y.reshape(x.shape)
+    note(f"cuda.{'log_softmax' if log else 'softmax'}:{'split' if split else 'one-program'}")
     if split:
         n_chunks = triton.cdiv(n, _CHUNK)
         pb = next_pow2(n_chunks)
