@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from cross_support import merged_model
+from train_support import FakePolicy, FakeSampler
 
 from lockstep_exact import hookimpl
 from lockstep_exact.app.cli import main
@@ -32,7 +33,7 @@ from lockstep_exact.app.train_loop import (
 from lockstep_exact.hashing import sha256_file
 from lockstep_exact.plugins import manager
 from lockstep_exact.testing import nudge_ulp
-from lockstep_exact.trace import TEACHER_FORCED, SamplingSettings, Trace
+from lockstep_exact.trace import Trace
 
 
 class Quiet:
@@ -246,33 +247,6 @@ def test_resume_compares_the_data_file_by_content_not_by_how_its_path_is_written
     assert "was run with data = 'prompts.jsonl', this run has None" in err
 
 
-class _FakeSampler:
-    adapter_id, starts = 1, 1
-
-    def sample(self, prompts, decisions, seed, adapter, temperature):
-        n = len(prompts)
-        lps = [torch.tensor([-0.5, -0.25], dtype=torch.float32)] * n
-        return Trace.from_sequences(
-            [[1, 2]] * n,
-            [[3, 4]] * n,
-            lps,
-            contract_fingerprint="c" * 64,
-            model_hash="m" * 64,
-            sampling=SamplingSettings(rule=TEACHER_FORCED),
-        )
-
-    def decode(self, ids):
-        return "x"
-
-
-class _FakePolicy:
-    def logprobs(self, trace):
-        return trace.logprobs
-
-    def update(self, seqs, old, loss, inner, micro):
-        return [0.5]
-
-
 def test_every_metrics_line_has_the_documented_fields_kl_and_reverse_kl_null_if_not_run(
     tiny_dense, tmp_path
 ):
@@ -283,7 +257,7 @@ def test_every_metrics_line_has_the_documented_fields_kl_and_reverse_kl_null_if_
 
     config = TrainConfig(steps=1, group=2, prompts=1, decisions=2)
     run = _Run(None, ModelDir(tiny_dense), tmp_path, config, Quiet(), lambda c: 0.25)
-    run.sampler, run.policy = _FakeSampler(), _FakePolicy()
+    run.sampler, run.policy = FakeSampler(), FakePolicy()
     row = run.step(1, tmp_path / "adapters" / "step-0000")
     documented = "step reward_mean rewards k3_max decisions equal loss kl reverse_kl seconds"
     documented += " adapter_in adapter_id engine_starts trace"

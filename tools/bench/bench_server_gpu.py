@@ -1,6 +1,6 @@
-"""A burst of requests against vLLM's OpenAI server: the lane (``lockstep_serving.vllm.server``)
-against stock ``vllm.entrypoints.openai.api_server`` started as a user starts it (default
-compilation and graph settings), same model, same requests, one run.
+"""A burst of requests against vLLM's OpenAI server: the lane (``lockstep serve``) against
+stock ``vllm.entrypoints.openai.api_server`` started as a user starts it (default compilation
+and graph settings), same model, same requests, one run.
 
     source tools/gpu/env.sh vllm     # on the GPU machine
     python3 tools/bench/bench_server_gpu.py --arch qwen3 --burst 64 [--tokens 128]
@@ -55,8 +55,11 @@ def _post(url: str, body: dict, timeout: float) -> dict:
 def server_cmd(name: str, model: Path, port: int, max_model_len: int) -> list[str]:
     common = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len)]
     if name == "lane":
-        return [sys.executable, "-m", "lockstep_serving.vllm.server", "--model", str(model),
-                "--backend", "cuda", "--", *common]  # fmt: skip
+        # `lockstep serve` (the CLI's module: tools/gpu/env.sh installs no console script);
+        # --verbose sends vLLM's output to this process's log, --log /dev/null keeps the CLI
+        # from writing its own lockstep-serve.log.
+        return [sys.executable, "-m", "lockstep_exact.app.cli", "serve", "--model", str(model),
+                "--backend", "cuda", "--verbose", "--log", os.devnull, "--", *common]  # fmt: skip
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--dtype", "bfloat16", *common]  # fmt: skip
 

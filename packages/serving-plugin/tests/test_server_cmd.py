@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from cli_support import finish_cli, start_cli
 
 from lockstep_serving.common.errors import LaneRefused
-from lockstep_serving.vllm.server import ServeArgumentError, main, server_argv, server_env
+from lockstep_serving.vllm.server import ServeArgumentError, server_argv, server_env
 
 
 def _flag(argv, name):
@@ -56,11 +57,13 @@ def test_unknown_architecture_is_refused(tmp_path):
         server_argv(tmp_path, backend="cpu")
 
 
-def test_main_prints_and_refuses(tiny_models, capsys):
-    assert main(["--model", str(tiny_models["qwen3"]), "--backend", "cpu", "--print"]) == 0
-    assert "vllm.entrypoints.openai.api_server" in capsys.readouterr().out
-    assert main(["--model", str(tiny_models["qwen3"]), "--backend", "cpu", "--", "--dtype"]) == 2
-    assert "--dtype is set by the lane" in capsys.readouterr().err
+def test_lockstep_serve_prints_the_command_in_a_child(tiny_models):
+    """``lockstep serve`` as a user (and tools/bench/bench_server_gpu.py) starts it: the CLI's
+    module in a child process, which finds the vLLM plugin through its entry point."""
+    model = str(tiny_models["qwen3"])
+    child = start_cli("serve", "--model", model, "--backend", "cpu", "--print", "--", "--port", "9")
+    out, _ = finish_cli(child, timeout=300)
+    assert "vllm.entrypoints.openai.api_server" in out and out.rstrip().endswith("--port 9")
 
 
 def test_cpu_env_bounds_the_kv_cache():
@@ -81,6 +84,8 @@ def test_the_cli_serve_prints_refuses_and_verify_names_a_bad_line(tiny_models, t
     assert "vllm.entrypoints.openai.api_server" in out and out.rstrip().endswith("--port 9")
     assert cli(["serve", "--model", model, "--backend", "cpu", "--", "-O3"]) == 2
     assert "-O3 is set by the lane" in capsys.readouterr().err
+    assert cli(["serve", "--model", model, "--backend", "cpu", "--", "--dtype"]) == 2
+    assert "--dtype is set by the lane" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"tokens": [1, 2, 3], "prompt_len": 1, "logprobs": [-1.0]}\n')
     assert cli(["verify", "--model", model, "--rollouts", str(bad)]) == 2

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,36 @@ import pytest
 from lockstep_exact.app.cli import main
 from lockstep_exact.app.qualify import Ladder
 from lockstep_exact.plugins import MissingHalf, manager
+
+# Run in a fresh interpreter: this test process has torch imported long before.
+_HELP_WITHOUT_TORCH = textwrap.dedent(
+    """
+    import contextlib, io, sys
+    import lockstep_exact.app.cli as c
+
+    c.build_parser().parse_args(["serve", "--model", "m", "--print", "--backend", "cpu"])
+    commands = [[], ["contract", "show"], *([n] for n in (*c.QUIET_COMMANDS, "tiny", "serve"))]
+    for argv in commands:
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            try:
+                c.main([*argv, "--help"])
+            except SystemExit as stop:
+                assert stop.code == 0, (argv, stop.code)
+        assert "usage: lockstep" in out.getvalue(), argv
+    assert "torch" not in sys.modules, "parsing or --help imported torch"
+    print("ok")
+    """
+)
+
+
+def test_parsing_and_help_import_no_torch():
+    """``lockstep --help`` (and every command's) answers without loading torch (seconds): the
+    heavy modules are imported by the commands that use them."""
+    done = subprocess.run(
+        [sys.executable, "-c", _HELP_WITHOUT_TORCH], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.strip() == "ok"
 
 
 def test_tiny_writes_a_model_and_prints_its_contract(tmp_path, capsys):

@@ -13,10 +13,9 @@ import json
 import re
 import sys
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
-import torch
+from train_support import FakePolicy, FakeSampler
 
 from lockstep_exact import hookimpl
 from lockstep_exact.app import train_report
@@ -24,7 +23,6 @@ from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.app.train_loop import TrainConfig, prepare_train
 from lockstep_exact.app.train_report import TensorBoard, quantities, render
 from lockstep_exact.plugins import manager
-from lockstep_exact.trace import TEACHER_FORCED, SamplingSettings, Trace
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -150,57 +148,14 @@ def test_tensorboard_scalars_read_back_at_their_steps_each_step_once(tmp_path):
 # ----------------------------------------------------------------------------- the loop
 
 
-class _Sampler:
-    adapter_id, starts = 1, 1
-
-    def sample(self, prompts, decisions, seed, adapter, temperature):
-        n = len(prompts)
-        lps = [torch.tensor([-0.5, -0.25], dtype=torch.float32)] * n
-        return Trace.from_sequences(
-            [[1, 2]] * n,
-            [[3, 4]] * n,
-            lps,
-            contract_fingerprint="c" * 64,
-            model_hash="m" * 64,
-            sampling=SamplingSettings(rule=TEACHER_FORCED),
-        )
-
-    def decode(self, ids):
-        return "x"
-
-    def close(self):
-        pass
-
-
-class _Policy:
-    def logprobs(self, trace):
-        return trace.logprobs
-
-    def update(self, seqs, old, loss, inner, micro):
-        return [0.5]
-
-    def export(self, path: Path):
-        path.mkdir(parents=True, exist_ok=True)
-        return path, "h"
-
-    def state_files(self):
-        return {"state.bin": b"x"}
-
-    def load_state_files(self, files, adapter):
-        pass
-
-    def close(self):
-        pass
-
-
 class _FakeEngines:
     @hookimpl
     def lockstep_sampler_session(self, request):
-        return _Sampler()
+        return FakeSampler()
 
     @hookimpl
     def lockstep_trainer_session(self, request):
-        return _Policy()
+        return FakePolicy()
 
 
 def _train(model, out, steps, resume=False):

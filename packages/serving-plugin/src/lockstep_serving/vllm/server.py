@@ -1,6 +1,9 @@
 """vLLM's OpenAI-compatible server on the exact lane, with the flags the lane needs.
 
-    python -m lockstep_serving.vllm.server --model DIR [--backend cuda|cpu] [-- vLLM's own flags]
+The command that starts it, for ``lockstep serve`` (the CLI's one parser; it reaches this
+module through the ``lockstep_serve_command`` hook):
+
+    lockstep serve --model DIR [--backend cuda|cpu] [--print] [-- vLLM's own flags]
 
 The command line is vLLM's own ``vllm.entrypoints.openai.api_server``; this module only adds
 what activates the lane (the same settings as ``offline.engine_args``): the lane's
@@ -13,13 +16,11 @@ passed on: a server that silently left the lane would serve inexact log-probabil
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from pathlib import Path
 
-from ..common.errors import LaneRefused
 from .offline import engine_args
 
 # vLLM flags the lane sets itself; a user's value for one is refused (argparse's last-wins
@@ -92,52 +93,3 @@ def server_env(backend: str, base: dict | None = None) -> dict:
     if backend == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return env
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="lockstep serve",
-        description="vLLM's OpenAI-compatible server on the exact lane. Arguments after '--' "
-        "go to vLLM's server (--host, --port, --max-model-len, ...).",
-    )
-    ap.add_argument("--model", required=True, help="HF-format model folder")
-    ap.add_argument(
-        "--backend",
-        choices=("cpu", "cuda"),
-        default=None,
-        help="the lane's backend (default: cuda when a GPU is visible, else cpu)",
-    )
-    ap.add_argument("--contract", default=None, help="a fingerprint the lane must match")
-    ap.add_argument("--print", action="store_true", help="print the command, do not start it")
-    return ap
-
-
-def default_backend() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1 :]
-    args = build_parser().parse_args(argv)
-    backend = args.backend or default_backend()
-    try:
-        cmd = server_argv(args.model, backend=backend, extra=extra, contract=args.contract)
-    except (ServeArgumentError, LaneRefused, FileNotFoundError) as err:
-        print(f"lockstep serve: error: {err}", file=sys.stderr)
-        return 2
-    if args.print:
-        print(" ".join(cmd))
-        return 0
-    env = server_env(backend)
-    os.execvpe(cmd[0], cmd, env)
-    return 0  # not reached
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -5,6 +5,9 @@ while the engines work (or, for ``doctor``, are imported and asked what they ser
 output (vLLM's warnings, C++ prints, megatron-core's and torch's warnings) goes to a log file
 (``quiet.engine_output``) and only the command's progress and results reach the terminal; the
 last line names the log. ``--verbose`` streams the engine output to the terminal as well.
+
+Parsing and ``--help`` import no torch: the modules that load it (the models, the ladder, the
+trainer's loop) are imported inside the command that uses them.
 """
 
 from __future__ import annotations
@@ -22,23 +25,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-import torch
-
 from .. import __version__, plugins
-from ..adapters import adapter_record
-from ..k3 import compare
-from ..model import ModelDir
 from ..plugins import MissingHalf, require_hook
 from ..requests import CaptureRequest, ReplayRequest, ServeRequest, VerifyRequest
-from ..trace import Trace
-from . import report as report_mod
-from .bisect import bisect
-from .qualify import Ladder, check_backend
 from .quiet import engine_output
-from .sampler_process import SamplerProcess, sampler_python
 from .textfile import read_lines
-from .tiny import default_prompts, make_tiny
-from .train_loop import Progress, TrainConfig, TrainStopped, prepare_train, step_line
 
 QUIET_COMMANDS = ("qualify", "capture", "replay", "bisect", "train", "doctor", "verify")
 
@@ -105,6 +96,9 @@ def _drive(args, hook_name: str, half: str, package: str, message: str, request,
 
 
 def _cmd_tiny(args) -> int:
+    from ..model import ModelDir
+    from .tiny import make_tiny
+
     kw = {
         k: getattr(args, k)
         for k in (
@@ -130,6 +124,8 @@ def _cmd_tiny(args) -> int:
 
 
 def _cmd_contract_show(args) -> int:
+    from ..model import ModelDir
+
     if args.json and (args.adapter or args.model_hash):
         raise ValueError(
             "--json prints the contract's canonical JSON only: drop --adapter and "
@@ -159,6 +155,8 @@ def _cmd_contract_show(args) -> int:
 def _show_adapter(adapter_dir, model, fingerprint: str) -> None:
     """The hashes adapter refusals name: the adapter's own (traces record it), the contract
     and base model a Lockstep export was made for, each beside this model's and lane's."""
+    from ..adapters import adapter_record
+
     rec = adapter_record(adapter_dir)
 
     def versus(recorded, mine):
@@ -182,6 +180,11 @@ def _cmd_doctor(args) -> int:
 
 
 def _doctor(args, say) -> int:
+    import torch
+
+    from ..model import ModelDir
+    from .tiny import make_tiny
+
     say(f"lockstep-exact {__version__}  python {sys.version.split()[0]}  torch {torch.__version__}")
     backends = ["cpu"]
     if torch.cuda.is_available():
@@ -233,6 +236,8 @@ def _doctor(args, say) -> int:
 
 
 def _cmd_capture(args) -> int:
+    from .tiny import default_prompts
+
     # Refused before the engine starts (as train refuses the same values).
     if args.decisions < 1:
         raise ValueError(f"--decisions must be an int >= 1, got {args.decisions}")
@@ -283,6 +288,11 @@ def _cmd_capture(args) -> int:
 
 
 def _cmd_replay(args) -> int:
+    import torch
+
+    from ..k3 import compare
+    from ..trace import Trace
+
     trace = Trace.load(args.trace)
     result = _drive(
         args,
@@ -341,7 +351,12 @@ def _cmd_serve(args) -> int:
     pm = plugins.manager()
     require_hook(pm, "lockstep_serve_command", "sampler", "lockstep-serving[vllm]")
     hook = _only_engine(pm, "lockstep_serve_command", "vllm", "lockstep-serving[vllm]")
-    backend = args.backend or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.backend:
+        backend = args.backend
+    else:
+        import torch
+
+        backend = "cuda" if torch.cuda.is_available() else "cpu"
     request = ServeRequest(Path(args.model), backend, tuple(args.extra), args.contract)
     argv, env = hook(request=request)
     if args.print:
@@ -415,6 +430,10 @@ def _cmd_verify(args) -> int:
 
 
 def _cmd_qualify(args) -> int:
+    from . import report as report_mod
+    from .qualify import Ladder, check_backend
+    from .tiny import make_tiny
+
     # cuda where torch sees no device is refused here, before a model is made or read
     check_backend(args.backend, args.trainer_tp, args.trainer_ep)
     python = _sampler_python(args)
@@ -472,6 +491,8 @@ def _sampler_python(args) -> Path | None:
 
     if args.sampler_tp != 1:
         raise ValueError(f"--sampler {args.sampler} runs on one process: --sampler-tp 1")
+    from .sampler_process import sampler_python
+
     return sampler_python(args.sampler, args.sampler_python)
 
 
@@ -480,6 +501,7 @@ def _sampler_process(args, python):
     context that gives None (the installed sampler plugin, in this process)."""
     if python is None:
         return contextlib.nullcontext()
+    from .sampler_process import SamplerProcess
 
     return SamplerProcess(args.sampler, python)
 
@@ -510,6 +532,8 @@ class _Bar:
             self.say(f"resuming after step {done} of {total}")
 
     def step(self, row: dict, total: int) -> None:
+        from .train_loop import step_line
+
         self.done = row["step"]
         if not self.tty:
             self.say(step_line(row, total))
@@ -550,6 +574,8 @@ def _trained_line(rows: list[dict], algo: str) -> str:
 
 
 def _cmd_train(args) -> int:
+    from .train_loop import Progress, TrainConfig, TrainStopped, prepare_train
+
     config = TrainConfig(
         algo=args.algo,
         steps=args.steps,
@@ -601,6 +627,8 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_bisect(args) -> int:
+    from .bisect import bisect
+
     with _engines(args) as console:
         console.say(f"bisecting decision {args.decision}: recording every op site on both halves")
         div, missing = bisect(
