@@ -16,7 +16,7 @@ from lockstep_exact.parity import same_bytes
 from lockstep_exact.programs import Program
 from lockstep_exact.testing import nudge_ulp
 from lockstep_serving.vllm import attn_backend as ab
-from lockstep_serving.vllm.model import paged_attention
+from lockstep_serving.vllm.model import CachePlaces, paged_attention
 from lockstep_serving.vllm.patches import LaneRefused
 
 # The contract's program parameters (programs.CATALOG), never restated here.
@@ -86,6 +86,11 @@ def _caches(layout):
     return [caches[name] for name in layers]
 
 
+def _attend(q, k, v, positions, md, cache, reqs):
+    places = CachePlaces(md, md.slot_mapping, reqs, positions, cache.shape[2], cache.device)
+    return paged_attention(q, k, v, positions, md, cache, places, core=CORE)
+
+
 def _rows(seed, n, heads):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, heads, D, generator=g).to(torch.bfloat16)
@@ -117,9 +122,7 @@ def _run(layer_cache, corrupt: bool = False):
             _rows(10 * step + 1, n, HKV),
             _rows(10 * step + 2, n, HKV),
         )
-        outs.append(
-            paged_attention(q, k, v, positions, md, layer_cache, md.slot_mapping, reqs, core=CORE)
-        )
+        outs.append(_attend(q, k, v, positions, md, layer_cache, reqs))
         for r, start, end, _ in reqs:
             ks[r].append(k[start:end])
             vs[r].append(v[start:end])
@@ -167,7 +170,7 @@ def test_the_cache_cell_holds_k_then_v_of_each_token():
     _, cache = _caches(KVCacheLayout.LBNHC)
     md, positions, reqs = _metadata(*STEPS[0])
     q, k, v = _rows(0, 9, HEADS), _rows(1, 9, HKV), _rows(2, 9, HKV)
-    paged_attention(q, k, v, positions, md, cache, md.slot_mapping, reqs, core=CORE)
+    _attend(q, k, v, positions, md, cache, reqs)
     slots = md.slot_mapping.to(torch.int64)
     cells = cache[slots // BS, :, slots % BS]  # [tokens, kv_heads, 2 * D]
     assert torch.equal(cells[..., :D], k) and torch.equal(cells[..., D:], v)
@@ -190,7 +193,7 @@ def test_paged_attention_refuses_metadata_of_another_backend():
     cache = torch.zeros(NUM_BLOCKS, HKV, BS, 2 * D, dtype=torch.bfloat16)
     q, k = _rows(0, 9, HEADS), _rows(1, 9, HKV)
     with pytest.raises(LaneRefused, match="attention metadata of type CPUAttentionMetadata"):
-        paged_attention(q, k, k, positions, other, cache, md.slot_mapping, reqs, core=CORE)
+        _attend(q, k, k, positions, other, cache, reqs)
 
 
 @pytest.mark.parametrize(
@@ -219,7 +222,23 @@ def test_paged_attention_refuses_a_cache_not_in_the_lanes_layout(shape, dtype, m
     cache = torch.zeros(shape, dtype=dtype)
     q, k = _rows(0, 9, HEADS), _rows(1, 9, HKV)
     with pytest.raises(LaneRefused, match=message):
-        paged_attention(q, k, k, positions, md, cache, md.slot_mapping, reqs, core=CORE)
+        _attend(q, k, k, positions, md, cache, reqs)
+
+
+def test_the_cache_places_are_checked_once_a_step_and_kept_to_their_step():
+    """One host read checks every request's last query position; places worked out for one
+    step's metadata are refused for another's (a layer never reads another step's pages)."""
+    md, positions, reqs = _metadata(*STEPS[0])
+    cache = torch.zeros(NUM_BLOCKS, HKV, BS, 2 * D, dtype=torch.bfloat16)
+    moved = positions.clone()
+    moved[5] += 1  # request 0's last query is at position 6 of a 6-token sequence
+    with pytest.raises(LaneRefused, match=r"request 0: last query position 6 is not seq_len-1"):
+        CachePlaces(md, md.slot_mapping, reqs, moved, BS, cache.device)
+    places = CachePlaces(md, md.slot_mapping, reqs, positions, BS, cache.device)
+    other, _, _ = _metadata(*STEPS[0])
+    q, k = _rows(0, 9, HEADS), _rows(1, 9, HKV)
+    with pytest.raises(LaneRefused, match="another step's attention metadata"):
+        paged_attention(q, k, k, positions, other, cache, places, core=CORE)
 
 
 def test_the_builder_copies_the_batch_and_refuses_non_causal_metadata():

@@ -210,6 +210,51 @@ class LockstepQwen3ForCausalLM(nn.Module):
         with P.position_bound(self.max_positions):
             P.rope(x, torch.zeros(1, dtype=torch.int64, device=self.device), base)
 
+    def warm_up_lane(self, max_tokens: int, max_seqs: int) -> list[int]:
+        """Compile the cuda backend's kernels before the first request: the lane's programs
+        run once at each row count of ``warm_rows`` (steps of up to ``max_tokens`` rows, logits
+        of up to ``max_seqs``), on dummy tokens, plus the prefill attention over a long prefix
+        and one sampler draw. vLLM's own warm-up runs the lane only to capture its decode
+        graphs (its dummy steps carry no attention metadata), so without this the prefill and
+        sampler kernels compiled during the first requests. The runs go through an Ops of
+        their own: the record of what served (``self.ops``) stays that. Returns the row
+        counts run; cpu (nothing to compile) and tensor parallelism run none."""
+        if self.device.type != "cuda" or self.tp != 1:
+            return []
+        return self.warm(max_tokens, max_seqs)
+
+    def warm(self, max_tokens: int, max_seqs: int) -> list[int]:
+        """``warm_up_lane``'s runs on the model's device, whatever it is (a cpu test runs them
+        to see what they touch)."""
+        rows = warm_rows(max_tokens)
+        ops = Ops(self.contract)
+        slots = WarmSlots(self)
+        dev = self.device
+        with torch.no_grad(), paused(), P.position_bound(self.max_positions):
+            for n in rows:
+                ids = torch.zeros(n, dtype=torch.int64, device=dev)
+                h = qwen3.layers(ops, self.geom, slots, qwen3.embed(ops, slots, ids),
+                                 torch.arange(n, device=dev))  # fmt: skip
+                del h
+            for n in warm_rows(max_seqs):
+                h = torch.zeros(n, self.geom.hidden, dtype=torch.bfloat16, device=dev)
+                lp = qwen3.logprobs(ops, qwen3.final_logits(ops, self.geom, slots, h))
+            ops.sample("sample", lp, temperature=1.0, top_p=1.0, seeds=[0] * lp.shape[0],
+                       positions=list(range(lp.shape[0])))  # fmt: skip
+            g = self.geom
+            heads, kv_heads = g.heads, g.kv_heads
+            for queries, keys in ((1, 1025), (17, 1040)):
+                if keys > self.max_positions:
+                    continue
+                q = torch.zeros(queries, heads, g.head_dim, dtype=torch.bfloat16, device=dev)
+                kv = torch.zeros(keys, kv_heads, g.head_dim, dtype=torch.bfloat16, device=dev)
+                pos = torch.arange(keys - queries, keys, device=dev)
+                ops.attention("layers.0.self_attn.core", q, kv, kv, pos)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        self.warm_ops = ops  # what the warm-up ran (tests read it)
+        return rows
+
     # --- forward ---------------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.weights["model.embed_tokens.weight"][input_ids]  # embedding.gather
@@ -296,6 +341,37 @@ class LockstepQwen3ForCausalLM(nn.Module):
             return qwen3.final_logits(self.ops, self.geom, self.slots(), hidden_states)
 
 
+def warm_rows(max_tokens: int) -> list[int]:
+    """The row counts the lane's warm-up runs, up to ``max_tokens``: one row, then each of the
+    cuda gemm's tiling buckets (``programs.cuda.gemm.pick_tiling``: fewer than 64 rows, 64-256,
+    257-768, 769-2048, more) at a multiple of 16 and one past it (Triton compiles a multiple
+    of 16 apart from other sizes), and ``max_tokens`` itself and one below it."""
+    marks = [1, 2, 16, 17, 64, 65, 128, 129, 256, 257, 768, 769, 2048, 2049, 4096, 4097]
+    return sorted({n for n in [*marks, max_tokens - 1, max_tokens] if 1 <= n <= max_tokens})
+
+
+def step_places(places, md, slot_mapping, rows, reqs, positions, kv_cache) -> CachePlaces:
+    """``places`` where it fits this layer's metadata and cache, else this step's, built now
+    (the first layer of a step builds them; the others reuse them)."""
+    if places is not None and places.fits(md, kv_cache.shape[2], kv_cache.device):
+        return places
+    slots = slot_mapping if slot_mapping is not None else md.slot_mapping
+    return CachePlaces(md, slots[rows], reqs, positions, kv_cache.shape[2], kv_cache.device)
+
+
+class WarmSlots(qwen3.DictSlots):
+    """The slots of the lane's warm-up (``warm_up_lane``): the engine's weights, no adapter,
+    contiguous attention over the dummy sequence, and the experts grouped as served."""
+
+    def __init__(self, model: LockstepQwen3ForCausalLM):
+        super().__init__(model.weights, model.geom, None, per_layer=model._layer_weights)
+        self.model = model
+        self.gather = model.gather
+
+    def experts(self, layer):
+        return None if self.model._experts is None else self.model._experts[layer]
+
+
 class PagedSlots(qwen3.DictSlots):
     """The composition's slots in vLLM: the engine's weights, this group's adapter, and
     attention over vLLM's paged KV cache (``paged_attention``)."""
@@ -304,6 +380,7 @@ class PagedSlots(qwen3.DictSlots):
         super().__init__(model.weights, model.geom, adapters, per_layer=model._layer_weights)
         self.model, self.reqs, self.rows = model, reqs, rows
         self.gather = model.gather
+        self.places: CachePlaces | None = None  # the step's, from its first layer
 
     def experts(self, layer):
         # Grouped experts only where no adapter is in play: an adapter's expert sites take
@@ -317,10 +394,9 @@ class PagedSlots(qwen3.DictSlots):
 
         name = self.model.layer_names[layer]
         md, _layer, kv_cache, slot_mapping = get_attention_context(name)
-        slots = slot_mapping if slot_mapping is not None else md.slot_mapping
-        return paged_attention(
-            q, k, v, positions, md, kv_cache, slots[self.rows], self.reqs, core=core
-        )
+        self.places = step_places(self.places, md, slot_mapping, self.rows, self.reqs,
+                                  positions, kv_cache)  # fmt: skip
+        return paged_attention(q, k, v, positions, md, kv_cache, self.places, core=core)
 
 
 class DecodeSlots(qwen3.DictSlots):
@@ -373,44 +449,76 @@ class LockstepQwen3MoeForCausalLM(LockstepQwen3ForCausalLM):
     lane_arch = "LockstepQwen3MoeForCausalLM"
 
 
-def paged_attention(q, k, v, positions, md, kv_cache, slots, reqs, *, core):
+class CachePlaces:
+    """Where a step's rows and keys lie in the paged cache, worked out once a step: every layer
+    of the lane reads the same block table and slot mapping, so the layers share it.
+
+    ``reqs`` = [(r, start, end, seq_len)] (batch indices; their rows are concatenated in this
+    order) and ``positions``/``slots`` hold those rows. Per request: its local rows [lo, hi)
+    and the page and page offset of each of its positions 0..seq_len-1; for the rows: the page
+    and offset their K/V are written to. One host read checks every request's last query
+    position (the only place the lane reads the device here)."""
+
+    def __init__(self, md, slots, reqs, positions, block_size: int, device):
+        from .attn_backend import LaneAttentionMetadata  # imports vLLM: engine only
+
+        if not isinstance(md, LaneAttentionMetadata):
+            raise LaneRefused(
+                f"Lockstep exact lane: attention metadata of type {type(md).__name__}; the "
+                "lane's layers must run on its own backend (attn_backend.LaneAttentionBackend)"
+            )
+        self.key = (id(md), id(md.block_table), block_size, device)
+        bs = block_size
+        spans, local = [], 0
+        for _r, start, end, _seq_len in reqs:
+            spans.append((local, local + (end - start)))
+            local += end - start
+        last = torch.tensor([hi - 1 for _, hi in spans], dtype=torch.int64)
+        got = positions[last.to(positions.device)].tolist()  # the one host read
+        for (r, _s, _e, seq_len), p in zip(reqs, got, strict=True):
+            if int(p) != seq_len - 1:
+                raise LaneRefused(
+                    f"request {r}: last query position {int(p)} is not seq_len-1 "
+                    f"({seq_len - 1}); the lane cannot place its queries in the cache"
+                )
+        table = md.block_table.to(device=device, dtype=torch.int64)
+        self.spans = spans
+        self.pages, self.offsets = [], []
+        for r, _start, _end, seq_len in reqs:
+            at = torch.arange(seq_len, device=device)
+            self.pages.append(table[r][at // bs])
+            self.offsets.append(at % bs)
+        slots = slots.to(device=device, dtype=torch.int64)
+        self.write_pages, self.write_offsets = slots // bs, slots % bs
+
+    def fits(self, md, block_size: int, device) -> bool:
+        return self.key == (id(md), id(md.block_table), block_size, device)
+
+
+def paged_attention(q, k, v, positions, md, kv_cache, places: CachePlaces, *, core):
     """Write these rows' K/V into the paged cache, then attend each request over its cache.
 
-    q/k/v/positions/slots hold the rows of the requests ``reqs`` = [(r, start, end, seq_len)]
-    (batch indices; their rows are concatenated in this order). ``md`` is the batch's
-    ``LaneAttentionMetadata`` and ``kv_cache`` the layer's cache in the lane's layout
-    (``attn_backend``: [num_blocks, kv_heads, block_size, K|V]); both come from the lane's own
-    attention backend, and anything else is refused. Every cache access is an exact copy.
+    q/k/v/positions hold the rows of the step's requests in ``places``'s order (a
+    ``CachePlaces`` of this step, built from ``md``; one of another step is refused). ``md``
+    is the batch's ``LaneAttentionMetadata`` and ``kv_cache`` the layer's cache in the lane's
+    layout (``attn_backend``: [num_blocks, kv_heads, block_size, K|V]); both come from the
+    lane's own attention backend. Every cache access is an exact copy.
     ``core(q_rows, keys, values, positions)`` is the composition's attention op site (the
     contract's program and parameters: there is no default).
     """
-    from .attn_backend import LaneAttentionMetadata, kv_halves  # imports vLLM: engine only
+    from .attn_backend import kv_halves  # imports vLLM: engine only
 
-    if not isinstance(md, LaneAttentionMetadata):
+    if not places.fits(md, kv_cache.shape[2], kv_cache.device):
         raise LaneRefused(
-            f"Lockstep exact lane: attention metadata of type {type(md).__name__}; the lane's "
-            "layers must run on its own backend (attn_backend.LaneAttentionBackend)"
+            "Lockstep exact lane: the cache places were worked out for another step's "
+            "attention metadata or cache; the lane cannot place this layer's rows"
         )
     key_cache, value_cache = kv_halves(kv_cache, k)
-    bs = kv_cache.shape[2]
-    slots = slots.to(device=kv_cache.device, dtype=torch.int64)
-    key_cache[slots // bs, :, slots % bs] = k
-    value_cache[slots // bs, :, slots % bs] = v
+    key_cache[places.write_pages, :, places.write_offsets] = k
+    value_cache[places.write_pages, :, places.write_offsets] = v
     out = torch.empty_like(q)
-    local = 0
-    for r, start, end, seq_len in reqs:
-        lo, hi = local, local + (end - start)
-        local = hi
-        pos = positions[lo:hi]
-        if int(pos[-1]) != seq_len - 1:
-            raise LaneRefused(
-                f"request {r}: last query position {int(pos[-1])} is not seq_len-1 "
-                f"({seq_len - 1}); the lane cannot place its queries in the cache"
-            )
-        # The cache slots of positions 0..seq_len-1, through the request's block table.
-        at = torch.arange(seq_len, device=kv_cache.device)
-        blocks = md.block_table[r].to(device=kv_cache.device, dtype=torch.int64)[at // bs]
-        ks = key_cache[blocks, :, at % bs]
-        vs = value_cache[blocks, :, at % bs]
-        out[lo:hi] = core(q[lo:hi], ks, vs, pos)
+    for (lo, hi), pages, offsets in zip(places.spans, places.pages, places.offsets, strict=True):
+        ks = key_cache[pages, :, offsets]
+        vs = value_cache[pages, :, offsets]
+        out[lo:hi] = core(q[lo:hi], ks, vs, positions[lo:hi])
     return out

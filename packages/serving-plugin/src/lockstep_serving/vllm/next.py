@@ -56,6 +56,7 @@ from .model import (
     _validate_config,
     lane_backend,
     paged_attention,
+    step_places,
 )
 
 ARCH = "LockstepQwen3NextForCausalLM"
@@ -387,12 +388,12 @@ class PagedNextSlots(N.DictSlots):
         self.weights, self.per_layer = model._slots.weights, model._slots.per_layer
         self.adapters = adapters or {}
         self.model, self.reqs, self.rows = model, reqs, rows
+        self.places = None  # the step's cache places (model.step_places), from its first layer
 
     def attend(self, layer, q, k, v, segs, positions, core):
         from vllm.model_executor.layers.attention.attention import get_attention_context
 
         md, _layer, kv_cache, slot_mapping = get_attention_context(self.model.layer_names[layer])
-        slots = slot_mapping if slot_mapping is not None else md.slot_mapping
-        return paged_attention(
-            q, k, v, positions, md, kv_cache, slots[self.rows], self.reqs, core=core
-        )
+        self.places = step_places(self.places, md, slot_mapping, self.rows, self.reqs,
+                                  positions, kv_cache)  # fmt: skip
+        return paged_attention(q, k, v, positions, md, kv_cache, self.places, core=core)

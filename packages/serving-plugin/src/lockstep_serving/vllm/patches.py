@@ -171,6 +171,15 @@ TARGETS: tuple[Target, ...] = (
         params=("self", "message"),
     ),
     Target(
+        "vllm.v1.worker.gpu_worker",
+        "kernel_warmup",
+        "patch",
+        "after vLLM's kernel warm-up, a lane model's own (model.warm_up_lane): its Triton "
+        "kernels compile before the engine serves, not during the first requests",
+        params=("worker",),
+        replacement=_bound("kernel_warmup"),
+    ),
+    Target(
         "vllm.v1.worker.lora_model_runner_mixin",
         "LoRAModelRunnerMixin.load_lora_model",
         "patch",
@@ -353,6 +362,7 @@ TARGETS: tuple[Target, ...] = (
 # The 0.32.0 rows that hold unchanged on 0.26.0 (module, symbol, parameters, fields), checked
 # against the 0.26.0 source (docs/vllm-0.26.md, section 2).
 SHARED_0_26 = (
+    "vllm.v1.worker.gpu_worker.kernel_warmup",
     "vllm.model_executor.models.registry._ModelRegistry.register_model",
     "vllm.plugins.endpoint_plugins.interface.EndpointPlugin",
     "vllm.v1.sample.sampler.Sampler.compute_logprobs",

@@ -59,12 +59,33 @@ def _lane_process_inputs():
     return process_inputs
 
 
+def _original_kernel_warmup():
+    return patches.TABLE.original("kernel_warmup")
+
+
+def _lane_kernel_warmup():
+    """vLLM's kernel warm-up, then the lane's (``warm_up_lane``) when the worker's model is a
+    lane model: the lane's Triton kernels compile before the engine serves."""
+
+    def kernel_warmup(worker, *args, **kwargs):
+        out = _original_kernel_warmup()(worker, *args, **kwargs)
+        model = worker.get_model()
+        warm = getattr(model, "warm_up_lane", None)
+        if warm is not None:
+            sched = worker.scheduler_config
+            warm(int(sched.max_num_batched_tokens), int(sched.max_num_seqs))
+        return out
+
+    return kernel_warmup
+
+
 # The replacement of each "patch" row of patches.TABLE, by symbol (``patches.bind``).
 REPLACEMENTS = {
     "Sampler.compute_logprobs": _exact_compute_logprobs,
     "GPUModelRunner._sample": _lane_sample,
     "InputProcessor.process_inputs": _lane_process_inputs,
     "LoRAModelRunnerMixin.load_lora_model": _lane_load_lora_model,
+    "kernel_warmup": _lane_kernel_warmup,
 }
 
 
