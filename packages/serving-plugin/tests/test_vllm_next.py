@@ -44,6 +44,15 @@ def _same_and_comparator(a, b, what: str) -> None:
     assert not same_bytes(a, nudge_ulp(b)), f"{what}: the check misses a one-ulp change"
 
 
+def _bf16_ulp_up(t: torch.Tensor) -> None:
+    """Every element of ``t`` (a page entry, in place) one bf16 ulp further from zero: 2^16
+    ulps of an fp32 element, one of a bf16 element."""
+    if t.dtype == torch.float32:
+        t.view(torch.int32).add_(1 << 16)
+    else:
+        t.view(torch.int16).add_(1)
+
+
 def _prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(16)
     return [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in LENGTHS]
@@ -345,29 +354,60 @@ def _fake_pages(geom, n_pages: int = 3):
 
 def test_a_state_page_round_trip_keeps_every_byte_and_the_next_step(model_dir):
     """store_cache then load_cache gives back the composition's cache byte for byte, and
-    continuing from it gives the bytes of continuing from the original."""
+    continuing from it gives the bytes of continuing from the original: at a gdn chunk start
+    (no cached rows: the page's ``s`` carries every earlier token) and 6 rows into a chunk.
+
+    Control: a page entry moved before the next step reads it moves that step's bytes. Not one
+    ulp of one entry: ``s`` is the state at the chunk start c, and the step at position p reads
+    it only as exp(g_c + ... + g_p) * (s^T q_p), the decay of every token since c. On the tiny
+    model that factor is 0.02..0.5 per value head at p = c (the s term: up to 0.4 of the GDN
+    output), but 1e-8..3e-3 at p = c + 6 (the s term: at most 2e-3 of the output, about the
+    half ulp 2^-9 of its bf16 rounding), so at c + 6 a move of ``s`` by a small fraction rounds
+    away (one ulp of one entry, or 2^16 of them, did: docs/controls.md). The controls move a
+    whole entry by one bf16 ulp, the resolution of the bf16 output it feeds: at c all of ``s``
+    (its term moves by 2^-7 of itself: up to about a half ulp of the output, across many of the
+    step's 512 GDN outputs); at c + 6 the last cached ``v`` row (token c + 5, one token's decay
+    away; ``v`` is kept bf16)."""
     from lockstep_serving.vllm.next import load_cache, store_cache
 
     weights = load_file(str(model_dir / "model.safetensors"))
     geom = N.Geometry.from_model_dir(model_dir)
-    tokens = torch.tensor(_prompts()[LONG][:70])
-    cache = N.NextCache.empty(geom)
-    N.forward_logprobs(weights, geom, tokens, cache)  # position 70: chunk start 64, 6 rows
-    pages = _fake_pages(geom)
-    store_cache(geom, pages, 1, cache)
-    back = load_cache(geom, pages, 1, 70)
-    for i, st in cache.gdn.items():
-        got = back.gdn[i]
-        assert (got.start, got.chunk, got.position) == (64, geom.chunk, 70)
-        for name in ("s", "k", "v", "g", "beta"):
-            _same_and_comparator(getattr(st, name), getattr(got, name), f"layer {i} {name}")
-        assert torch.equal(cache.conv[i], back.conv[i])
-    # Attention K/V live in vLLM's pages, not in the state: carry them over for this check.
-    back.keys, back.values = cache.keys, cache.values
-    nxt = tokens[-1:]
-    a = N.forward_logprobs(weights, geom, nxt, cache)
-    b = N.forward_logprobs(weights, geom, nxt, back)
-    _same_and_comparator(a, b, "next step from the original vs from the pages")
+    prompt = _prompts()[LONG]
+    for position in (CHUNK, CHUNK + 6):
+        w = position - CHUNK  # the chunk's cached rows
+        cache = N.NextCache.empty(geom)
+        N.forward_logprobs(weights, geom, torch.tensor(prompt[:position]), cache)
+        pages = _fake_pages(geom)
+        store_cache(geom, pages, 1, cache)
+        back = load_cache(geom, pages, 1, position)
+        for i, st in cache.gdn.items():
+            got = back.gdn[i]
+            assert (got.start, got.chunk, got.position) == (CHUNK, geom.chunk, position)
+            for name in ("s", "k", "v", "g", "beta"):
+                want, have = getattr(st, name), getattr(got, name)
+                check = _same_and_comparator if want.numel() else assert_same_bytes  # no rows
+                check(want, have, f"at {position}: layer {i} {name}")
+            assert torch.equal(cache.conv[i], back.conv[i])
+        # Attention K/V live in vLLM's pages, not in the state: each next step gets its own copy
+        # of the original's (a shared dict would give a later step the K/V an earlier one added
+        # at ``position``, and it would attend those instead of its own).
+        kv = dict(cache.keys), dict(cache.values)
+        nxt = torch.tensor(prompt[position : position + 1])
+
+        def next_step(c, kv=kv, nxt=nxt):
+            c.keys, c.values = dict(kv[0]), dict(kv[1])
+            return N.forward_logprobs(weights, geom, nxt, c)
+
+        a = next_step(cache)
+        b = next_step(back)
+        _same_and_comparator(a, b, f"at {position}: next step from the original vs from the pages")
+        # control: one page entry one bf16 ulp up before the next step reads it (docstring)
+        page = pages[next(iter(cache.gdn))]
+        entry = page["s"][1] if w == 0 else page["v"][1, w - 1]
+        _bf16_ulp_up(entry)
+        assert not same_bytes(a, next_step(load_cache(geom, pages, 1, position))), (
+            f"at {position}: the check misses a moved state page entry"
+        )
 
 
 def test_a_page_of_another_position_is_refused(model_dir):
