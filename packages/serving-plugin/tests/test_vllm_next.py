@@ -91,6 +91,49 @@ def _spans(log: list):
         yield log
 
 
+@contextlib.contextmanager
+def _after_store(position: int, move):
+    """Call ``move(pages, slot)`` right after the lane stores a request's state at
+    ``position`` into page ``slot``: between that step and the next, which reads it."""
+    from lockstep_serving.vllm import next as V
+
+    original = V.store_cache
+
+    def store_cache(geom, pages, slot, cache):
+        original(geom, pages, slot, cache)
+        if cache.position == position:
+            move(pages, slot)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(V, "store_cache", store_cache)
+        yield
+
+
+def _free_page(n_pages: int) -> int:
+    """The last page that no request of the current step holds, in any cache group: vLLM's
+    hybrid cache draws state pages and attention blocks from one pool over one memory, so page
+    j of a state layer is block j of the attention layers (the neighbour of a request's state
+    page may be its own attention block)."""
+    from vllm.forward_context import get_forward_context
+
+    held = set()
+    for md in get_forward_context().attn_metadata.values():
+        ids = md.state_slots if hasattr(md, "state_slots") else md.block_table
+        held.update(int(j) for j in ids.flatten())
+    return next(j for j in range(n_pages - 1, 0, -1) if j not in held)
+
+
+def _move_s(own: bool = True):
+    """A ``move`` for ``_after_store``: the first GDN layer's ``s``, every entry one bf16 ulp
+    up (``_bf16_ulp_up``), in the request's page or (``own=False``) in a page nobody holds."""
+
+    def move(pages, slot):
+        s = next(iter(pages.values()))["s"]
+        _bf16_ulp_up(s[slot if own else _free_page(s.shape[0])])
+
+    return move
+
+
 @pytest.fixture(scope="module")
 def model_dir():
     return make_tiny(_ROOT / "models" / "qwen3-next", arch="qwen3-next")
@@ -146,6 +189,11 @@ def runs(model_dir):
             use_tqdm=False,
         )
         r["prompt_logprobs_moved"] = prompt_logprobs(pl)
+        # The 61-token prompt alone, its page's s moved after the step that stores the state at
+        # the chunk end 64 (control), and a page no request holds moved instead.
+        for key, own in (("page_moved", True), ("other_page_moved", False)):
+            with _after_store(CHUNK, _move_s(own)):
+                (r[key],) = llm.generate([prompts[ACROSS]], _params(greedy=True), use_tqdm=False)
     finally:
         stop_engine(llm)
     llm = start_engine(model_dir, max_num_batched_tokens=BUDGET, max_num_seqs=8)
@@ -207,6 +255,22 @@ def test_a_request_alone_equals_it_inside_a_batch(runs):
     # control: the same request alone with another seed parts from the batched one
     seed_tokens, seed_8 = _decisions(runs["alone_seed_8"])
     assert seed_tokens != batch_tokens or not same_bytes(seed_8, batch)
+
+
+@pytest.mark.engine
+def test_a_decode_step_reads_its_state_from_its_page(runs):
+    """In the engine, between two decode steps of the 61-token prompt: its state page's ``s``
+    one bf16 ulp up (every entry) after the step that stored the state at 64 moves the decision
+    of the next step (position 64, which reads it) and none before; the same move on a page no
+    request holds moves no byte. (One entry's ulp rounds away: see the round trip test.)"""
+    tokens, want = _decisions(runs["greedy"][ACROSS])
+    k = CHUNK - (LENGTHS[ACROSS] - 1)  # decision k is the step at position 64
+    _, moved = _decisions(runs["page_moved"])
+    assert same_bytes(moved[:k], want[:k]), "a step before the move changed"
+    assert not same_bytes(moved[k : k + 1], want[k : k + 1]), "the step did not read its page"
+    other_tokens, other = _decisions(runs["other_page_moved"])
+    assert other_tokens == tokens
+    _same_and_comparator(want, other, "a free page's s moved vs the greedy batch")
 
 
 @pytest.mark.engine
@@ -367,7 +431,10 @@ def test_a_state_page_round_trip_keeps_every_byte_and_the_next_step(model_dir):
     whole entry by one bf16 ulp, the resolution of the bf16 output it feeds: at c all of ``s``
     (its term moves by 2^-7 of itself: up to about a half ulp of the output, across many of the
     step's 512 GDN outputs); at c + 6 the last cached ``v`` row (token c + 5, one token's decay
-    away; ``v`` is kept bf16)."""
+    away; ``v`` is kept bf16).
+
+    The engine side (a decode step reads its own page in vLLM):
+    ``test_a_decode_step_reads_its_state_from_its_page``."""
     from lockstep_serving.vllm.next import load_cache, store_cache
 
     weights = load_file(str(model_dir / "model.safetensors"))
