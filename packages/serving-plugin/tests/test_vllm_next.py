@@ -44,6 +44,15 @@ def _same_and_comparator(a, b, what: str) -> None:
     assert not same_bytes(a, nudge_ulp(b)), f"{what}: the check misses a one-ulp change"
 
 
+def _bf16_ulp_up(t: torch.Tensor) -> None:
+    """Every element of ``t`` (a page entry, in place) one bf16 ulp further from zero: 2^16
+    ulps of an fp32 element, one of a bf16 element."""
+    if t.dtype == torch.float32:
+        t.view(torch.int32).add_(1 << 16)
+    else:
+        t.view(torch.int16).add_(1)
+
+
 def _prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(16)
     return [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in LENGTHS]
@@ -80,6 +89,49 @@ def _spans(log: list):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(N, "hidden", hidden)
         yield log
+
+
+@contextlib.contextmanager
+def _after_store(position: int, move):
+    """Call ``move(pages, slot)`` right after the lane stores a request's state at
+    ``position`` into page ``slot``: between that step and the next, which reads it."""
+    from lockstep_serving.vllm import next as V
+
+    original = V.store_cache
+
+    def store_cache(geom, pages, slot, cache):
+        original(geom, pages, slot, cache)
+        if cache.position == position:
+            move(pages, slot)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(V, "store_cache", store_cache)
+        yield
+
+
+def _free_page(n_pages: int) -> int:
+    """The last page that no request of the current step holds, in any cache group: vLLM's
+    hybrid cache draws state pages and attention blocks from one pool over one memory, so page
+    j of a state layer is block j of the attention layers (the neighbour of a request's state
+    page may be its own attention block)."""
+    from vllm.forward_context import get_forward_context
+
+    held = set()
+    for md in get_forward_context().attn_metadata.values():
+        ids = md.state_slots if hasattr(md, "state_slots") else md.block_table
+        held.update(int(j) for j in ids.flatten())
+    return next(j for j in range(n_pages - 1, 0, -1) if j not in held)
+
+
+def _move_s(own: bool = True):
+    """A ``move`` for ``_after_store``: the first GDN layer's ``s``, every entry one bf16 ulp
+    up (``_bf16_ulp_up``), in the request's page or (``own=False``) in a page nobody holds."""
+
+    def move(pages, slot):
+        s = next(iter(pages.values()))["s"]
+        _bf16_ulp_up(s[slot if own else _free_page(s.shape[0])])
+
+    return move
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +189,11 @@ def runs(model_dir):
             use_tqdm=False,
         )
         r["prompt_logprobs_moved"] = prompt_logprobs(pl)
+        # The 61-token prompt alone, its page's s moved after the step that stores the state at
+        # the chunk end 64 (control), and a page no request holds moved instead.
+        for key, own in (("page_moved", True), ("other_page_moved", False)):
+            with _after_store(CHUNK, _move_s(own)):
+                (r[key],) = llm.generate([prompts[ACROSS]], _params(greedy=True), use_tqdm=False)
     finally:
         stop_engine(llm)
     llm = start_engine(model_dir, max_num_batched_tokens=BUDGET, max_num_seqs=8)
@@ -198,6 +255,22 @@ def test_a_request_alone_equals_it_inside_a_batch(runs):
     # control: the same request alone with another seed parts from the batched one
     seed_tokens, seed_8 = _decisions(runs["alone_seed_8"])
     assert seed_tokens != batch_tokens or not same_bytes(seed_8, batch)
+
+
+@pytest.mark.engine
+def test_a_decode_step_reads_its_state_from_its_page(runs):
+    """In the engine, between two decode steps of the 61-token prompt: its state page's ``s``
+    one bf16 ulp up (every entry) after the step that stored the state at 64 moves the decision
+    of the next step (position 64, which reads it) and none before; the same move on a page no
+    request holds moves no byte. (One entry's ulp rounds away: see the round trip test.)"""
+    tokens, want = _decisions(runs["greedy"][ACROSS])
+    k = CHUNK - (LENGTHS[ACROSS] - 1)  # decision k is the step at position 64
+    _, moved = _decisions(runs["page_moved"])
+    assert same_bytes(moved[:k], want[:k]), "a step before the move changed"
+    assert not same_bytes(moved[k : k + 1], want[k : k + 1]), "the step did not read its page"
+    other_tokens, other = _decisions(runs["other_page_moved"])
+    assert other_tokens == tokens
+    _same_and_comparator(want, other, "a free page's s moved vs the greedy batch")
 
 
 @pytest.mark.engine
@@ -345,29 +418,63 @@ def _fake_pages(geom, n_pages: int = 3):
 
 def test_a_state_page_round_trip_keeps_every_byte_and_the_next_step(model_dir):
     """store_cache then load_cache gives back the composition's cache byte for byte, and
-    continuing from it gives the bytes of continuing from the original."""
+    continuing from it gives the bytes of continuing from the original: at a gdn chunk start
+    (no cached rows: the page's ``s`` carries every earlier token) and 6 rows into a chunk.
+
+    Control: a page entry moved before the next step reads it moves that step's bytes. Not one
+    ulp of one entry: ``s`` is the state at the chunk start c, and the step at position p reads
+    it only as exp(g_c + ... + g_p) * (s^T q_p), the decay of every token since c. On the tiny
+    model that factor is 0.02..0.5 per value head at p = c (the s term: up to 0.4 of the GDN
+    output), but 1e-8..3e-3 at p = c + 6 (the s term: at most 2e-3 of the output, about the
+    half ulp 2^-9 of its bf16 rounding), so at c + 6 a move of ``s`` by a small fraction rounds
+    away (one ulp of one entry, or 2^16 of them, did: docs/controls.md). The controls move a
+    whole entry by one bf16 ulp, the resolution of the bf16 output it feeds: at c all of ``s``
+    (its term moves by 2^-7 of itself: up to about a half ulp of the output, across many of the
+    step's 512 GDN outputs); at c + 6 the last cached ``v`` row (token c + 5, one token's decay
+    away; ``v`` is kept bf16).
+
+    The engine side (a decode step reads its own page in vLLM):
+    ``test_a_decode_step_reads_its_state_from_its_page``."""
     from lockstep_serving.vllm.next import load_cache, store_cache
 
     weights = load_file(str(model_dir / "model.safetensors"))
     geom = N.Geometry.from_model_dir(model_dir)
-    tokens = torch.tensor(_prompts()[LONG][:70])
-    cache = N.NextCache.empty(geom)
-    N.forward_logprobs(weights, geom, tokens, cache)  # position 70: chunk start 64, 6 rows
-    pages = _fake_pages(geom)
-    store_cache(geom, pages, 1, cache)
-    back = load_cache(geom, pages, 1, 70)
-    for i, st in cache.gdn.items():
-        got = back.gdn[i]
-        assert (got.start, got.chunk, got.position) == (64, geom.chunk, 70)
-        for name in ("s", "k", "v", "g", "beta"):
-            _same_and_comparator(getattr(st, name), getattr(got, name), f"layer {i} {name}")
-        assert torch.equal(cache.conv[i], back.conv[i])
-    # Attention K/V live in vLLM's pages, not in the state: carry them over for this check.
-    back.keys, back.values = cache.keys, cache.values
-    nxt = tokens[-1:]
-    a = N.forward_logprobs(weights, geom, nxt, cache)
-    b = N.forward_logprobs(weights, geom, nxt, back)
-    _same_and_comparator(a, b, "next step from the original vs from the pages")
+    prompt = _prompts()[LONG]
+    for position in (CHUNK, CHUNK + 6):
+        w = position - CHUNK  # the chunk's cached rows
+        cache = N.NextCache.empty(geom)
+        N.forward_logprobs(weights, geom, torch.tensor(prompt[:position]), cache)
+        pages = _fake_pages(geom)
+        store_cache(geom, pages, 1, cache)
+        back = load_cache(geom, pages, 1, position)
+        for i, st in cache.gdn.items():
+            got = back.gdn[i]
+            assert (got.start, got.chunk, got.position) == (CHUNK, geom.chunk, position)
+            for name in ("s", "k", "v", "g", "beta"):
+                want, have = getattr(st, name), getattr(got, name)
+                check = _same_and_comparator if want.numel() else assert_same_bytes  # no rows
+                check(want, have, f"at {position}: layer {i} {name}")
+            assert torch.equal(cache.conv[i], back.conv[i])
+        # Attention K/V live in vLLM's pages, not in the state: each next step gets its own copy
+        # of the original's (a shared dict would give a later step the K/V an earlier one added
+        # at ``position``, and it would attend those instead of its own).
+        kv = dict(cache.keys), dict(cache.values)
+        nxt = torch.tensor(prompt[position : position + 1])
+
+        def next_step(c, kv=kv, nxt=nxt):
+            c.keys, c.values = dict(kv[0]), dict(kv[1])
+            return N.forward_logprobs(weights, geom, nxt, c)
+
+        a = next_step(cache)
+        b = next_step(back)
+        _same_and_comparator(a, b, f"at {position}: next step from the original vs from the pages")
+        # control: one page entry one bf16 ulp up before the next step reads it (docstring)
+        page = pages[next(iter(cache.gdn))]
+        entry = page["s"][1] if w == 0 else page["v"][1, w - 1]
+        _bf16_ulp_up(entry)
+        assert not same_bytes(a, next_step(load_cache(geom, pages, 1, position))), (
+            f"at {position}: the check misses a moved state page entry"
+        )
 
 
 def test_a_page_of_another_position_is_refused(model_dir):
