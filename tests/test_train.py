@@ -101,6 +101,12 @@ def grpo_run(tiny_dense, tmp_path_factory):
         (["--teacher", "x"], "--teacher is for --algo opd, not grpo"),
         (["--task", "gsm8k"], "--task 'gsm8k': the built-in task is 'toy'"),
         (["--prompts", "9"], "--prompts must be in [1, 8] with the built-in prompts"),
+        (["--sampler-memory", "1.5"], "--sampler-memory is the fraction of the GPU's memory"),
+        pytest.param(
+            ["--backend", "cuda"],
+            "--backend cuda: no CUDA device here (torch sees none); use --backend cpu",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here"),
+        ),
     ],
 )
 def test_train_refuses_bad_settings_before_any_engine(tmp_path, capsys, argv, message):
@@ -429,9 +435,9 @@ def test_a_resumed_run_is_byte_identical_to_an_uninterrupted_one(tiny_dense, tmp
             reward=lambda c: 0.0,
             resume=True,
         )
-    damaged = parts / "checkpoints" / "step-0004" / "loop.json"
+    damaged = parts / "checkpoints" / "step-0004" / "record.json"
     damaged.write_bytes(damaged.read_bytes().replace(b"4", b"5"))
-    with pytest.raises(TrainSetupError, match="loop.json is corrupted: sha256 differs"):
+    with pytest.raises(TrainSetupError, match="record.json is corrupted: sha256 differs"):
         run_train(manager(), tiny_dense, parts, TrainConfig(steps=5, **config), resume=True)
     assert [r["step"] for r in _rows(parts)] == [1, 2, 3, 4]  # nothing lost
 

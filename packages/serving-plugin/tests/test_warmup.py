@@ -54,7 +54,9 @@ def test_the_patched_kernel_warmup_runs_vllms_then_the_lanes_with_the_engines_li
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])
+@pytest.mark.parametrize(
+    "arch", [pytest.param("qwen3", marks=pytest.mark.slow), "qwen3-moe"]
+)  # the MoE engine runs the dense programs too, and the grouped experts
 def test_the_warm_up_runs_every_served_program_and_leaves_the_engine_alone(tmp_path, arch):
     from vllm import SamplingParams
 

@@ -186,10 +186,10 @@ def test_a_checkpoint_of_the_older_format_is_refused(saved, tmp_path):
 
     old = _copy(saved, tmp_path / "old")
     manifest = json.loads((old / "manifest.json").read_text())
-    manifest["format"] = "lockstep.megatron.checkpoint/2"
+    manifest["format"] = "lockstep.megatron.checkpoint/3"
     (old / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(
-        CheckpointError, match=r"checkpoint/2' checkpoint, not 'lockstep.megatron.checkpoint/3'"
+        CheckpointError, match=r"checkpoint/3' checkpoint, not 'lockstep.checkpoint/1'"
     ):
         load_checkpoint(old)
 

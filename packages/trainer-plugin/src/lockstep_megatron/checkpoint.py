@@ -1,16 +1,11 @@
-"""Checkpoints of the ladder's training job (``run.Job``): the policy session's state files
-(``session.PolicySession.state_files``: fp32 adapter masters, AdamW state, the micro-batch
-generator, the position: the one trainer state format, which ``lockstep train``'s checkpoints
-hold too) and ``job.json``: what they continue, the training settings (``settings``: the
-trace's sha256, lr, rank, alpha, seed, micro-batch, the advantages) and the job's identity
-(``identity``: contract fingerprint, model hash, adapter-in hash, steps, ...). A resume
-compares both with the job that resumes (``check_resume``) and refuses, naming the field, a
-checkpoint made for anything else.
-
-Written atomically (``lockstep_exact.atomic.write_manifested``): every file goes into a temporary
-directory beside the target and is fsynced, ``manifest.json`` (the sha256 of every other file)
-is written last, then the directory is renamed into place. ``load`` refuses a directory without
-a manifest (a partial write), a file whose sha256 differs (corruption), or a missing/extra file.
+"""Checkpoints of the ladder's training job (``run.Job``), in the one training checkpoint
+container (``lockstep_exact.checkpoint``, kind ``ladder``; ``lockstep train`` writes kind
+``train``): the policy session's state files (``session.PolicySession.state_files``) and the
+job's record: ``position``, the training settings (``settings``: the trace's sha256, lr, rank,
+alpha, seed, micro-batch, the advantages) and the job's identity (``identity``: contract
+fingerprint, model hash, adapter-in hash, steps, ...). A resume compares both with the job
+that resumes (``check_resume``) and refuses, naming the field, a checkpoint made for anything
+else; the container refuses a partial, corrupted or foreign directory.
 """
 
 from __future__ import annotations
@@ -20,26 +15,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lockstep_exact.atomic import read_manifested, write_manifested
+from lockstep_exact import checkpoint as container
+from lockstep_exact.checkpoint import CheckpointError
 
-FORMAT = "lockstep.megatron.checkpoint/3"
-JOB = "job.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is partial, corrupted, not one of ours, or made for another job."""
+KIND = "ladder"
 
 
 def save_checkpoint(path: str | Path, trainer_files: Mapping[str, bytes], job: dict) -> Path:
     """Write ``trainer_files`` (a session's ``state_files()``) and ``job`` (``position``,
     ``settings``, ``identity``) to ``path``, atomically; never over an existing one."""
-    target = Path(path)
-    if target.exists():
-        raise FileExistsError(f"{target} exists; checkpoints are never overwritten in place")
     if not isinstance(job.get("settings"), Mapping) or not job["settings"]:
         raise CheckpointError("a checkpoint needs the training settings it was made with")
-    meta = (json.dumps(job, indent=2, sort_keys=True) + "\n").encode()
-    return write_manifested(target, {**trainer_files, JOB: meta}, FORMAT)
+    return container.save_checkpoint(path, trainer_files, KIND, job)
 
 
 def _canonical(value: Any) -> Any:
@@ -80,11 +67,4 @@ def check_resume(
 def load_checkpoint(path: str | Path) -> tuple[dict[str, bytes], dict]:
     """(the session's state files, the job record), or ``CheckpointError`` naming what is
     damaged."""
-    blobs = read_manifested(
-        path,
-        FORMAT,
-        CheckpointError,
-        why_format=" (older ones hold another trainer state format)",
-    )
-    job = json.loads(blobs.pop(JOB))
-    return blobs, job
+    return container.load_checkpoint(path, KIND)

@@ -596,6 +596,8 @@ def _cmd_train(args) -> int:
         reward=args.reward,
         adapter=args.adapter,
         checkpoint_every=args.checkpoint_every,
+        backend=args.backend,
+        sampler_memory=args.sampler_memory,
     )
     config.check()  # before any engine starts
     out = Path(args.out)
@@ -872,6 +874,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a checkpoint every this many steps (and at the last)",
     )
     tr.add_argument("--seed", type=int, default=0, help="sampling seeds, data order, adapter init")
+    tr.add_argument(
+        "--backend",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the sampler and the trainer run (cuda: one GPU, shared)",
+    )
+    tr.add_argument(
+        "--sampler-memory",
+        type=float,
+        default=0.5,
+        dest="sampler_memory",
+        help="--backend cuda: the fraction of the GPU's memory vLLM takes (the trainer: the rest)",
+    )
     tr.add_argument("--out", default="lockstep-train", help="metrics, traces, adapters, report")
     tr.add_argument("--resume", action="store_true", help="continue the run in --out")
     tr.set_defaults(func=_cmd_train)

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from ..atomic import read_manifested, write_manifested
+from .. import checkpoint as container
 from ..hashing import dir_sha256, sha256_file
 from ..k3 import compare
 from ..model import ModelDir, model_hash, tokenizer_hash
@@ -62,8 +62,7 @@ from .textfile import read_lines
 from .tiny import default_prompts
 from .train_report import TensorBoard, render
 
-RUN_FORMAT = "lockstep.train.run/1"
-CHECKPOINT_FORMAT = "lockstep.train.checkpoint/1"
+RUN_FORMAT = "lockstep.train.run/2"  # 2: the backend is a setting
 ALGOS = ("grpo", "opd", "sft")
 
 __all__ = [
@@ -112,6 +111,10 @@ class TrainConfig:
     adapter: str | None = None  # start from this adapter (e.g. an SFT run's last)
     checkpoint_every: int = 1
     temperature: float = 1.0
+    # Where the sampler and the trainer run: cpu, or cuda (one GPU, shared: vLLM takes
+    # ``sampler_memory`` of its memory, Megatron the rest).
+    backend: str = "cpu"
+    sampler_memory: float = 0.5
 
     def check(self) -> None:
         """Refuse, naming it, a setting the run cannot start with; fill the defaults that
@@ -147,6 +150,18 @@ class TrainConfig:
                 f"train: --temperature must be > 0 (on-policy sampling), got {self.temperature!r}"
             )
         rl.check_clip(self.clip)
+        if self.backend not in ("cpu", "cuda"):
+            raise TrainSetupError(f"train: --backend {self.backend!r}: choose cpu or cuda")
+        if not (isinstance(self.sampler_memory, int | float) and 0 < self.sampler_memory < 1):
+            raise TrainSetupError(
+                "train: --sampler-memory is the fraction of the GPU's memory vLLM takes, in "
+                f"(0, 1), got {self.sampler_memory!r}"
+            )
+        if self.backend == "cuda" and not torch.cuda.is_available():
+            raise TrainSetupError(
+                "train: --backend cuda: no CUDA device here (torch sees none); use --backend "
+                "cpu, or run on a machine with a GPU and the GPU build of torch and vLLM"
+            )
         if self.algo == "opd" and not self.teacher:
             raise TrainSetupError("train: --algo opd needs --teacher DIR (the teacher's model)")
         if self.algo != "opd" and self.teacher:
@@ -292,7 +307,7 @@ def _identity(config: TrainConfig, model: ModelDir, extra: dict) -> dict:
     return {
         "format": RUN_FORMAT,
         "model_hash": model.model_hash,
-        "contract": model.contract().fingerprint,
+        "contract": model.contract(config.backend).fingerprint,
         **{f"setting.{k}": v for k, v in settings.items()},
         **extra,
     }
@@ -344,19 +359,18 @@ def _checkpoints(out: Path) -> list[Path]:
 
 
 def save_checkpoint(out: Path, step: int, trainer_files: dict[str, bytes], loop: dict) -> Path:
-    state = (json.dumps(loop, indent=2, sort_keys=True) + "\n").encode()
-    files = {**trainer_files, "loop.json": state}
-    return write_manifested(out / "checkpoints" / f"step-{step:04d}", files, CHECKPOINT_FORMAT)
+    """The trainer's state and the loop's record, in the one training checkpoint container
+    (``lockstep_exact.checkpoint``, kind ``train``)."""
+    path = out / "checkpoints" / f"step-{step:04d}"
+    return container.save_checkpoint(path, trainer_files, "train", loop)
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, bytes], dict]:
     """(trainer files, loop state), or ``TrainSetupError`` naming what is damaged."""
     try:
-        files = read_manifested(path, CHECKPOINT_FORMAT, TrainSetupError)
+        return container.load_checkpoint(path, "train", TrainSetupError)
     except TrainSetupError as err:
         raise TrainSetupError(f"train --resume: {err}") from err
-    loop = json.loads(files.pop("loop.json"))
-    return files, loop
 
 
 @dataclass
@@ -731,13 +745,15 @@ class TrainPlan:
                     lr=config.lr,
                     seed=config.seed,
                     micro_batch=config.micro_batch,
+                    backend=config.backend,
                 )
             )
             if config.reference:
-                run.reference = _Frozen("reference", _frozen(trainer_hook, model.path), model.path)
+                frozen = _frozen(trainer_hook, model.path, config.backend)
+                run.reference = _Frozen("reference", frozen, model.path)
             if config.teacher:
                 tdir = Path(config.teacher)
-                run.teacher = _Frozen("teacher", _frozen(trainer_hook, tdir), tdir)
+                run.teacher = _Frozen("teacher", _frozen(trainer_hook, tdir, config.backend), tdir)
             if loop is None:
                 adapter, _ = run.policy.export(out / "adapters" / "step-0000")
             else:
@@ -749,9 +765,17 @@ class TrainPlan:
                 + (", teacher" if config.teacher else "")
                 + "); starting the sampler"
             )
+            # On cuda the sampler and the trainer share one GPU: vLLM is held to a fixed
+            # fraction of its memory (--sampler-memory), the trainer's model, adapter and
+            # AdamW state live in the rest; nothing is moved between steps.
+            gpu = {"gpu_memory_utilization": config.sampler_memory}
             run.sampler = self.sample_hook(
                 request=SamplerSessionRequest(
-                    model_dir=model.path, contract=identity["contract"], max_lora_rank=max_rank
+                    model_dir=model.path,
+                    backend=config.backend,
+                    contract=identity["contract"],
+                    max_lora_rank=max_rank,
+                    options=gpu if config.backend == "cuda" else {},
                 )
             )
             progress.say(f"sampler ready: {config.steps - done} steps of {config.algo} to run")
@@ -787,8 +811,8 @@ class TrainPlan:
         return history
 
 
-def _frozen(hook, model_dir: Path):
-    return hook(request=TrainerSessionRequest(model_dir=model_dir, role="frozen"))
+def _frozen(hook, model_dir: Path, backend: str):
+    return hook(request=TrainerSessionRequest(model_dir=model_dir, role="frozen", backend=backend))
 
 
 def _adapter_rank(adapter: str | None) -> int:
