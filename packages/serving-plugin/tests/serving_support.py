@@ -64,3 +64,28 @@ def nudged_weights(weights: dict, key: str, index: int = 0) -> dict:
     from lockstep_exact.testing import nudge_ulp
 
     return {**weights, key: nudge_ulp(weights[key], index)}
+
+
+def nudge_engine_weight(name: str = "model.norm.weight", index: int = 0):
+    """For ``llm.apply_model``: in the running lane model, element ``index`` of weight ``name``
+    one bf16 ulp up, in place (an input control without a second engine start: every later
+    request of that engine runs the moved model, so it goes last)."""
+
+    def nudge(model) -> None:
+        import torch
+
+        bits = model.weights[name].view(torch.int16).view(-1)
+        bits[index] += 1
+
+    return nudge
+
+
+def nudge_every_page(model) -> None:
+    """For ``llm.apply_model``: in every attention layer's cache, K element 0 of kv head 0 at
+    slot 0 of every page one bf16 ulp away, in place: what a prefix-cache hit reads back (the
+    input control of a hit)."""
+    import torch
+
+    for a in model.attn:
+        entry = a.kv_cache[:, 0, 0, 0]
+        entry.copy_((entry.view(torch.int16) + 1).view(torch.bfloat16))

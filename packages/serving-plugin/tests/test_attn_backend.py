@@ -8,7 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from serving_support import assert_same_bytes_and_comparator, start_engine, stop_engine
+from serving_support import (
+    assert_same_bytes_and_comparator,
+    nudge_every_page,
+    start_engine,
+    stop_engine,
+)
 
 from lockstep_exact import programs as P
 from lockstep_exact.app.tiny import default_prompts, make_tiny
@@ -330,14 +335,6 @@ def _decisions(out):
     return list(out.outputs[0].token_ids), sampled_logprobs(out.outputs[0])
 
 
-def _nudge_every_page(model) -> None:
-    """In every attention layer's cache, K element 0 of kv head 0 at slot 0 of every page one
-    bf16 ulp away, in place: what a prefix-cache hit reads back (the input control)."""
-    for a in model.attn:
-        entry = a.kv_cache[:, 0, 0, 0]
-        entry.copy_((entry.view(torch.int16) + 1).view(torch.bfloat16))
-
-
 @pytest.mark.slow
 @pytest.mark.engine
 def test_head_dim_16_at_block_size_5_gives_the_same_bytes_on_cache_hits_and_chunks(tmp_path):
@@ -361,14 +358,14 @@ def test_head_dim_16_at_block_size_5_gives_the_same_bytes_on_cache_hits_and_chun
         (miss,) = llm.generate([target], seeded, use_tqdm=False)
         (hit,) = llm.generate([target], seeded, use_tqdm=False)
         whole = llm.generate(prompts, greedy, use_tqdm=False)
-        llm.apply_model(_nudge_every_page)
+        llm.apply_model(nudge_every_page)
         (hit_moved,) = llm.generate([target], seeded, use_tqdm=False)
     finally:
         stop_engine(llm)
     llm = start_engine(model, block_size=5, max_num_batched_tokens=16, max_num_seqs=8)
     try:
         chunked = llm.generate(prompts, greedy, use_tqdm=False)
-        llm.apply_model(_nudge_every_page)
+        llm.apply_model(nudge_every_page)
         (chunked_moved,) = llm.generate([target], greedy, use_tqdm=False)
     finally:
         stop_engine(llm)

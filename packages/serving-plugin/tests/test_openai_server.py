@@ -19,6 +19,7 @@ import torch
 from serving_support import assert_same_bytes_and_comparator
 
 from lockstep_exact.model import lane_contract
+from lockstep_exact.parity import same_bytes
 from lockstep_exact.plugins import manager
 from lockstep_exact.requests import CaptureRequest
 
@@ -141,6 +142,10 @@ def test_a_served_completion_has_the_logprobs_of_the_offline_capture(server):
     trace = pm.hook.lockstep_capture(request=request)
     assert trace.sampled(0).tolist() == served_tokens
     assert_same_bytes_and_comparator(trace.logprobs, served.to(torch.float32), "server vs capture")
+    # control: the same completion served with another seed parts from the capture
+    choice = _post(base + "/v1/completions", {**body, "seed": SEED + 1})["choices"][0]
+    other = torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float32)
+    assert not same_bytes(trace.logprobs, other), "the check misses a changed seed"
 
 
 def test_a_sampling_parameter_outside_the_lanes_rule_is_a_400_naming_it(server):

@@ -10,11 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from serving_support import assert_same_bytes_and_comparator, start_engine, stop_engine
+from serving_support import (
+    assert_same_bytes_and_comparator,
+    nudge_engine_weight,
+    start_engine,
+    stop_engine,
+)
 
 from lockstep_exact import programs as P
 from lockstep_exact.app.tiny import default_prompts
 from lockstep_exact.lanes import qwen3
+from lockstep_exact.parity import same_bytes
 
 pytestmark = pytest.mark.engine
 
@@ -65,6 +71,10 @@ def runs(tiny_models):
     try:
         r["whole"] = llm.generate(PROMPTS, params, use_tqdm=False)
         (r["alone"],) = llm.generate([PROMPTS[TARGET]], [params[TARGET]], use_tqdm=False)
+        # control: the same request alone with another seed
+        other = params[TARGET].clone()
+        other.seed = SEEDS[TARGET] + 1000
+        (r["alone_other_seed"],) = llm.generate([PROMPTS[TARGET]], [other], use_tqdm=False)
         r["refused"] = _refusals(llm)
         r["after_refusal"] = llm.generate([PROMPTS[TARGET]], [params[TARGET]], use_tqdm=False)
         r["unseeded"] = _unseeded(llm)
@@ -75,6 +85,9 @@ def runs(tiny_models):
     )
     try:
         r["chunked"] = llm.generate(PROMPTS, params, use_tqdm=False)
+        # control, last (the engine keeps the moved weight): the final norm's weight 0 one ulp
+        llm.apply_model(nudge_engine_weight())
+        (r["chunked_moved"],) = llm.generate([PROMPTS[TARGET]], [params[TARGET]], use_tqdm=False)
     finally:
         stop_engine(llm)
     return r
@@ -152,6 +165,9 @@ def test_seeded_sampling_with_chunked_prefill_equals_one_prefill(runs):
         chunked_tokens, chunked_lps = _decisions(chunked)
         assert whole_tokens == chunked_tokens, f"prompt {i}"
         assert_same_bytes_and_comparator(whole_lps, chunked_lps, f"prompt {i}: whole vs chunked")
+    # control: the chunked engine with one weight one ulp off parts from one prefill
+    whole = _decisions(runs["whole"][TARGET])[1]
+    assert not same_bytes(whole, _decisions(runs["chunked_moved"])[1])
 
 
 def test_the_same_seed_draws_the_same_tokens_alone_and_in_a_batch(runs):
@@ -159,6 +175,9 @@ def test_the_same_seed_draws_the_same_tokens_alone_and_in_a_batch(runs):
     batch_tokens, batch = _decisions(runs["whole"][TARGET])
     assert alone_tokens == batch_tokens
     assert_same_bytes_and_comparator(alone, batch, "alone vs batch of 8")
+    # control: the request alone with another seed draws other tokens
+    other_tokens, other = _decisions(runs["alone_other_seed"])
+    assert other_tokens != batch_tokens and not same_bytes(other, batch)
     after_tokens, _ = _decisions(runs["after_refusal"][0])
     assert after_tokens == alone_tokens  # refused requests left the engine serving
 

@@ -12,6 +12,8 @@ import pytest
 import torch
 from serving_support import assert_same_bytes_and_comparator
 
+from lockstep_exact.parity import same_bytes
+
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 _CHILD = """
@@ -31,7 +33,11 @@ if __name__ == "__main__":
         outs = llm.generate(default_prompts(8), sp, use_tqdm=False)
         bits = [sampled_logprobs(o.outputs[0]).view(torch.int32).tolist() for o in outs]
         tokens = [list(o.outputs[0].token_ids) for o in outs]
-        result[model_dir] = {"threads": threads, "bits": bits, "tokens": tokens}
+        # control, last: the final norm's weight 0 one bf16 ulp up in place, the same requests
+        llm.apply_model(conftest.nudge_engine_weight())
+        outs = llm.generate(default_prompts(8), sp, use_tqdm=False)
+        moved = [sampled_logprobs(o.outputs[0]).view(torch.int32).tolist() for o in outs]
+        result[model_dir] = {"threads": threads, "bits": bits, "tokens": tokens, "moved": moved}
         conftest.stop_engine(llm)
     print("RESULT " + json.dumps(result))
 """
@@ -75,7 +81,10 @@ def test_decisions_with_one_thread_equal_decisions_with_two(tiny_models, by_thre
     one, two = by_threads[1][key], by_threads[2][key]
     assert (one["threads"], two["threads"]) == (1, 2)
     assert one["tokens"] == two["tokens"]
-    for i, (a, b) in enumerate(zip(one["bits"], two["bits"], strict=True)):
+    for i, (a, b, moved) in enumerate(zip(one["bits"], two["bits"], two["moved"], strict=True)):
         a32 = torch.tensor(a, dtype=torch.int32).view(torch.float32)
         b32 = torch.tensor(b, dtype=torch.int32).view(torch.float32)
         assert_same_bytes_and_comparator(a32, b32, f"{family} prompt {i}: 1 vs 2 threads")
+        # control: 2 threads on the model with one weight one ulp off part from 1 thread
+        moved32 = torch.tensor(moved, dtype=torch.int32).view(torch.float32)
+        assert not same_bytes(a32, moved32), f"{family} prompt {i}: a weight's ulp is missed"
