@@ -430,8 +430,9 @@ def test_a_state_page_round_trip_keeps_every_byte_and_the_next_step(model_dir):
     away (one ulp of one entry, or 2^16 of them, did: docs/controls.md). The controls move a
     whole entry by one bf16 ulp, the resolution of the bf16 output it feeds: at c all of ``s``
     (its term moves by 2^-7 of itself: up to about a half ulp of the output, across many of the
-    step's 512 GDN outputs); at c + 6 the last cached ``v`` row (token c + 5, one token's decay
-    away; ``v`` is kept bf16).
+    step's 512 GDN outputs); at c + 6 the last cached row's ``u`` (token c + 5, one token's decay
+    away: the forward substitution's solution the page keeps, which the next step reads in place
+    of solving that row again from its ``v``, so moving the cached ``v`` no longer reaches it).
 
     The engine side (a decode step reads its own page in vLLM):
     ``test_a_decode_step_reads_its_state_from_its_page``."""
@@ -450,7 +451,7 @@ def test_a_state_page_round_trip_keeps_every_byte_and_the_next_step(model_dir):
         for i, st in cache.gdn.items():
             got = back.gdn[i]
             assert (got.start, got.chunk, got.position) == (CHUNK, geom.chunk, position)
-            for name in ("s", "k", "v", "g", "beta"):
+            for name in ("s", "k", "v", "g", "beta", "u", "gcum"):
                 want, have = getattr(st, name), getattr(got, name)
                 check = _same_and_comparator if want.numel() else assert_same_bytes  # no rows
                 check(want, have, f"at {position}: layer {i} {name}")
@@ -470,7 +471,7 @@ def test_a_state_page_round_trip_keeps_every_byte_and_the_next_step(model_dir):
         _same_and_comparator(a, b, f"at {position}: next step from the original vs from the pages")
         # control: one page entry one bf16 ulp up before the next step reads it (docstring)
         page = pages[next(iter(cache.gdn))]
-        entry = page["s"][1] if w == 0 else page["v"][1, w - 1]
+        entry = page["s"][1] if w == 0 else page["u"][1, w - 1]
         _bf16_ulp_up(entry)
         assert not same_bytes(a, next_step(load_cache(geom, pages, 1, position))), (
             f"at {position}: the check misses a moved state page entry"
@@ -517,11 +518,12 @@ def test_the_state_layer_refuses_a_binding_of_another_layout(model_dir):
         LaneStateLayer("model.layers.0.linear_attn", state_layout(geom), config)
     layer.kv_cache = tuple(torch.zeros(2, *s, dtype=d) for _, s, d in state_layout(geom))
     assert set(layer.pages()) == {n for n, _, _ in state_layout(geom)}
-    layer.kv_cache = (torch.zeros(2, 4, 128, 128, dtype=torch.bfloat16),) * 7
+    n = len(state_layout(geom))
+    layer.kv_cache = (torch.zeros(2, 4, 128, 128, dtype=torch.bfloat16),) * n
     with pytest.raises(LaneRefused, match=r"state 'meta' is bound as torch.bfloat16"):
         layer.pages()
     layer.kv_cache = layer.kv_cache[:2]
-    with pytest.raises(LaneRefused, match=r"was bound 2 state tensors, not the lane's 7"):
+    with pytest.raises(LaneRefused, match=rf"was bound 2 state tensors, not the lane's {n}"):
         layer.pages()
     align = SimpleNamespace(cache_config=SimpleNamespace(mamba_cache_mode="align"))
     with pytest.raises(LaneRefused, match=r"mamba_cache_mode 'align': the qwen3-next lane keeps"):

@@ -517,3 +517,57 @@ def test_an_moe_block_of_the_programs_matches_hf_qwen3_next_in_fp32():
     # Negative control: the shared expert without its gate.
     ungated = P.residual_add(routed, mlp("shared_expert."))
     assert _rms_rel(ungated, ref) > 5 * _rms_rel(y, ref)
+
+
+def _gdn_inputs(t, h_k=2, h_v=4, d_k=16, d_v=32, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    q = P.l2norm(torch.randn(t, h_k, d_k, generator=g).to(BF16), 1e-6)
+    k = P.l2norm(torch.randn(t, h_k, d_k, generator=g).to(BF16), 1e-6)
+    v = torch.randn(t, h_v, d_v, generator=g).to(BF16)
+    gate = -torch.rand(t, h_v, generator=g) * 0.1
+    beta = torch.rand(t, h_v, generator=g)
+    return q, k, v, gate, beta
+
+
+def test_a_state_keeps_its_rows_solved_and_a_decode_step_solves_only_its_own():
+    """GdnState.u / gcum: the cached rows' forward-substitution solutions and cumulative gates,
+    kept by the state so a decode step does not solve the chunk's earlier rows again. Steps of
+    1 to 70 tokens give the one-pass bytes with the kept solutions and with them dropped (the
+    program then solves the rows from the cached tokens); moving one kept u entry (an input of
+    the next step) moves the next step's bytes, so the kept solutions are what the step reads."""
+    import dataclasses
+
+    t = 150
+    q, k, v, gate, beta = _gdn_inputs(t)
+    zero = P.gdn_state(2, 4, 16, 32, chunk=CHUNK)
+    whole, end = P.gdn_chunked(q, k, v, gate, beta, zero, position=0, chunk=CHUNK)
+    steps = [5, 1, 1, 30, 1, 40, 1, 1, 70]
+    for drop in (False, True):
+        state, outs, pos = zero, [], 0
+        for n in steps:
+            if drop:
+                state = dataclasses.replace(state, u=None, gcum=None)
+            sl = slice(pos, pos + n)
+            o, state = P.gdn_chunked(
+                q[sl], k[sl], v[sl], gate[sl], beta[sl], state, position=pos, chunk=CHUNK
+            )
+            outs.append(o)
+            pos += n
+        assert_same_bytes(torch.cat(outs), whole, f"steps vs one pass (drop={drop})")
+        assert_same_bytes(state.s, end.s, "the state")
+        assert_same_bytes(state.u, end.u, "the kept solutions")
+    # control: the state after 37 tokens (w = 37 solved rows) with one u entry moved by 2^-9
+    mid = P.gdn_chunked(q[:37], k[:37], v[:37], gate[:37], beta[:37], zero, position=0,
+                        chunk=CHUNK)[1]  # fmt: skip
+    assert mid.u.shape == (37, 4, 32) and mid.gcum.shape == (37, 4)
+    moved = mid.u.clone()
+    moved[36, 0, 0] += 2.0**-9
+    sl = slice(37, 38)
+    args = (q[sl], k[sl], v[sl], gate[sl], beta[sl])
+    honest, _ = P.gdn_chunked(*args, mid, position=37, chunk=CHUNK)
+    assert_same_bytes(honest, whole[37:38], "decode at 37")
+    other, _ = P.gdn_chunked(*args, dataclasses.replace(mid, u=moved), position=37, chunk=CHUNK)
+    assert not same_bytes(other, honest), "a moved kept solution must move the next step"
+    bad = dataclasses.replace(mid, u=mid.u[:36])
+    with pytest.raises(ValueError, match=r"cached rows' solutions \(u, gcum\) do not match"):
+        P.gdn_chunked(*args, bad, position=37, chunk=CHUNK)

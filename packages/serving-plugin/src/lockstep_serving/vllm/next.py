@@ -15,7 +15,8 @@ head); this module only wires the composition into vLLM:
 What a page holds (``state_layout``), for a request whose next token is at position p, with
 c = p - p mod chunk the start of p's gdn chunk and w = p - c: the GdnState at c (``s``,
 fp32 [Hv, K, V]), the chunk's w cached rows so far (``k`` fp32, ``g`` and ``beta`` fp32,
-``v`` bf16; the page has room for ``chunk`` rows), the conv window (the last W-1 conv
+``v`` bf16; the page has room for ``chunk`` rows) and what the program solved for them
+(``u`` and ``gcum`` fp32: a decode step solves only its own row), the conv window (the last W-1 conv
 inputs, bf16) and ``meta`` = (p, chunk) int32, which is checked before every read: a page
 that does not belong to the request at that position is refused, never read. A request at
 position 0 starts from the programs' zero state (vLLM does not clear a reused page).
@@ -77,6 +78,8 @@ def state_layout(geom: N.Geometry) -> tuple[tuple[str, tuple[int, ...], torch.dt
         ("k", (c, hk, dk), F32),  # the chunk's cached rows (first w of c)
         ("g", (c, hv), F32),
         ("beta", (c, hv), F32),
+        ("u", (c, hv, dv), F32),  # the cached rows solved (GdnState.u, gcum): not solved again
+        ("gcum", (c, hv), F32),
         ("v", (c, hv, dv), BF16),
         ("conv", (geom.conv_kernel - 1, geom.conv_dim), BF16),  # the conv window
     )
@@ -126,6 +129,8 @@ def load_cache(geom: N.Geometry, pages: dict[int, dict[str, torch.Tensor]], slot
             v=p["v"][slot, :w].clone(),
             g=p["g"][slot, :w].clone(),
             beta=p["beta"][slot, :w].clone(),
+            u=p["u"][slot, :w].clone(),
+            gcum=p["gcum"][slot, :w].clone(),
         )
         cache.conv[i] = p["conv"][slot].clone()
     return cache
@@ -146,6 +151,12 @@ def store_cache(geom: N.Geometry, pages: dict[int, dict[str, torch.Tensor]], slo
         p["v"][slot, :w] = st.v
         p["g"][slot, :w] = st.g
         p["beta"][slot, :w] = st.beta
+        if st.u is None:  # a state from the programs always carries them; a page must too
+            raise LaneRefused(
+                f"Lockstep exact lane: layer {i}'s state has no solved rows (u, gcum) to keep"
+            )
+        p["u"][slot, :w] = st.u
+        p["gcum"][slot, :w] = st.gcum
         p["conv"][slot] = cache.conv[i]
         p["meta"][slot] = torch.tensor([cache.position, geom.chunk], dtype=torch.int32)
 

@@ -127,6 +127,12 @@ class GdnState:
     a function of the tokens before ``start`` only. ``k`` [w, Hk, K] fp32 (l2-normalized),
     ``v`` [w, Hv, V] bf16 and ``g``, ``beta`` [w, Hv] fp32 are the tokens ``start ..
     start+w-1`` of the current chunk (0 <= w < chunk). The next token is at ``position``.
+
+    ``u`` [w, Hv, V] and ``gcum`` [w, Hv] fp32 are what ``_chunk`` solved for those rows (the
+    forward substitution's u and the cumulative gates G), kept so that a call does not solve
+    them again: each is a function of ``s`` and the cached rows alone, computed by the same
+    operations whenever it is computed, so a state without them (None: a trainer's state under
+    autograd, say) gives the same bytes, solving them from the rows.
     """
 
     chunk: int
@@ -136,6 +142,8 @@ class GdnState:
     v: torch.Tensor
     g: torch.Tensor
     beta: torch.Tensor
+    u: torch.Tensor | None = None
+    gcum: torch.Tensor | None = None
 
     @property
     def position(self) -> int:
@@ -153,6 +161,8 @@ def gdn_state(h_k: int, h_v: int, d_k: int, d_v: int, *, chunk: int, device=None
         v=torch.zeros(0, h_v, d_v, dtype=BF16, device=device),
         g=torch.zeros(0, h_v, dtype=F32, device=device),
         beta=torch.zeros(0, h_v, dtype=F32, device=device),
+        u=torch.zeros(0, h_v, d_v, dtype=F32, device=device),
+        gcum=torch.zeros(0, h_v, dtype=F32, device=device),
     )
 
 
@@ -221,6 +231,17 @@ def _check(q, k, v, g, beta, state: GdnState, position: int, chunk: int):
         "gdn.chunked: the cached window (k, v, g, beta) does not match the layer's heads and "
         "dims or dtypes",
     )
+    if state.u is not None or state.gcum is not None:
+        require(
+            state.u is not None
+            and state.gcum is not None
+            and state.u.shape == (w, h_v, d_v)
+            and state.gcum.shape == (w, h_v)
+            and state.u.dtype == F32
+            and state.gcum.dtype == F32
+            and {str(state.u.device), str(state.gcum.device)} == devices,
+            "gdn.chunked: the cached rows' solutions (u, gcum) do not match the cached window",
+        )
     require(
         position == state.position,
         f"gdn.chunked: the state is at position {state.position}, the call starts at {position}:"
@@ -255,12 +276,16 @@ def gdn_chunked(q, k, v, g, beta, state: GdnState, *, position: int, chunk: int,
     s = state.s
     outs = []
     c = state.start
+    # The first chunk's cached rows arrive solved when the state kept them (GdnState.u, gcum).
+    solved = (state.u, state.gcum) if state.u is not None else None
+    u_kept = torch.zeros(0, h_v, d_v, dtype=F32, device=dev)
+    g_kept = torch.zeros(0, h_v, dtype=F32, device=dev)
     while c < end:
         lo = c - state.start
         m = min(chunk, end - c)
         first = max(position - c, 0)  # first row of this chunk that is a new token
         q_rows = qs[c + first - position : c + m - position]
-        o, s_next = _chunk_heads(
+        o, s_next, u_rows, g_rows = _chunk_heads(
             s,
             q_rows[:, head_map],
             kk[lo : lo + m][:, head_map],
@@ -269,12 +294,14 @@ def gdn_chunked(q, k, v, g, beta, state: GdnState, *, position: int, chunk: int,
             bb[lo : lo + m],
             first,
             chunk,
+            solved if lo == 0 else None,
         )
         outs.append(o)
         if m == chunk:
             s = s_next
             c += chunk
         else:
+            u_kept, g_kept = u_rows, g_rows  # the rows the new state keeps, solved
             break
     out = round_bf16(torch.cat(outs, dim=0))
     keep = c - state.start
@@ -286,36 +313,50 @@ def gdn_chunked(q, k, v, g, beta, state: GdnState, *, position: int, chunk: int,
         v=vv[keep:].clone(),
         g=gg[keep:].clone(),
         beta=bb[keep:].clone(),
+        u=u_kept,
+        gcum=g_kept,
     )
     return out, new_state
 
 
-def _chunk_heads(s0, q, k, v, g, beta, first, chunk):
-    """``_chunk`` over groups of heads (heads never interact)."""
+def _chunk_heads(s0, q, k, v, g, beta, first, chunk, solved=None):
+    """``_chunk`` over groups of heads (heads never interact). ``solved``: (u [w, H, V],
+    gcum [w, H]) of the chunk's first w rows, or None."""
     h_v, d_k, d_v = s0.shape
     per_head = chunk * max(chunk, d_k) * d_v * 4
     group = max(1, _CHUNK_BYTES // max(1, per_head))
-    outs, states = [], []
+    outs, states, us, gs = [], [], [], []
     for h0 in range(0, h_v, group):
         hs = slice(h0, h0 + group)
-        o, s = _chunk(s0[hs], q[:, hs], k[:, hs], v[:, hs], g[:, hs], beta[:, hs], first, chunk)
+        part = None if solved is None else (solved[0][:, hs], solved[1][:, hs])
+        o, s, u, gc = _chunk(
+            s0[hs], q[:, hs], k[:, hs], v[:, hs], g[:, hs], beta[:, hs], first, chunk, part
+        )
         outs.append(o)
         states.append(s)
-    return torch.cat(outs, dim=1), (torch.cat(states, dim=0) if states[0] is not None else None)
+        us.append(u)
+        gs.append(gc)
+    s_end = torch.cat(states, dim=0) if states[0] is not None else None
+    return torch.cat(outs, dim=1), s_end, torch.cat(us, dim=1), torch.cat(gs, dim=1)
 
 
-def _chunk(s0, q, k, v, g, beta, first, chunk):
+def _chunk(s0, q, k, v, g, beta, first, chunk, solved=None):
     """One chunk of one sequence: rows 0..m-1 present (m <= C), outputs for rows first..m-1.
 
     s0 [H, K, V]; q [m-first, H, K] (scaled); k [m, H, K]; v [m, H, V]; g, beta [m, H]; all
     fp32. Every reduction over the chunk's rows is a tree of fixed width C whose entries past
-    the row's own token are forced to +0, so a row's bytes do not depend on m.
-    Returns (out fp32 [m-first, H, V], the state at the chunk end if m == C else None).
+    the row's own token are forced to +0, so a row's bytes do not depend on m. ``solved``:
+    (u [w, H, V], G [w, H]) of rows 0..w-1 (w <= first) from an earlier call, which this one
+    then does not solve again (they are the values it would compute: row i's u and G depend on
+    rows 0..i and s0 only, by the same operations).
+    Returns (out fp32 [m-first, H, V], the state at the chunk end if m == C else None,
+    u [m, H, V], G [m, H]).
     """
     m = k.shape[0]
     c = chunk
     h = s0.shape[0]
     dev = s0.device
+    w = 0 if solved is None else solved[0].shape[0]
     zero = torch.zeros((), dtype=F32, device=dev)
     # Head-major, padded to C rows with zeros (padding never reaches a kept value: masks below).
     kh = torch.zeros(h, c, k.shape[2], dtype=F32, device=dev)
@@ -324,9 +365,15 @@ def _chunk(s0, q, k, v, g, beta, first, chunk):
     bh = beta.transpose(0, 1)  # [H, m]
     # G_i = g_0 + g_1 + ... + g_i, left to right; rows past m stay 0 (always masked).
     gcum = torch.zeros(h, c, dtype=F32, device=dev)
-    acc = g[0]
-    gcum[:, 0] = acc
-    for i in range(1, m):
+    if w:
+        gcum[:, :w] = solved[1].transpose(0, 1)
+        acc = gcum[:, w - 1]
+        todo = range(w, m)
+    else:
+        acc = g[0]
+        gcum[:, 0] = acc
+        todo = range(1, m)
+    for i in todo:
         acc = acc + g[i]
         gcum[:, i] = acc
     gam = exp(gcum)  # [H, C] decay from the chunk start through token i
@@ -335,17 +382,20 @@ def _chunk(s0, q, k, v, g, beta, first, chunk):
     lt = rows[None, :] < rows[:, None]
     decay = exp(gcum[:, :, None] - gcum[:, None, :])  # [H, i, j] exp(G_i - G_j)
     decay = torch.where(le, decay, zero)
-    kk = tree_sum(kh[:, :m, None, :] * kh[:, None, :, :])  # [H, m, C] k_i . k_j over K
+    # Rows w..m-1 only (the rows before w arrive solved); each is elementwise in its row.
+    kk = tree_sum(kh[:, w:m, None, :] * kh[:, None, :, :])  # [H, m-w, C] k_i . k_j over K
     # a_ij = beta_i * (k_i.k_j * exp(G_i - G_j)), j < i
-    a = torch.where(lt[:m], bh[:, :, None] * (kk * decay[:, :m]), zero)  # [H, m, C]
+    a = torch.where(lt[w:m], bh[:, w:, None] * (kk * decay[:, w:m]), zero)  # [H, m-w, C]
     # r_i = beta_i * (v_i - gamma_i * (S0^T k_i)); S0^T k_i is a tree over K.
-    sk = tree_sum(s0[:, None, :, :] * kh[:, :m, :, None], dim=2)  # [H, m, V]
-    r = bh[:, :, None] * (vh - gam[:, :m, None] * sk)
+    sk = tree_sum(s0[:, None, :, :] * kh[:, w:m, :, None], dim=2)  # [H, m-w, V]
+    r = bh[:, w:, None] * (vh[:, w:] - gam[:, w:m, None] * sk)
     # Forward substitution, row by row: u_i = r_i - tree_sum_C(a_ij * u_j), j < i.
     u = torch.zeros(h, c, vh.shape[2], dtype=F32, device=dev)
-    for i in range(m):
-        prod = torch.where(lt[i][None, :, None], a[:, i, :, None] * u, zero)
-        u[:, i] = r[:, i] - tree_sum(prod, dim=1)
+    if w:
+        u[:, :w] = solved[0].transpose(0, 1)
+    for i in range(w, m):
+        prod = torch.where(lt[i][None, :, None], a[:, i - w, :, None] * u, zero)
+        u[:, i] = r[:, i - w] - tree_sum(prod, dim=1)
     # Outputs: o_i = gamma_i * (S0^T q_i) + tree_sum_C(q_i.k_j * exp(G_i - G_j) * u_j), j <= i.
     qh = q.transpose(0, 1)  # [H, n, K]
     sel = slice(first, m)
@@ -360,4 +410,4 @@ def _chunk(s0, q, k, v, g, beta, first, chunk):
         wk = decay[:, c - 1, :, None] * kh  # [H, C, K]
         upd = tree_sum(wk[:, :, :, None] * u[:, :, None, :], dim=1)  # [H, K, V]
         s_end = gam[:, c - 1, None, None] * s0 + upd
-    return out.transpose(0, 1), s_end
+    return out.transpose(0, 1), s_end, u[:, :m].transpose(0, 1), gcum[:, :m].transpose(0, 1)
