@@ -42,8 +42,8 @@ def test_every_site_that_ran_records_the_kernels_it_ran_and_they_are_gated(ran):
     assert invoked.kernels["embed_tokens"] == ("gather",)
     assert invoked.kernels["layers.*.self_attn.q_proj"] == ("cpu.gemm",)
     assert invoked.kernels["layers.*.self_attn.core"] == ("cpu.attention",)
-    # a row-parallel site: the definition's partitions (gemm launches), folded, rounded once
-    assert invoked.kernels["layers.*.self_attn.o_proj"] == ("cpu.gemm", "cpu.round_bf16")
+    # a row-parallel site: the partitions and their fold in one call, rounded once
+    assert invoked.kernels["layers.*.self_attn.o_proj"] == ("cpu.kpart_partial", "cpu.round_bf16")
     check_kernels(invoked, "the reference")
 
 

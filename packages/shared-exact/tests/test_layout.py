@@ -144,3 +144,38 @@ def test_a_layout_that_does_not_divide_the_partitions_is_refused(models, tmp_pat
         check_layout(c, tp=8)
     with pytest.raises(LayoutRefused, match="ep 2 needs a MoE model"):
         check_layout(c, ep=2)
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "parts", "bk"),
+    [(1, 128, 8, 32), (17, 48, 4, 32), (3, 200, 8, 16), (5, 768, 2, 64), (2, 96, 8, 32)],
+)
+def test_the_cpu_kpart_in_one_call_gives_the_bytes_of_its_partitions_one_by_one(m, k, parts, bk):
+    """The cpu backend's one-call gemm.kpart partial (the partitions as a batch dimension, a
+    ragged last K block padded as the gemm pads it) against the definition run as it reads:
+    each partition through the gemm, folded over the pair tree. Control: one x element of the
+    last partition one bf16 ulp away (an input) moves the bytes."""
+    from lockstep_exact.programs import cpu
+
+    g = torch.Generator().manual_seed(m * k + parts)
+    x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+    w = torch.randn(24, k, generator=g).to(torch.bfloat16)
+    size = k // parts
+
+    def one_by_one(x):
+        sums = [
+            cpu.gemm(
+                x[:, p * size : (p + 1) * size],
+                w[:, p * size : (p + 1) * size],
+                bk=bk,
+                out_dtype=torch.float32,
+            )  # fmt: skip
+            for p in range(parts)
+        ]
+        return P.fold_tree(sums)
+
+    got = cpu.kpart_partial(x, w, bk=bk, parts=parts)
+    assert same_bytes(got, one_by_one(x))
+    moved = x.clone()
+    moved[0, k - 1] = nudge_ulp(moved[0, k - 1 :], 0)[0]
+    assert not same_bytes(cpu.kpart_partial(moved, w, bk=bk, parts=parts), got)

@@ -47,3 +47,47 @@ def gemm(x: torch.Tensor, w: torch.Tensor, *, bk: int, out_dtype=torch.bfloat16)
         out[r0 : r0 + rows] = acc
     out = out.reshape(*lead, n_dim)
     return round_bf16(out) if out_dtype == torch.bfloat16 else out
+
+
+# gemm.kpart's partial in one call, for any row count (the dispatch point's one-launch form;
+# rows are chunked for memory, which moves no byte).
+KPART_ONE_LAUNCH_ROWS = 1 << 62
+
+
+def kpart_partial(x: torch.Tensor, w: torch.Tensor, *, bk: int, parts: int) -> torch.Tensor:
+    """gemm.kpart's fp32 partial [..., N]: the ``parts`` equal, contiguous K partitions of x
+    [..., K] and w [N, K], each summed as ``gemm`` sums it (its own K blocks of ``bk``, a ragged
+    last block padded with +0 products, block sums added left to right), then the partitions'
+    sums added over the balanced adjacent-pair tree: the bytes of ``programs.kpart_partial``'s
+    partition-by-partition form, with the partitions as one more batch dimension."""
+    require(x.shape[-1] == w.shape[-1], f"kpart: K mismatch {tuple(x.shape)} x {tuple(w.shape)}")
+    require(w.dim() == 2, "kpart: weight must be [N, K]")
+    require(bk >= 1 and bk & (bk - 1) == 0, f"kpart: bk must be a power of two, got {bk}")
+    k_dim = x.shape[-1]
+    require(
+        parts >= 1 and parts & (parts - 1) == 0 and k_dim % parts == 0,
+        f"kpart: {parts} partitions must be a power of two dividing K = {k_dim}",
+    )
+    lead = x.shape[:-1]
+    n_dim = w.shape[0]
+    size = k_dim // parts
+    xf = as_f32(x).reshape(-1, parts, size)
+    wf = as_f32(w).reshape(n_dim, parts, size)
+    nblocks = max(1, -(-size // bk))
+    pad = nblocks * bk - size
+    if pad:
+        xf = torch.nn.functional.pad(xf, (0, pad))
+        wf = torch.nn.functional.pad(wf, (0, pad))
+    xb = xf.reshape(-1, parts, nblocks, bk)
+    wb = wf.reshape(n_dim, parts, nblocks, bk)
+    m_dim = xb.shape[0]
+    out = torch.empty(m_dim, n_dim, dtype=F32)
+    rows = max(1, _CHUNK_BYTES // max(1, n_dim * parts * bk * 4))
+    for r0 in range(0, m_dim, rows):
+        xs = xb[r0 : r0 + rows]
+        acc = None
+        for b in range(nblocks):
+            part = tree_sum(xs[:, None, :, b, :] * wb[None, :, :, b, :])  # [rows, N, parts]
+            acc = part if acc is None else acc + part
+        out[r0 : r0 + rows] = tree_sum(acc)  # the pair tree over the partitions
+    return out.reshape(*lead, n_dim)
