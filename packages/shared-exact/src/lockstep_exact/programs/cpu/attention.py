@@ -6,7 +6,7 @@ import torch
 
 from .arith import BF16, F32, as_f32, exp, require, round_bf16, sqrt_rn, tree_sum
 
-_CHUNK_BYTES = 48 << 20
+_CHUNK_BYTES = 8 << 20
 
 
 def default_scale(head_dim: int) -> torch.Tensor:
