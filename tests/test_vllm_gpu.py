@@ -414,3 +414,46 @@ def test_base_adapter_a_and_adapter_b_in_one_batch_each_equal_their_solo_runs(en
     ):
         _same(solo, mixed, f"{what}: solo vs mixed batch")
     assert _decisions(r["a_on_1"])[1].tolist() != _decisions(r["b_on_1"])[1].tolist()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])
+def test_once_started_the_lane_compiles_no_triton_kernel_while_it_serves(arch, gpu_models):
+    """The lane's warm-up (``model.warm_up_lane``, run inside vLLM's kernel warm-up): once the
+    engine has started, a burst of prompts of many lengths (prefill rows from 1 to a few
+    hundred, batched and alone, seeded and greedy, decode steps replayed from CUDA graphs)
+    compiles no Triton kernel: Triton's post-compile hook, which vLLM's JIT monitor uses, sees
+    none. Control: the same hook sees the compile of a gemm on a shape nothing ran before."""
+    from triton import knobs
+
+    from lockstep_exact import programs as P
+
+    llm = _start(gpu_models[arch], cuda_graphs=True, max_model_len=1024)
+    compiled: list[str] = []
+    previous = knobs.runtime.jit_post_compile_hook
+
+    def hook(**kwargs):
+        compiled.append(getattr(kwargs.get("fn"), "name", "?"))
+        return previous(**kwargs) if previous is not None else None
+
+    knobs.runtime.jit_post_compile_hook = hook
+    try:
+        gen = torch.Generator().manual_seed(5)
+        lengths = [1, 2, 5, 16, 17, 33, 64, 65, 100, 129, 255, 300]
+        prompts = [
+            {"prompt_token_ids": torch.randint(3, 900, (n,), generator=gen).tolist()}
+            for n in lengths
+        ]
+        llm.generate(prompts, _params(len(prompts)), use_tqdm=False)
+        llm.generate(prompts[:3], _params(3, greedy=True), use_tqdm=False)
+        for p in prompts[::4]:
+            llm.generate([p], _params(1), use_tqdm=False)
+        served = list(compiled)
+        # control: K = 40 (off the 16 grid) at bk 8 is a specialization no lane site has
+        x = torch.ones(3, 40, dtype=BF16, device="cuda")
+        P.gemm(x, torch.ones(24, 40, dtype=BF16, device="cuda"), bk=8)
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+        _stop(llm)
+    assert served == [], f"compiled while serving: {served}"
+    assert compiled, "the hook saw no compile, so it could not have seen one while serving"
