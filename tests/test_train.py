@@ -266,8 +266,10 @@ def test_every_metrics_line_has_the_documented_fields_kl_and_reverse_kl_null_if_
     run.sampler, run.policy = FakeSampler(), FakePolicy()
     row = run.step(1, tmp_path / "adapters" / "step-0000")
     documented = "step reward_mean rewards k3_max decisions equal loss kl reverse_kl seconds"
-    documented += " adapter_in adapter_id engine_starts trace"
+    documented += " adapter_in adapter_id engine_starts trace phases"
     assert set(documented.split()) <= set(row)
+    assert set(row["phases"]) == {"sample", "recompute", "update"}  # export: added by the loop
+    assert all(v >= 0 for v in row["phases"].values())
     assert row["kl"] is None and row["reverse_kl"] is None
     assert json.loads(json.dumps(row))["kl"] is None  # written as null
 
@@ -416,7 +418,7 @@ def test_a_resumed_run_is_byte_identical_to_an_uninterrupted_one(tiny_dense, tmp
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for step in (3, 4):
         assert _files(whole, step) == _files(parts, step), step
-    drop = ("seconds", "engine_starts", "adapter_id")
+    drop = ("seconds", "phases", "engine_starts", "adapter_id")
     strip = [{k: v for k, v in r.items() if k not in drop} for r in _rows(whole)]
     assert strip == [{k: v for k, v in r.items() if k not in drop} for r in rows]
     with pytest.raises(TrainSetupError, match="was run with lr = 0.02, this run has 0.01"):

@@ -427,6 +427,11 @@ class _Run:
             prompts, c.decisions, self.seed(step), adapter, temperature=c.temperature
         )
         trace.save(trace_dir, overwrite=True)
+        # Seconds per phase: sample (the adapter's load into the engine, the draw, the trace
+        # written), recompute (the policy's log-probabilities of the trace, compared), frozen
+        # (the reference's or teacher's), update (forward, backward and AdamW over the inner
+        # steps); export (the adapter written) is added by the loop.
+        phases = {"sample": time.perf_counter() - t0}
         row: dict[str, Any] = {
             "step": step,
             "algo": c.algo,
@@ -438,6 +443,7 @@ class _Run:
             # reverse_kl: not opd).
             "kl": None,
             "reverse_kl": None,
+            "phases": phases,
         }
         try:
             trainer_lps = self.policy.logprobs(trace)
@@ -447,6 +453,7 @@ class _Run:
             ) from err
         cmp = compare(trace.logprobs, trainer_lps)
         row.update(k3_max=cmp.k3_max, decisions=cmp.n, equal=cmp.byte_equal)
+        phases["recompute"] = time.perf_counter() - t0 - phases["sample"]
         completions = self.completions(trace, examples)
         try:
             rewards = [score(self.reward, x, c.reward_name) for x in completions]
@@ -467,6 +474,7 @@ class _Run:
             for i in range(trace.num_sequences)
         ]
         old = [trace.sequence_logprobs(i) for i in range(trace.num_sequences)]
+        t_frozen = time.perf_counter()
         ref = None
         if self.reference is not None:
             ref = _split(self.reference.session.logprobs(trace), old)
@@ -480,6 +488,9 @@ class _Run:
             raw = [t - o for t, o in zip(teacher, old, strict=True)]  # -(per-token reverse KL)
             advantages = rl.whiten(raw)
             row["reverse_kl"] = float(-torch.cat(raw).mean())
+        if self.reference is not None or c.algo == "opd":
+            phases["frozen"] = time.perf_counter() - t_frozen
+        t_update = time.perf_counter()
         if c.algo in ("grpo", "opd"):
 
             def loss(lps, idx):
@@ -499,6 +510,7 @@ class _Run:
                 step, sft, None, lambda lps, idx: rl.sft_loss(lps), c.inner_steps, len(sft)
             )
         row["loss"] = sum(losses) / len(losses)
+        phases["update"] = time.perf_counter() - t_update
         row["seconds"] = time.perf_counter() - t0
         return row
 
@@ -785,7 +797,9 @@ class TrainPlan:
                     row = run.step(step, adapter)
                 except _Mismatch as m:
                     raise TrainStopped(_mismatch_message(run, m)) from None
+                t_export = time.perf_counter()
                 adapter, _ = run.policy.export(out / "adapters" / f"step-{step:04d}")
+                row["phases"]["export"] = time.perf_counter() - t_export
                 row["adapter_out"] = str(adapter.relative_to(out))
                 run.append(row)
                 history.append(row)
