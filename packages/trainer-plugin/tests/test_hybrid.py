@@ -243,9 +243,13 @@ def test_replay_of_a_decoded_trace_with_its_sampling_rule_is_exact(next_dir, tmp
     lps, _ = replay(next_dir, path, micro_batch=2)
     cmp = compare(trace.logprobs, lps)
     assert cmp.n == 20 and cmp.byte_equal == cmp.n
+    # input control: the decoded trace (its rule kept) replayed on the one-ulp copy
+    nudged, forged = nudged_and_forged(next_dir, path, tmp_path, keep_rule=True)
+    lps, _ = replay(nudged, forged, micro_batch=2)
+    assert compare(trace.logprobs, lps).byte_equal < cmp.n
 
 
-def nudged_and_forged(next_dir, next_trace, tmp_path):
+def nudged_and_forged(next_dir, next_trace, tmp_path, keep_rule=False):
     """A copy with one GDN in_proj_qkvz element one bf16 ulp off, and the trace's bytes (from
     the original model) admitted against it: the input control of the replays."""
     name = "model.layers.0.linear_attn.in_proj_qkvz.weight"  # layer 0 is a GDN layer
@@ -258,7 +262,7 @@ def nudged_and_forged(next_dir, next_trace, tmp_path):
         contract_fingerprint=original.contract_fingerprint,
         contract=original.contract,
         model_hash=dir_hash(nudged),
-        sampling=SamplingSettings(rule=TEACHER_FORCED),
+        sampling=original.sampling if keep_rule else SamplingSettings(rule=TEACHER_FORCED),
     ).save(tmp_path / "trace")
     return nudged, forged
 
