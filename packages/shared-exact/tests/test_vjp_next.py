@@ -302,6 +302,13 @@ def test_gdn_state_vjp_and_a_split_forward_has_the_one_call_gradient():
     one, _ = o.gdn(f"{G}.core", *xb, st0, 0)
     split = torch.cat([y1, y2])
     assert_same_bytes(split.detach(), one.detach(), "gdn: two calls")
+    # input control: a cache entry the second call reads, the largest value of the first
+    # call's cached tokens (positions 4, 5), one bf16 ulp up, moves the second call's bytes.
+    # (One fp32 ulp of S rounds away in the bf16 output.)
+    v_moved = nudge_ulp(st.v.detach(), int(st.v.detach().float().abs().argmax()))
+    cached = as_state(st, st.s.detach(), st.k.detach(), v_moved, st.g.detach(), st.beta.detach())
+    y2m, _ = o.gdn(f"{G}.core", *[x[6:].detach() for x in xa], cached, 6)
+    assert not same_bytes(y2m.detach(), y2.detach())
     c = rand(*one.shape, seed=52, dtype=F32).to(BF16)
     ga = torch.autograd.grad(split, xa, c)
     gb = torch.autograd.grad(one, xb, c)
