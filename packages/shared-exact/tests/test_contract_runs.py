@@ -18,6 +18,7 @@ from lockstep_exact.lanes.ops import Ops, SiteNotInContract, check_invoked, site
 from lockstep_exact.parity import same_bytes
 from lockstep_exact.programs import Program
 from lockstep_exact.sites import recording
+from lockstep_exact.testing import nudge_ulp
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3-moe"])
@@ -149,6 +150,9 @@ def test_grad_mode_gives_the_same_forward_bytes(tiny):
     wg = {k: v.clone().requires_grad_(k == "model.norm.weight") for k, v in w.items()}
     lp = qwen3.forward_logprobs(wg, geom, TOKENS, ops=grad_ops)
     assert same_bytes(lp.detach(), base)
+    # input control: under grad, model.norm.weight[5] one bf16 ulp off moves the bytes
+    moved = {**wg, "model.norm.weight": nudge_ulp(w["model.norm.weight"], 5).requires_grad_(True)}
+    assert not same_bytes(qwen3.forward_logprobs(moved, geom, TOKENS, ops=grad_ops).detach(), base)
     lp[:, 3].sum().backward()
     assert wg["model.norm.weight"].grad is not None
     assert torch.isfinite(wg["model.norm.weight"].grad).all()

@@ -148,6 +148,15 @@ def test_local_dispatch_hands_each_expert_the_rows_that_chose_it_in_row_order(ow
         assert torch.equal(dict(seen)[e], h[r]), f"expert {e} got other rows or another order"
     assert [e for e, _ in seen] == order
     assert_same_bytes(got, want)
-    assert not same_bytes(nudge_ulp(got, 7), want)  # the byte check can fail
+    # input control: one element of h in a row some run expert chose, one ulp off (the row's
+    # largest), moves that row's outputs and no other row's
+    ran = torch.tensor([any(int(e) in order for e in row) for row in ids])
+    r = int(ran.nonzero()[0])
+    col = int(h[r].float().argmax())
+    h2 = h.clone()
+    h2[r] = nudge_ulp(h[r], col)
+    moved = qwen3.local_dispatch(h2, ids, expert, owned=owned)
+    assert not same_bytes(moved[r], got[r])
+    assert_same_bytes(torch.cat([moved[:r], moved[r + 1 :]]), torch.cat([got[:r], got[r + 1 :]]))
     empty = qwen3.local_dispatch(h[:0], ids[:0], expert)
     assert empty.shape == (0, k, hidden)

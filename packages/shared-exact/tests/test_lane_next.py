@@ -197,6 +197,12 @@ def test_rope_partial_rotates_the_first_dims_like_rope_neox_and_copies_the_rest(
     assert_same_bytes(out[..., :8], P.rope(x[..., :8].contiguous(), pos, 1e6), "rotated part")
     assert_same_bytes(out[..., 8:], x[..., 8:], "pass-through part")
     assert_same_bytes(P.rope_partial(x, pos, 1e6, 32), P.rope(x, pos, 1e6), "rotary = head dim")
+    # input control: x one ulp off at a rotated dim (row 3, head 0, dim 0) moves the rotated
+    # part of row 3; at a passed-through dim (dim 8) moves that element
+    for dim, part in ((0, slice(None, 8)), (8, slice(8, None))):
+        moved = P.rope_partial(nudge_ulp(x, 3 * 3 * 32 + dim), pos, 1e6, 8)
+        assert not same_bytes(moved[3, 0, part], out[3, 0, part]), dim
+        assert_same_bytes(moved[4:], out[4:], "rows after the moved one")
     with pytest.raises(ValueError, match="rotary dims 6 must be even and within the head dim 4"):
         P.rope_partial(x[..., :4].contiguous(), pos, 1e6, 6)
 

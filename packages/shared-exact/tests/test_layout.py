@@ -93,6 +93,13 @@ def test_the_partitions_fold_as_one_tree_whatever_the_rank_count():
             for xs, ws in zip(x.chunk(ranks, -1), w.chunk(ranks, -1), strict=True)
         ]
         assert same_bytes(P.fold_tree(shards), one), ranks
+        # input control: the last rank's shard of x, its largest element one ulp off
+        xs = x.chunk(ranks, -1)[-1]
+        moved = P.kpart_partial(
+            nudge_ulp(xs, int(xs.float().argmax())), w.chunk(ranks, -1)[-1],
+            parts=8 // ranks, bk=KPART_BK,
+        )  # fmt: skip
+        assert not same_bytes(P.fold_tree([*shards[:-1], moved]), one), ranks
     assert not same_bytes(P.gemm(x, w, out_dtype=torch.float32, bk=BK), one)
 
 
@@ -116,7 +123,9 @@ def test_kpart_hands_the_gemm_k_slices_with_the_bytes_of_their_copies(dtype):
     want = P.fold_tree(copies)
     got = P.kpart_partial(x, w, parts=8, bk=KPART_BK)
     assert same_bytes(got, want)
-    assert not same_bytes(nudge_ulp(got, 5), want)
+    # input control: x's largest element one ulp off moves the kpart bytes
+    moved = P.kpart_partial(nudge_ulp(x, int(x.float().argmax())), w, parts=8, bk=KPART_BK)
+    assert not same_bytes(moved, want)
 
 
 @pytest.mark.parametrize(("k", "parts"), [(128, 8), (96, 8), (100, 4), (36, 4), (99, 1)])

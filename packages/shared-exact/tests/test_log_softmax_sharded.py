@@ -17,6 +17,7 @@ from sharded_support import INF, gloo_rank, rows
 from lockstep_exact import programs as P
 from lockstep_exact.parity import same_bytes
 from lockstep_exact.programs.cpu.softmax import tree_node_count, tree_spans, tree_width
+from lockstep_exact.testing import nudge_ulp
 
 
 class _Board:
@@ -102,6 +103,20 @@ def padded_row(x: torch.Tensor, bounds: list[int]) -> torch.Tensor:
 VOCABS = [1000, 1024, 32003, 151936]
 
 
+def bumped(x: torch.Tensor) -> torch.Tensor:
+    """The input control: ``x`` with row 0's largest logit one fp32 ulp up."""
+    out = x.clone()
+    flat = out.view(-1, out.shape[-1])
+    col = int(flat[0].argmax())
+    flat[0, col] = torch.nextafter(flat[0, col], torch.tensor(INF, device=x.device))
+    return out
+
+
+def moved_row_0_only(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    got, ref = got.reshape(-1, got.shape[-1]), ref.reshape(-1, ref.shape[-1])
+    return not same_bytes(got[0], ref[0]) and same_bytes(got[1:], ref[1:])
+
+
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("t", [2, 3, 4, 8])
 def test_sharded_log_softmax_has_the_unsharded_bytes(vocab, t):
@@ -123,6 +138,8 @@ def test_megatron_padding_may_leave_whole_ranks_without_a_real_column():
     assert bounds[4] >= vocab
     x = rows(vocab, seed=3)
     assert same_bytes(sharded(padded_row(x, bounds), bounds, vocab), P.log_softmax(x))
+    moved = sharded(padded_row(bumped(x), bounds), bounds, vocab)
+    assert moved_row_0_only(moved, P.log_softmax(x))
 
 
 @pytest.mark.parametrize("vocab", [1000, 32003])
@@ -153,9 +170,11 @@ def test_per_shard_sums_added_in_rank_order_would_not_be_the_same_bytes():
 def test_one_rank_is_todays_program_and_batches_of_any_shape_work():
     x = rows(1000, seed=2)
     assert same_bytes(P.log_softmax_sharded(x, 0, 1000), P.log_softmax(x))
+    assert moved_row_0_only(P.log_softmax_sharded(bumped(x), 0, 1000), P.log_softmax(x))
     x3 = x.view(3, 3, 1000)
     got = sharded(x3, even(1000, 4), 1000)
     assert got.shape == (3, 3, 1000) and same_bytes(got, P.log_softmax(x3))
+    assert moved_row_0_only(sharded(bumped(x3), even(1000, 4), 1000), P.log_softmax(x3))
 
 
 def test_a_backend_without_the_node_split_gathers_the_whole_row(monkeypatch):
@@ -169,6 +188,8 @@ def test_a_backend_without_the_node_split_gathers_the_whole_row(monkeypatch):
     ref = cpu.log_softmax(x)
     for bounds in (uneven(vocab, 3, seed=1), megatron(vocab, 4)):
         assert same_bytes(sharded(padded_row(x, bounds), bounds, vocab), ref)
+        moved = sharded(padded_row(bumped(x), bounds), bounds, vocab)
+        assert moved_row_0_only(moved, ref)
 
 
 @pytest.mark.parametrize("vocab", [1, 2, 3, 1000, 1024, 32003, 151936])
@@ -270,6 +291,13 @@ def test_lm_head_rows_give_the_whole_heads_bytes_for_their_columns():
     full = P.gemm(x, w, bk=32, out_dtype=torch.float32)
     for lo, hi in ((0, 333), (333, 334), (334, 1000), (17, 911)):
         assert same_bytes(P.gemm(x, w[lo:hi], bk=32, out_dtype=torch.float32), full[:, lo:hi])
+        # input control: the shard's first head row, its largest element one bf16 ulp off,
+        # moves that column and no other
+        ws = w[lo:hi].clone()
+        ws[0] = nudge_ulp(ws[0], int(ws[0].float().argmax()))
+        moved = P.gemm(x, ws, bk=32, out_dtype=torch.float32)
+        assert not same_bytes(moved[:, 0], full[:, lo])
+        assert same_bytes(moved[:, 1:], full[:, lo + 1 : hi])
 
 
 @pytest.mark.gpu

@@ -21,7 +21,7 @@ from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.model import ModelDir, geometry_contract
 from lockstep_exact.parity import same_bytes
-from lockstep_exact.testing import assert_same_bytes, nudge_ulp, perturb_adapter
+from lockstep_exact.testing import assert_same_bytes, perturb_adapter
 
 TOKENS = torch.tensor([5, 17, 99, 3, 250, 41, 8, 77, 12, 600])
 
@@ -79,7 +79,10 @@ def test_a_zero_adapter_gives_the_base_bytes_and_every_lora_site_runs(nxt):
     base, _ = _run(nxt)
     zero, ops = _run(nxt, nxt["zero"])
     assert_same_bytes(base, zero, "zero adapter vs base")
-    assert not same_bytes(base, nudge_ulp(zero)), "the check misses a one-ulp change"
+    # input control: the zero adapter with one GDN B factor element moved by 2^-9
+    key = "base_model.model.model.layers.0.linear_attn.in_proj_qkvz.lora_B.weight"
+    moved, _ = _run(nxt, perturb_adapter(nxt["zero"], nxt["root"] / "zero-moved", key))
+    assert not same_bytes(base, moved), "the check misses a 2^-9 factor move"
     ran = set(ops.invoked_contract().sites)
     want = {k for k in geometry_contract(nxt["geom"]).sites if k.endswith(".lora_expand")}
     assert want and want <= ran  # every adapted projection ran its LoRA programs

@@ -45,7 +45,25 @@ def rows_invariant(fn, full: torch.Tensor, *args, what: str):
     two = fn(full, *args)
     assert_same_bytes(one, ref, f"{what}: 1 thread")
     assert_same_bytes(two, ref, f"{what}: 2 threads")
+    moves_alone(fn, full, full.shape[0] // 2 + 1, what=what)
     return ref
+
+
+def moves_alone(fn, full: torch.Tensor, row: int, *args, col: int | None = None, what: str):
+    """The input control of a row-invariance claim: one element of ``full[row]`` one ulp off
+    (by default the row's largest, whose ulp survives a softmax's max subtraction) moves row
+    ``row`` of fn's output and no other row (another row's input is not read by this one)."""
+    ref = fn(full, *args)
+    if col is None:
+        col = int(full[row].reshape(-1).float().argmax())
+    moved = full.clone()
+    moved[row].view(-1)[col] = nudge_ulp(full[row].reshape(-1), col)[col]
+    out = fn(moved, *args)
+    moved_row = not same_bytes(out[row], ref[row])
+    assert moved_row, f"{what}: row {row}'s own input moved nothing"
+    others = torch.ones(full.shape[0], dtype=torch.bool)
+    others[row] = False
+    assert_same_bytes(out[others], ref[others], f"{what}: rows beside a moved row {row}")
 
 
 # --- the checks themselves can fail ------------------------------------------------------------
@@ -77,7 +95,8 @@ def test_round_bf16_is_round_to_nearest_even():
     assert_same_bytes(P.round_bf16(x), x.to(BF16), "round_bf16 vs torch")
     ties = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8], dtype=torch.float32)
     assert P.round_bf16(ties).float().tolist() == [1.0, 1.0 + 2**-6]
-    assert not same_bytes(P.round_bf16(ties), nudge_ulp(P.round_bf16(ties)))
+    # input control: the tie 1 + 2^-8 one fp32 ulp up is past the tie and rounds up
+    assert P.round_bf16(nudge_ulp(ties, 0)).float().tolist() == [1.0 + 2**-7, 1.0 + 2**-6]
 
 
 def test_tree_sum_tree_depends_only_on_length():
@@ -153,6 +172,7 @@ def test_residual_add_row_bytes_do_not_depend_on_batch():
     ref = P.residual_add(full, b)
     assert_same_bytes(P.residual_add(full[10:13], b[10:13]), ref[10:13], "residual rows")
     assert_same_bytes(ref, (full.float() + b.float()).to(BF16), "residual vs RNE of fp32 sum")
+    moves_alone(lambda x: P.residual_add(x, b), full, 11, what="residual")
 
 
 def test_swiglu_row_bytes_do_not_depend_on_batch():
@@ -161,6 +181,7 @@ def test_swiglu_row_bytes_do_not_depend_on_batch():
     ref = P.swiglu(full, up)
     for m in MS:
         assert_same_bytes(P.swiglu(full[:m], up[:m]), ref[:m], f"swiglu batch {m}")
+    moves_alone(lambda x: P.swiglu(x, up), full, 1, what="swiglu")
     exact = (full.double() * torch.sigmoid(full.double())).to(BF16).double() * up.double()
     assert ulp_distance(ref, exact.to(BF16)) <= 1
 
@@ -207,6 +228,10 @@ def test_exp_and_log_bytes_do_not_depend_on_length_or_threads():
     ref = P.cpu.exp(x)
     assert_same_bytes(P.cpu.exp(x[17:18]), ref[17:18], "exp scalar tail")
     assert_same_bytes(P.cpu.exp(x[:33]), ref[:33], "exp vector body + tail")
+    # input control: x[17] one ulp up moves its exp and no other element of the vector
+    moved = P.cpu.exp(nudge_ulp(x[:33], 17))
+    assert not same_bytes(moved[17], ref[17])
+    assert_same_bytes(torch.cat([moved[:17], moved[18:]]), torch.cat([ref[:17], ref[18:33]]))
     torch.set_num_threads(1)
     assert_same_bytes(P.cpu.log(x.abs() + 1), P.cpu.log(x.abs()[::1] + 1), "log 1 thread")
 
@@ -218,6 +243,7 @@ def test_rope_row_bytes_do_not_depend_on_batch():
     ref = P.rope(full, pos, 1e6)
     for m in MS:
         assert_same_bytes(P.rope(full[:m], pos[:m], 1e6), ref[:m], f"rope batch {m}")
+    moves_alone(lambda x: P.rope(x, pos, 1e6), full, 2, what="rope")
 
 
 def test_rope_tables_are_within_one_fp32_ulp_of_float64():
@@ -232,6 +258,8 @@ def test_rope_tables_do_not_depend_on_requested_length():
     a, _ = P.cpu.rope_tables(1e6, 64, 100)
     b, _ = P.cpu.rope_tables(1e6, 64, 5000)
     assert_same_bytes(a[:100], b[:100], "rope table prefix")
+    moved, _ = P.cpu.rope_tables(1e6 + 2**-4, 64, 100)  # input control: base one fp32 ulp up
+    assert not same_bytes(moved, a)
 
 
 # --- attention ----------------------------------------------------------------------------------
@@ -273,6 +301,12 @@ def test_attention_ignores_cache_contents_past_the_query():
         ref,
         "garbage beyond the query",
     )
+    # input control: a cache entry the queries do read (key 19, head 0) one ulp off moves them
+    assert not same_bytes(
+        P.attention(q[:20], nudge_ulp(junk_k, 19 * 2 * 32), junk_v, pos, block=BLOCK,
+                    segment=SEGMENT),
+        ref,
+    )  # fmt: skip
 
 
 def test_attention_row_bytes_do_not_depend_on_threads_or_batch():
@@ -288,6 +322,10 @@ def test_attention_row_bytes_do_not_depend_on_threads_or_batch():
         P.attention(q[200:203], k, v, pos[200:203], block=BLOCK, segment=SEGMENT),
         one[200:203],
         "3 rows",
+    )
+    # input control: query row 201 one ulp off moves row 201 and no other row
+    moves_alone(
+        lambda x: P.attention(x, k, v, pos, block=BLOCK, segment=SEGMENT), q, 201, what="attention"
     )
 
 
@@ -337,6 +375,9 @@ def test_router_topk_row_bytes_do_not_depend_on_batch():
         assert torch.equal(ids_m, ids[:m])
         assert_same_bytes(w_m, w[:m], f"router weights batch {m}")
     assert bool((ids[:, 0] < ids[:, 1]).all())
+    # input control: row 5's chosen logit one ulp off moves row 5's weights, no other row's
+    chosen = int(ids[5, 0])
+    moves_alone(lambda x: P.router_topk(x, 2)[1], logits, 5, col=chosen, what="router weights")
 
 
 def test_router_topk_ties_go_to_the_lowest_expert():

@@ -45,6 +45,17 @@ def rows_invariant(fn, *full: torch.Tensor, what: str):
     torch.set_num_threads(2)
     assert_same_bytes(one, ref, f"{what}: 1 thread")
     assert_same_bytes(fn(*full), ref, f"{what}: 2 threads")
+    # input control: one element of row r of the first input one ulp off (the row's largest)
+    # moves row r of the output and no other row
+    r = n // 2 + 1
+    moved = full[0].clone()
+    col = int(moved[r].reshape(-1).float().argmax())
+    moved[r].view(-1)[col] = nudge_ulp(full[0][r].reshape(-1), col)[col]
+    out = fn(moved, *full[1:])
+    assert not same_bytes(out[r], ref[r]), f"{what}: row {r}'s own input moved nothing"
+    others = torch.ones(n, dtype=torch.bool)
+    others[r] = False
+    assert_same_bytes(out[others], ref[others], f"{what}: rows beside a moved row {r}")
     return ref
 
 
@@ -302,6 +313,12 @@ def test_conv1d_channels_do_not_depend_on_each_other_and_match_float64():
     ref, _ = conv_calls(x, w, [])
     sub, _ = conv_calls(x[:, 10:13].contiguous(), w[10:13].contiguous(), [])
     assert_same_bytes(sub, ref[:, 10:13], "conv1d.causal: 3 channels alone")
+    # input control: channel 20 one ulp off at token 5 leaves channels 10-12 alone; channel 11
+    # one ulp off there moves channel 11
+    other, _ = conv_calls(nudge_ulp(x, 5 * 96 + 20), w, [])
+    assert_same_bytes(other[:, 10:13], ref[:, 10:13], "conv1d.causal: another channel moved")
+    own, _ = conv_calls(nudge_ulp(x, 5 * 96 + 11), w, [])
+    assert not same_bytes(own[:, 11], ref[:, 11])
     xd = torch.nn.functional.pad(x.double().T[None], (3, 0))
     pre = torch.nn.functional.conv1d(xd, w.double()[:, None, :], groups=96)[0].T
     exact = pre * torch.sigmoid(pre)

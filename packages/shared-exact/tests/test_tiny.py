@@ -318,3 +318,7 @@ def test_drawing_tensors_on_threads_gives_the_bytes_of_drawing_them_in_turn(arch
     assert all(
         torch.equal(threaded[k].view(torch.int16), in_turn[k].view(torch.int16)) for k in in_turn
     )
+    # input control: threaded with seed 6 draws other bytes
+    other = tiny.tiny_state_dict(config, seed=6)
+    emb = "model.embed_tokens.weight"
+    assert not torch.equal(other[emb].view(torch.int16), in_turn[emb].view(torch.int16))

@@ -60,3 +60,9 @@ def test_training_mode_forward_has_the_same_bytes(loaded):
     finally:
         model.eval()
     assert torch.equal(lp[0].detach(), qwen3.forward_logprobs(weights, model.geom, seq))
+    # input control: the reference with the first token's embedding row one bf16 ulp off
+    moved = dict(weights)
+    emb = weights["model.embed_tokens.weight"].clone()
+    emb.view(torch.int16)[int(seq[0]), 0] += 1
+    moved["model.embed_tokens.weight"] = emb
+    assert not torch.equal(lp[0].detach(), qwen3.forward_logprobs(moved, model.geom, seq))

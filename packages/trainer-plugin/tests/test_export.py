@@ -49,7 +49,12 @@ def test_exported_adapter_reloads_to_the_same_bytes(exported, dense_dir):
     load_into(fresh, out, dense_dir)
     seq = torch.randint(0, model.geom.vocab, (12,), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        assert torch.equal(model.eval()(seq[None]), fresh(seq[None]))
+        want = model.eval()(seq[None])
+        assert torch.equal(want, fresh(seq[None]))
+        # input control: the reloaded adapter's o_proj B element 0 moved by 2^-9
+        (site,) = [s for s in AD.sites(fresh) if s.hf_module == "model.layers.1.self_attn.o_proj"]
+        site.linear.lora[site.part].B.view(-1)[0] += 2.0**-9
+        assert not torch.equal(want, fresh(seq[None]))
 
 
 def _copy(src, dst):

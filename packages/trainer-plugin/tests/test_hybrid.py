@@ -25,6 +25,7 @@ from lockstep_exact.k3 import compare
 from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.model import model_hash as dir_hash
 from lockstep_exact.requests import TrainerSessionRequest
+from lockstep_exact.testing import nudge_ulp
 from lockstep_exact.trace import TEACHER_FORCED, SamplingSettings, Trace
 from lockstep_megatron import gdn
 from lockstep_megatron.convert import build, load_hf_weights
@@ -128,6 +129,11 @@ def test_the_gated_delta_net_modules_own_forward_is_the_compositions_mixer(loade
             seg = [(0, n, N.NextCache.empty(geom))]
             ref = N.Layer(geom, i, ops, slots).gdn(x[:n, col].contiguous(), seg)
             assert torch.equal(out[:n, col], ref), (i, col)
+        # input control: the composition's mixer on x with its largest element one ulp off
+        xc = x[:90, 0].contiguous()
+        moved = nudge_ulp(xc, int(xc.float().argmax()))
+        ref_m = N.Layer(geom, i, ops, slots).gdn(moved, [(0, 90, N.NextCache.empty(geom))])
+        assert not torch.equal(out[:, 0], ref_m), i
     with pytest.raises(gdn.HybridRefused, match="takes no packed_seq_params"):
         model.gpt.decoder.layers[0].self_attention(x, None, packed_seq_params=object())
 
@@ -237,21 +243,33 @@ def test_replay_of_a_decoded_trace_with_its_sampling_rule_is_exact(next_dir, tmp
     lps, _ = replay(next_dir, path, micro_batch=2)
     cmp = compare(trace.logprobs, lps)
     assert cmp.n == 20 and cmp.byte_equal == cmp.n
+    # input control: the decoded trace (its rule kept) replayed on the one-ulp copy
+    nudged, forged = nudged_and_forged(next_dir, path, tmp_path, keep_rule=True)
+    lps, _ = replay(nudged, forged, micro_batch=2)
+    assert compare(trace.logprobs, lps).byte_equal < cmp.n
 
 
-def test_replay_on_a_one_ulp_copy_reports_a_difference(next_dir, next_trace, tmp_path):
+def nudged_and_forged(next_dir, next_trace, tmp_path, keep_rule=False):
+    """A copy with one GDN in_proj_qkvz element one bf16 ulp off, and the trace's bytes (from
+    the original model) admitted against it: the input control of the replays."""
     name = "model.layers.0.linear_attn.in_proj_qkvz.weight"  # layer 0 is a GDN layer
     nudged = nudge_one_ulp(next_dir, tmp_path / "nudged", name)
     original = Trace.load(next_trace)
-    forged = Trace.from_sequences(  # the original's bytes, admitted against the nudged copy
+    forged = Trace.from_sequences(
         [original.prompt(i) for i in range(original.num_sequences)],
         [original.sampled(i) for i in range(original.num_sequences)],
         [original.sequence_logprobs(i) for i in range(original.num_sequences)],
         contract_fingerprint=original.contract_fingerprint,
         contract=original.contract,
         model_hash=dir_hash(nudged),
-        sampling=SamplingSettings(rule=TEACHER_FORCED),
+        sampling=original.sampling if keep_rule else SamplingSettings(rule=TEACHER_FORCED),
     ).save(tmp_path / "trace")
+    return nudged, forged
+
+
+def test_replay_on_a_one_ulp_copy_reports_a_difference(next_dir, next_trace, tmp_path):
+    original = Trace.load(next_trace)
+    nudged, forged = nudged_and_forged(next_dir, next_trace, tmp_path)
     lps, _ = replay(nudged, forged, micro_batch=4)
     cmp = compare(original.logprobs, lps)
     assert cmp.byte_equal < cmp.n and cmp.first_diff is not None
@@ -268,6 +286,14 @@ def test_lockstep_replay_cli_on_a_qwen3_next_model(next_dir, next_trace, tmp_pat
     n = Trace.load(next_trace).num_decisions
     assert f"EXACT: {n}/{n} decisions byte-equal" in capsys.readouterr().out
     assert json.loads(report.read_text())["byte_equal"] == n
+    # input control: the CLI on the one-ulp copy (the trace admitted against it)
+    nudged, forged = nudged_and_forged(next_dir, next_trace, tmp_path)
+    moved = tmp_path / "moved.json"
+    assert (
+        main(["replay", "--model", str(nudged), "--trace", str(forged), "--out", str(moved)]) == 1
+    )
+    assert "NOT EXACT" in capsys.readouterr().out
+    assert json.loads(moved.read_text())["byte_equal"] < n
 
 
 # --- refusals ------------------------------------------------------------------------------------

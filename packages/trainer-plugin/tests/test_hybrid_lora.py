@@ -19,6 +19,7 @@ from lockstep_exact.adapters import AdapterError, load_adapter, make_adapter
 from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.k3 import compare
 from lockstep_exact.model import ModelDir
+from lockstep_exact.parity import same_bytes
 from lockstep_exact.testing import assert_same_bytes, perturb_adapter
 from lockstep_exact.trace import Trace
 from lockstep_megatron import adapters as AD
@@ -82,6 +83,13 @@ def test_a_zero_adapter_keeps_the_base_bytes_in_megatron(setup):
     ran = model(tokens)
     assert_same_bytes(base, ran, "zero adapter vs base")
     assert any(".lora_expand" in k for k in model.invoked_contract().sites)
+    # input control: the loaded zero adapter's GDN in_proj_qkvz B element 0 moved by 2^-9
+    (site,) = [
+        s for s in AD.sites(model) if s.hf_module == "model.layers.0.linear_attn.in_proj_qkvz"
+    ]
+    with torch.no_grad():
+        site.linear.lora[site.part].B.view(-1)[0] += 2.0**-9
+    assert not same_bytes(base, model(tokens))
 
 
 def test_an_adapter_of_another_contract_is_refused_by_the_trainer(setup, tmp_path):

@@ -11,11 +11,15 @@ from trainer_support import reference_trace
 from lockstep_exact.k3 import compare
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.requests import TrainRequest
+from lockstep_exact.testing import perturb_adapter
 from lockstep_exact.trace import Trace
 from lockstep_megatron import adapters as AD
 from lockstep_megatron.convert import build, load_hf_weights
 from lockstep_megatron.replay import replay
 from lockstep_megatron.run import train
+
+# the last layer's (the tiny models have 2) o_proj B factor: it feeds the residual directly
+O_PROJ_B = "base_model.model.model.layers.1.self_attn.o_proj.lora_B.weight"
 
 
 def _randomize(model, seed=3):
@@ -29,6 +33,14 @@ def _seq(vocab, n=14):
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(5))
 
 
+def move_b(model, hf_module: str, delta: float = 2.0**-9) -> None:
+    """One element of the attached adapter's B factor at ``hf_module`` moved by ``delta`` in
+    place (the perturbed-adapter control on a loaded model: no second build)."""
+    (site,) = [s for s in AD.sites(model) if s.hf_module == hf_module]
+    with torch.no_grad():
+        site.linear.lora[site.part].B.view(-1)[0] += delta
+
+
 def test_zero_adapter_changes_no_byte(model_dir):
     model = build(model_dir).eval()
     seq = _seq(model.geom.vocab)
@@ -37,6 +49,10 @@ def test_zero_adapter_changes_no_byte(model_dir):
         AD.attach(model, 8, 16.0)
         with_zero = model(seq[None])
     assert torch.equal(base, with_zero)
+    # input control: the zero adapter with one o_proj B element moved by 2^-9
+    move_b(model, f"model.layers.{model.geom.layers - 1}.self_attn.o_proj")
+    with torch.no_grad():
+        assert not torch.equal(base, model(seq[None]))
 
 
 def test_adapter_logprobs_equal_reference_with_the_same_adapter(model_dir):
@@ -121,6 +137,10 @@ def test_trained_adapter_replays_byte_equal(arch, dense_dir, moe_dir, tmp_path, 
     assert cmp.byte_equal == cmp.n and cmp.k3_max == 0.0
     base = Trace.load(trace0).logprobs
     assert not torch.equal(base, lps)  # the adapter is not a no-op
+    # input control: the trained adapter with one o_proj B element moved by 2^-9
+    moved = perturb_adapter(out, tmp_path / "moved", O_PROJ_B)
+    mlps, _ = replay(model_dir, trace, adapter_dir=moved, micro_batch=4, control=True)
+    assert compare(Trace.load(trace).logprobs, mlps).byte_equal < cmp.n
 
 
 def test_shared_make_adapter_replays_byte_equal_and_zero_b_is_the_base(model_dir, tmp_path):
@@ -136,6 +156,11 @@ def test_shared_make_adapter_replays_byte_equal_and_zero_b_is_the_base(model_dir
     zlps, _ = replay(model_dir, base_trace, adapter_dir=zero, control=True)
     assert torch.equal(zlps, Trace.load(base_trace).logprobs)
     assert not torch.equal(lps, zlps)
+    # input controls: each adapter with one o_proj B element moved by 2^-9
+    for adapter, t, what in ((nonzero, trace, "a"), (zero, base_trace, "z")):
+        moved = perturb_adapter(adapter, tmp_path / f"{what}-moved", O_PROJ_B)
+        mlps, _ = replay(model_dir, t, adapter_dir=moved, control=True)
+        assert not torch.equal(mlps, Trace.load(t).logprobs), what
 
 
 def test_surrogate_gradients_descend_the_grpo_loss(dense_dir, dense_trace):

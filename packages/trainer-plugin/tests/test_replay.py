@@ -31,24 +31,13 @@ def test_replay_reproduces_every_decision_byte_for_byte_moe(moe_dir, moe_trace):
     assert cmp.byte_equal == cmp.n and cmp.k3_max == 0.0
 
 
-def test_replay_through_the_plugin_hook(dense_dir, dense_trace):
-    pm = manager(load_entry_points=False)
-    pm.register(plugin)
-    result = pm.hook.lockstep_replay(
-        request=ReplayRequest(model_dir=dense_dir, trace_dir=dense_trace, micro_batch=4)
-    )
-    assert torch.equal(result.logprobs, Trace.load(dense_trace).logprobs)
-    assert result.engine.startswith("megatron-core")
-
-
-def test_one_ulp_model_change_reports_the_first_differing_decision(
-    dense_dir, dense_trace, tmp_path
-):
-    nudged = nudge_one_ulp(dense_dir, tmp_path / "nudged")
-    original = Trace.load(dense_trace)
-    # The sampler's bytes from the original model, admitted against the nudged copy.
+def nudged_and_forged(model_dir, trace_dir, tmp_path):
+    """The input control of a replay: a copy of the model with ``lm_head.weight[0]`` one bf16
+    ulp off, and the trace's bytes (from the original model) admitted against that copy."""
     from lockstep_exact.model import model_hash as dir_hash
 
+    nudged = nudge_one_ulp(model_dir, tmp_path / "nudged")
+    original = Trace.load(trace_dir)
     forged = Trace.from_sequences(
         [original.prompt(i) for i in range(original.num_sequences)],
         [original.sampled(i) for i in range(original.num_sequences)],
@@ -57,8 +46,33 @@ def test_one_ulp_model_change_reports_the_first_differing_decision(
         model_hash=dir_hash(nudged),
         sampling=SamplingSettings(rule=TEACHER_FORCED),
     ).save(tmp_path / "trace")
-    lps, _ = replay(nudged, forged)
-    cmp = compare(original.logprobs, lps)
+    return nudged, forged
+
+
+def test_replay_through_the_plugin_hook(dense_dir, dense_trace, tmp_path):
+    pm = manager(load_entry_points=False)
+    pm.register(plugin)
+    result = pm.hook.lockstep_replay(
+        request=ReplayRequest(model_dir=dense_dir, trace_dir=dense_trace, micro_batch=4)
+    )
+    assert torch.equal(result.logprobs, Trace.load(dense_trace).logprobs)
+    assert result.engine.startswith("megatron-core")
+    # input control: through the same hook, the one-ulp copy parts from the trace's bytes
+    nudged, forged = nudged_and_forged(dense_dir, dense_trace, tmp_path)
+    moved = pm.hook.lockstep_replay(
+        request=ReplayRequest(model_dir=nudged, trace_dir=forged, micro_batch=4)
+    )
+    assert not torch.equal(moved.logprobs, Trace.load(dense_trace).logprobs)
+
+
+@pytest.mark.parametrize("arch", ["dense", "moe"])
+def test_one_ulp_model_change_reports_the_first_differing_decision(arch, tmp_path, request):
+    """The input control of the two byte-for-byte replays above (same model, same trace)."""
+    model_dir = request.getfixturevalue(f"{arch}_dir")
+    trace_dir = request.getfixturevalue(f"{arch}_trace")
+    nudged, forged = nudged_and_forged(model_dir, trace_dir, tmp_path)
+    lps, _ = replay(nudged, forged, micro_batch=2)
+    cmp = compare(Trace.load(trace_dir).logprobs, lps)
     assert cmp.byte_equal < cmp.n and cmp.first_diff is not None
 
 
@@ -99,6 +113,9 @@ def test_reference_trace_helper_is_deterministic(dense_dir, tmp_path):
     a = reference_trace(dense_dir, tmp_path / "a")
     b = reference_trace(dense_dir, tmp_path / "b")
     assert torch.equal(Trace.load(a).logprobs, Trace.load(b).logprobs)
+    # input control: the same helper on a one-ulp copy of the model gives other bytes
+    c = reference_trace(nudge_one_ulp(dense_dir, tmp_path / "nudged"), tmp_path / "c")
+    assert not torch.equal(Trace.load(c).logprobs, Trace.load(a).logprobs)
 
 
 def test_lockstep_replay_cli_reports_every_decision_exact(dense_dir, dense_trace, tmp_path):
@@ -118,6 +135,13 @@ def test_lockstep_replay_cli_reports_every_decision_exact(dense_dir, dense_trace
     report = json.loads((tmp_path / "r.json").read_text())
     assert rc == 0 and report["byte_equal"] == report["decisions"] == 50
     assert report["k3_max"] == 0.0 and report["first_difference"] is None
+    # input control: the CLI on the one-ulp copy (the trace admitted against it) says so
+    nudged, forged = nudged_and_forged(dense_dir, dense_trace, tmp_path)
+    args = ["replay", "--model", str(nudged), "--trace", str(forged)]
+    assert main([*args, "--out", str(tmp_path / "moved.json")]) == 1
+    moved = json.loads((tmp_path / "moved.json").read_text())
+    assert moved["byte_equal"] < moved["decisions"] == 50
+    assert moved["first_difference"] is not None
 
 
 def test_a_trainer_call_behind_the_contracts_back_is_refused_naming_the_site(
