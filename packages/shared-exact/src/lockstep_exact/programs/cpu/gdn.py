@@ -380,12 +380,15 @@ def _chunk(s0, q, k, v, g, beta, first, chunk, solved=None):
     rows = torch.arange(c, device=dev)
     le = rows[None, :] <= rows[:, None]  # [i, j]: j <= i
     lt = rows[None, :] < rows[:, None]
-    decay = exp(gcum[:, :, None] - gcum[:, None, :])  # [H, i, j] exp(G_i - G_j)
-    decay = torch.where(le, decay, zero)
+    # exp(G_i - G_j) for the rows read below only: w..m-1 (the rows solved here, the outputs
+    # first..m-1 with first >= w, and the last row C-1 when the chunk is complete); elementwise,
+    # so the same bytes as the whole [C, C] table's rows.
+    decay = exp(gcum[:, w:m, None] - gcum[:, None, :])  # [H, i - w, j]
+    decay = torch.where(le[w:m], decay, zero)
     # Rows w..m-1 only (the rows before w arrive solved); each is elementwise in its row.
     kk = tree_sum(kh[:, w:m, None, :] * kh[:, None, :, :])  # [H, m-w, C] k_i . k_j over K
     # a_ij = beta_i * (k_i.k_j * exp(G_i - G_j)), j < i
-    a = torch.where(lt[w:m], bh[:, w:, None] * (kk * decay[:, w:m]), zero)  # [H, m-w, C]
+    a = torch.where(lt[w:m], bh[:, w:, None] * (kk * decay), zero)  # [H, m-w, C]
     # r_i = beta_i * (v_i - gamma_i * (S0^T k_i)); S0^T k_i is a tree over K.
     sk = tree_sum(s0[:, None, :, :] * kh[:, w:m, :, None], dim=2)  # [H, m-w, V]
     r = bh[:, w:, None] * (vh[:, w:] - gam[:, w:m, None] * sk)
@@ -400,14 +403,14 @@ def _chunk(s0, q, k, v, g, beta, first, chunk, solved=None):
     qh = q.transpose(0, 1)  # [H, n, K]
     sel = slice(first, m)
     qk = tree_sum(qh[:, :, None, :] * kh[:, None, :, :])  # [H, n, C]
-    p = torch.where(le[sel], qk * decay[:, sel], zero)
+    p = torch.where(le[sel], qk * decay[:, first - w :], zero)
     intra = tree_sum(torch.where(le[sel][None, :, :, None], p[..., None] * u[:, None], zero), dim=2)
     sq = tree_sum(s0[:, None, :, :] * qh[..., None], dim=2)  # [H, n, V]
     out = gam[:, sel, None] * sq + intra
     s_end = None
     if m == c:
         # S_end = gamma_last * S0 + tree_sum_C((exp(G_last - G_j) * k_j) u_j^T)
-        wk = decay[:, c - 1, :, None] * kh  # [H, C, K]
+        wk = decay[:, c - 1 - w, :, None] * kh  # [H, C, K]
         upd = tree_sum(wk[:, :, :, None] * u[:, :, None, :], dim=1)  # [H, K, V]
         s_end = gam[:, c - 1, None, None] * s0 + upd
     return out.transpose(0, 1), s_end, u[:, :m].transpose(0, 1), gcum[:, :m].transpose(0, 1)
