@@ -855,6 +855,13 @@ def test_the_lane_sampler_draws_with_the_rule_and_refuses_foreign_logits(tiny):
         positions=torch.tensor([5, 7]),
     )
     assert torch.equal(tokens, want.to(torch.int32))
+    # control (an input): the lane's draw with row 0's seed + 1000 parts from the rule's draw
+    # there; row 1 (top_k 1: greedy) keeps its token
+    seeds = _info(sampling_seed=torch.tensor([5 + 1000, 9]))
+    other = sglang_sampler.lane_forward(
+        None, model, out, seeds, False, [0, 0], [None, None], torch.tensor([4, 6])
+    )
+    assert int(other[0]) != int(want[0]) and int(other[1]) == int(want[1])
     out = SimpleNamespace(next_token_logits=logits.to(torch.bfloat16))
     with pytest.raises(LaneRefused) as err:
         sglang_sampler.lane_forward(None, model, out, _info(), False, [], [], torch.tensor([4, 6]))
