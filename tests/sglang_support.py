@@ -8,8 +8,11 @@ forward steps per engine):
 - ``batched``: all requests in one generate call, every prompt new (radix-cache misses);
 - ``alone-hit``: the same requests one at a time, their prompts now in the radix cache;
 - ``alone-miss``: the same, after the radix cache is flushed;
+- ``alone-hit-other-seed``: as ``alone-hit`` (a radix hit), each request's seed + 1000 (the
+  negative control of the hit and of the alone side: an input changed, the bytes part);
 - ``chunked`` (only with CHUNK > 0): as ``batched``, from a second engine whose prefill is
-  chunked every CHUNK tokens (``chunked_prefill_size``).
+  chunked every CHUNK tokens (``chunked_prefill_size``); ``chunked-other-seed`` as ``chunked``
+  with seed + 1000 (its control).
 
 Between them, a request with ``top_k=5`` is sent: ``cached.json`` records the front end's
 refusal and that the engine then still served a request.
@@ -23,9 +26,11 @@ CPU engine with per-request LoRA (``sglang.capture.LORA_ARGS``), loads the adapt
 
 - ``base``, ``A``, ``B``: traces of the 8 requests, one at a time, on the base model, on A,
   on B;
-- ``A-batched``: the 8 requests on A in one generate call;
+- ``A-batched``: the 8 requests on A in one generate call; ``A-batched-other-seed`` the same
+  with seed + 1000 (its control);
 - ``mixed.json``: the 8 requests in one generate call, request i on (base, A, B)[i % 3]: each
-  request's tokens and logprobs;
+  request's tokens and logprobs; ``runs-other-seed`` the same batch with seed + 1000 (its
+  control);
 - ``lora.json``: what SGLang answered when asked to load each other adapter directory under
   ADAPTERS (the lane's refusal, named), and to serve a request on a refused one.
 
@@ -70,6 +75,11 @@ def main(argv: list[str]) -> int:
             trace.save(out / name)
             if name == "batched":  # the lane model's forward steps so far
                 steps["batched"] = json.loads(lane.report.read_text())["steps"]
+        # the control: the cached prompts again, one at a time, with other seeds
+        trace, cached["alone-hit-other-seed"] = lane.capture(
+            prompts, decisions, seed=seed + OTHER_SEED, batch=False
+        )
+        trace.save(out / "alone-hit-other-seed")
         # A request the lane's rule cannot draw is refused at the front end; the engine serves on.
         refused = None
         try:
@@ -87,6 +97,8 @@ def main(argv: list[str]) -> int:
             trace, cached["chunked"] = lane.capture(prompts, decisions, seed=seed, batch=True)
             trace.save(out / "chunked")
             steps["chunked"] = json.loads(lane.report.read_text())["steps"]
+            trace, _ = lane.capture(prompts, decisions, seed=seed + OTHER_SEED, batch=True)
+            trace.save(out / "chunked-other-seed")
     info = {"cached": cached, "seconds": seconds, "steps": steps, **checks}
     (out / "cached.json").write_text(json.dumps(info))
     print(f"sglang traces in {out}: {json.dumps(seconds)}", flush=True)
@@ -133,6 +145,8 @@ def lora_main(argv: list[str]) -> int:
             trace.save(out / name)
         trace, _ = lane.capture(prompts, decisions, seed=seed, batch=True, adapter="A")
         trace.save(out / "A-batched")
+        trace, _ = lane.capture(prompts, decisions, seed=seed + OTHER_SEED, batch=True, adapter="A")
+        trace.save(out / "A-batched-other-seed")
         lane.flush_cache()
         order = [(None, "A", "B")[i % 3] for i in range(len(prompts))]
         ids = tokenize(model, prompts)
@@ -143,14 +157,19 @@ def lora_main(argv: list[str]) -> int:
         outs = lane.generate(ids, params, batch=True, adapters=order)
         seconds["mixed"] = time.monotonic() - t
         mixed = [dict(zip(("tokens", "logprobs"), sampled(o), strict=True)) for o in outs]
+        params = sampling_params(len(prompts), decisions, seed + OTHER_SEED, 1.0, 1.0)
+        outs = lane.generate(ids, params, batch=True, adapters=order)
+        other = [dict(zip(("tokens", "logprobs"), sampled(o), strict=True)) for o in outs]
         steps = json.loads(lane.report.read_text())["steps"]
-    (out / "mixed.json").write_text(json.dumps({"adapters": order, "runs": mixed}))
+    runs = {"adapters": order, "runs": mixed, "runs-other-seed": other}
+    (out / "mixed.json").write_text(json.dumps(runs))
     info = {"refused": refused, "served_refused": served, "seconds": seconds, "steps": steps}
     (out / "lora.json").write_text(json.dumps(info))
     print(f"sglang lora traces in {out}: {json.dumps(seconds)}", flush=True)
     return 0
 
 
+OTHER_SEED = 1000  # the controls' seed offset: the same requests, other draws
 BACKEND = ["cpu"]  # the engines' backend: --backend cuda runs them on the GPU
 
 

@@ -129,7 +129,11 @@ def test_a_radix_cache_hit_gives_the_bytes_of_a_miss(lane):
     assert sum(cached["alone-miss"]) < sum(cached["alone-hit"]), cached
     hit, miss = Trace.load(out / "alone-hit"), Trace.load(out / "alone-miss")
     assert same_bytes(hit, miss)
-    assert not same_bytes(hit, one_ulp_off(miss))  # the check can fail
+    assert not same_bytes(hit, one_ulp_off(miss))  # the comparator sees one ulp
+    # control (an input): the same hits with other seeds part from the miss's bytes
+    other = Trace.load(out / "alone-hit-other-seed")
+    assert all(c > 0 for c in cached["alone-hit-other-seed"]), cached
+    assert not same_bytes(other, miss)
 
 
 def test_alone_gives_the_bytes_of_batched(lane):
@@ -139,7 +143,9 @@ def test_alone_gives_the_bytes_of_batched(lane):
     alone, batched = Trace.load(out / "alone-miss"), Trace.load(out / "batched")
     assert batched.engine["batch"] is True and alone.engine["batch"] is False
     assert same_bytes(alone, batched)
-    assert not same_bytes(alone, one_ulp_off(batched))
+    assert not same_bytes(alone, one_ulp_off(batched))  # the comparator sees one ulp
+    # control (an input): the requests alone with other seeds part from the batch's bytes
+    assert not same_bytes(Trace.load(out / "alone-hit-other-seed"), batched)
 
 
 def test_vllm_and_sglang_traces_of_the_same_requests_are_byte_equal(pm, lane):
@@ -164,7 +170,9 @@ def test_chunked_prefill_gives_the_bytes_of_one_pass(lane):
     assert info["steps"]["chunked"] > info["steps"]["batched"], info["steps"]
     chunked, batched = Trace.load(out / "chunked"), Trace.load(out / "batched")
     assert same_bytes(chunked, batched)
-    assert not same_bytes(chunked, one_ulp_off(batched))
+    assert not same_bytes(chunked, one_ulp_off(batched))  # the comparator sees one ulp
+    # control (an input): the chunked engine on other seeds parts from one pass's bytes
+    assert not same_bytes(Trace.load(out / "chunked-other-seed"), batched)
 
 
 def test_a_request_outside_the_rule_is_refused_and_the_engine_serves_on(lane):
@@ -264,8 +272,14 @@ def test_base_adapter_a_and_adapter_b_in_one_batch_each_equal_their_solo_runs(lo
         got = torch.tensor(run["logprobs"], dtype=torch.float32)
         assert run["tokens"] == tokens, (i, adapter)
         assert torch.equal(got.view(torch.int32), logprobs.view(torch.int32)), (i, adapter)
-        control = nudge_ulp(got, 0)
+        control = nudge_ulp(got, 0)  # the comparator sees one ulp
         assert not torch.equal(control.view(torch.int32), logprobs.view(torch.int32))
+        # control (an input): the same batch with other seeds parts from the solo run
+        other = mixed["runs-other-seed"][i]
+        other_lp = torch.tensor(other["logprobs"], dtype=torch.float32)
+        assert other["tokens"] != tokens or not torch.equal(
+            other_lp.view(torch.int32), logprobs.view(torch.int32)
+        ), (i, adapter)
     # A and B really are two adapters, and neither is the base model.
     for x, y in (("A", "B"), ("A", "base"), ("B", "base")):
         assert not same_bytes(solo[x], solo[y]), (x, y)
@@ -276,7 +290,9 @@ def test_one_adapter_batched_gives_the_bytes_of_one_request_at_a_time(lora_lane)
     alone, batched = Trace.load(out / "A"), Trace.load(out / "A-batched")
     assert alone.engine["batch"] is False and batched.engine["batch"] is True
     assert same_bytes(alone, batched)
-    assert not same_bytes(alone, one_ulp_off(batched))
+    assert not same_bytes(alone, one_ulp_off(batched))  # the comparator sees one ulp
+    # control (an input): the batch on A with other seeds parts from the requests alone
+    assert not same_bytes(alone, Trace.load(out / "A-batched-other-seed"))
 
 
 def test_vllm_and_sglang_lora_traces_of_the_same_requests_are_byte_equal(pm, lora_lane):
