@@ -233,21 +233,19 @@ class LockstepQwen3ForCausalLM(nn.Module):
         with torch.no_grad(), paused(), P.position_bound(self.max_positions):
             for n in rows:
                 ids = torch.zeros(n, dtype=torch.int64, device=dev)
-                h = qwen3.layers(ops, self.geom, slots, qwen3.embed(ops, slots, ids),
-                                 torch.arange(n, device=dev))  # fmt: skip
-                del h
+                qwen3.layers(ops, self.geom, slots, qwen3.embed(ops, slots, ids),
+                             torch.arange(n, device=dev))  # fmt: skip
             for n in warm_rows(max_seqs):
                 h = torch.zeros(n, self.geom.hidden, dtype=torch.bfloat16, device=dev)
                 lp = qwen3.logprobs(ops, qwen3.final_logits(ops, self.geom, slots, h))
             ops.sample("sample", lp, temperature=1.0, top_p=1.0, seeds=[0] * lp.shape[0],
                        positions=list(range(lp.shape[0])))  # fmt: skip
             g = self.geom
-            heads, kv_heads = g.heads, g.kv_heads
             for queries, keys in ((1, 1025), (17, 1040)):
                 if keys > self.max_positions:
                     continue
-                q = torch.zeros(queries, heads, g.head_dim, dtype=torch.bfloat16, device=dev)
-                kv = torch.zeros(keys, kv_heads, g.head_dim, dtype=torch.bfloat16, device=dev)
+                q = torch.zeros(queries, g.heads, g.head_dim, dtype=torch.bfloat16, device=dev)
+                kv = torch.zeros(keys, g.kv_heads, g.head_dim, dtype=torch.bfloat16, device=dev)
                 pos = torch.arange(keys - queries, keys, device=dev)
                 ops.attention("layers.0.self_attn.core", q, kv, kv, pos)
         if dev.type == "cuda":
@@ -360,8 +358,9 @@ def step_places(places, md, slot_mapping, rows, reqs, positions, kv_cache) -> Ca
 
 
 class WarmSlots(qwen3.DictSlots):
-    """The slots of the lane's warm-up (``warm_up_lane``): the engine's weights, no adapter,
-    contiguous attention over the dummy sequence, and the experts grouped as served."""
+    """The engine's weights, no adapter, the experts grouped as served: the slots of the lane's
+    warm-up (``warm_up_lane``, contiguous attention over the dummy sequence) and the base of
+    the graph-safe decode's (``DecodeSlots``)."""
 
     def __init__(self, model: LockstepQwen3ForCausalLM):
         super().__init__(model.weights, model.geom, None, per_layer=model._layer_weights)
@@ -399,7 +398,7 @@ class PagedSlots(qwen3.DictSlots):
         return paged_attention(q, k, v, positions, md, kv_cache, self.places, core=core)
 
 
-class DecodeSlots(qwen3.DictSlots):
+class DecodeSlots(WarmSlots):
     """The composition's slots for a step of one-token decodes on cuda (``_decode_step``):
     one paged-attention call for all requests and the experts grouped (routing read on the
     device), so the step reads nothing on the host and a CUDA graph can capture it. Under
@@ -407,9 +406,8 @@ class DecodeSlots(qwen3.DictSlots):
     there)."""
 
     def __init__(self, model: LockstepQwen3ForCausalLM, md):
-        super().__init__(model.weights, model.geom, None, per_layer=model._layer_weights)
-        self.model, self.md = model, md
-        self.gather = model.gather
+        super().__init__(model)
+        self.md = md
         self.checked = False
 
     def attend(self, layer, q, k, v, positions, core):
@@ -438,9 +436,6 @@ class DecodeSlots(qwen3.DictSlots):
             core.site, q, key_cache, value_cache, md.block_table, seq_lens, positions,
             max_seq_len=md.max_seq_len,
         )  # fmt: skip
-
-    def experts(self, layer):
-        return None if self.model._experts is None else self.model._experts[layer]
 
 
 class LockstepQwen3MoeForCausalLM(LockstepQwen3ForCausalLM):
