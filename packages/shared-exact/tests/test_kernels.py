@@ -159,9 +159,3 @@ def test_the_gate_of_a_form_is_found_and_a_plain_kernel_has_none():
     assert K.gate_of("cpu.gemm") is None
     assert K.allowed("lora.shrink", "cuda") >= {"cuda.lora_shrink", "cuda.gemm:tma"}
     assert "cuda.gemm:tma" not in K.allowed("lora.shrink", "cpu")
-
-
-def test_differences_name_the_site_and_each_sides_kernels():
-    ours = {"lm_head": ("cuda.gemm", "cuda.gemm:tma"), "embed_tokens": ("gather",)}
-    theirs = {"lm_head": ("cuda.gemm", "cuda.gemm:pointer"), "embed_tokens": ("gather",)}
-    assert K.differences(ours, theirs) == [("lm_head", ["cuda.gemm:tma"], ["cuda.gemm:pointer"])]
