@@ -23,29 +23,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, *, bk: int, out_dtype=torch.bfloat16)
     require(w.dim() == 2, "gemm: weight must be [N, K]")
     require(bk >= 1 and bk & (bk - 1) == 0, f"gemm: bk must be a power of two, got {bk}")
     require(out_dtype in (torch.bfloat16, F32), f"gemm: unsupported out_dtype {out_dtype}")
-    lead = x.shape[:-1]
-    k_dim = x.shape[-1]
-    n_dim = w.shape[0]
-    xf = as_f32(x).reshape(-1, k_dim)
-    wf = as_f32(w)
-    nblocks = max(1, -(-k_dim // bk))
-    pad = nblocks * bk - k_dim
-    if pad:
-        xf = torch.nn.functional.pad(xf, (0, pad))
-        wf = torch.nn.functional.pad(wf, (0, pad))
-    xb = xf.reshape(-1, nblocks, bk)
-    wb = wf.reshape(n_dim, nblocks, bk)
-    m_dim = xb.shape[0]
-    out = torch.empty(m_dim, n_dim, dtype=F32)
-    rows = max(1, _CHUNK_BYTES // max(1, n_dim * bk * 4))
-    for r0 in range(0, m_dim, rows):
-        xs = xb[r0 : r0 + rows]
-        acc = None
-        for b in range(nblocks):
-            part = tree_sum(xs[:, None, b, :] * wb[None, :, b, :])
-            acc = part if acc is None else acc + part
-        out[r0 : r0 + rows] = acc
-    out = out.reshape(*lead, n_dim)
+    out = _block_sums(x, w, bk=bk, parts=1, chunk_bytes=_CHUNK_BYTES)
     return round_bf16(out) if out_dtype == torch.bfloat16 else out
 
 
@@ -72,9 +50,18 @@ def kpart_partial(x: torch.Tensor, w: torch.Tensor, *, bk: int, parts: int) -> t
         parts >= 1 and parts & (parts - 1) == 0 and k_dim % parts == 0,
         f"kpart: {parts} partitions must be a power of two dividing K = {k_dim}",
     )
+    return _block_sums(x, w, bk=bk, parts=parts, chunk_bytes=_KPART_CHUNK_BYTES)
+
+
+def _block_sums(x, w, *, bk: int, parts: int, chunk_bytes: int) -> torch.Tensor:
+    """fp32 [..., N]: K cut into ``parts`` equal partitions (1: the whole of K), each summed in
+    blocks of ``bk`` (products in fp32, the adjacent-pair tree inside a block, a ragged last
+    block padded with +0 products, block sums added left to right from block 0), then the
+    partitions' sums over the adjacent-pair tree (one partition: its sum). Rows go in chunks
+    whose products stay near ``chunk_bytes``; the chunking moves no byte."""
     lead = x.shape[:-1]
     n_dim = w.shape[0]
-    size = k_dim // parts
+    size = x.shape[-1] // parts
     xf = as_f32(x).reshape(-1, parts, size)
     wf = as_f32(w).reshape(n_dim, parts, size)
     nblocks = max(1, -(-size // bk))
@@ -86,7 +73,7 @@ def kpart_partial(x: torch.Tensor, w: torch.Tensor, *, bk: int, parts: int) -> t
     wb = wf.reshape(n_dim, parts, nblocks, bk)
     m_dim = xb.shape[0]
     out = torch.empty(m_dim, n_dim, dtype=F32)
-    rows = max(1, _KPART_CHUNK_BYTES // max(1, n_dim * parts * bk * 4))
+    rows = max(1, chunk_bytes // max(1, n_dim * parts * bk * 4))
     for r0 in range(0, m_dim, rows):
         xs = xb[r0 : r0 + rows]
         acc = None
