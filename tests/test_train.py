@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from cross_support import merged_model
-from train_support import FakePolicy, FakeSampler
+from train_support import AdapterMoved, FakePolicy, FakeSampler
 
 from lockstep_exact import hookimpl
 from lockstep_exact.app.cli import main
@@ -335,40 +335,10 @@ def test_control_the_inverted_reward_drives_the_target_share_down(tiny_dense, tm
     assert 1.0 - last < 1.0 - first - 0.1 and 1.0 - last < 0.15, (first, last)
 
 
-class _AdapterMoved:
-    """A trainer wrapper that moves one element of the policy's last LoRA B factor by 2^-9 in
-    place before the ``at``-th trace it scores: an input of the trainer's forward (the adapter
-    the sampler was not given), not the log-probabilities the loop compares. The move is in
-    the trainer's memory only: the exported adapter files, which bisect reads, are unchanged."""
-
-    def __init__(self, at: int):
-        self.at = at
-
-    @hookimpl(wrapper=True)
-    def lockstep_trainer_session(self, request):
-        session = yield
-        if request.role != "policy":
-            return session
-        at, real = self.at, session.logprobs
-        calls = []
-
-        def logprobs(trace):
-            calls.append(1)
-            if len(calls) == at:
-                named = session.model.named_parameters()
-                b = [p for n, p in named if ".lora." in n and n.endswith(".B")][-1]
-                with torch.no_grad():
-                    b.view(-1)[0] += 2.0**-9
-            return real(trace)
-
-        session.logprobs = logprobs
-        return session
-
-
 @pytest.mark.engine
 def test_a_moved_adapter_factor_stops_the_run_before_any_update_and_bisects(tiny_dense, tmp_path):
     pm = manager()
-    pm.register(_AdapterMoved(at=2))
+    pm.register(AdapterMoved(at=2))
     config = TrainConfig(steps=3, group=2, prompts=2, decisions=4)
     with pytest.raises(TrainStopped) as err:
         run_train(pm, tiny_dense, tmp_path, config, progress=Quiet())
