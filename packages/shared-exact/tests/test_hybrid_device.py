@@ -236,9 +236,16 @@ e = lambda *s, dtype=torch.float32: torch.empty(*s, dtype=dtype, device=M)
 from lockstep_exact.programs import Program
 CHUNK = Program.of("gdn.chunked").param("chunk")
 st = G.gdn_state(1, 2, 16, 16, chunk=CHUNK, device=M)
+# gdn.chunked's chunk pass is the one-launch kernel (Triton is stubbed here: the cpu pass
+# stands in for it on meta tensors, recording each chunk's rows)
+from lockstep_exact.programs.cuda import gdn as KERNEL
+assert H.chunk_pass is KERNEL.chunk, "chunk pass"
+passes = []
+H.chunk_pass = lambda *a: passes.append(a[2].shape[0]) or G._chunk_heads(*a)
 out, st2 = H.gdn_chunked(e(70, 1, 16), e(70, 1, 16), e(70, 2, 16, dtype=BF16), e(70, 2),
                          e(70, 2), st, position=0, chunk=CHUNK)
 assert out.shape == (70, 2, 16) and st2.start == 64 and checked[-1] == 10, checked
+assert passes == [64, 6], passes
 g, beta = H.gdn_gating(e(5, 4, dtype=BF16), e(5, 4, dtype=BF16), e(4), e(4, dtype=BF16))
 assert g.shape == beta.shape == (5, 4)
 assert H.l2norm(e(5, 2, 16, dtype=BF16)).shape == (5, 2, 16)

@@ -17,6 +17,7 @@ cumsum, ...): each + - * / sqrt is its own op, every reduction an explicit ``tre
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -172,7 +173,14 @@ def state_tensors(state: GdnState) -> tuple[torch.Tensor, ...]:
 
 
 def default_scale(d_k: int, device=None) -> torch.Tensor:
-    """1 / sqrt(K) as float32, from IEEE sqrt and division (a 0-dim tensor on ``device``)."""
+    """1 / sqrt(K) as float32, from IEEE sqrt and division (a 0-dim tensor on ``device``).
+    Made once per (K, device) and shared, read-only: a decode step would otherwise spend some
+    thirty small ops (``sqrt_rn``'s correction) on the same number."""
+    return _scale(int(d_k), str(torch.device(device) if device is not None else "cpu"))
+
+
+@functools.lru_cache(maxsize=64)
+def _scale(d_k: int, device: str) -> torch.Tensor:
     return 1.0 / sqrt_rn(torch.tensor(float(d_k), dtype=F32, device=device))
 
 
@@ -260,6 +268,15 @@ def gdn_chunked(q, k, v, g, beta, state: GdnState, *, position: int, chunk: int,
     output is computed from its chunk's start state and the chunk's tokens up to it (``_chunk``),
     the state moves only when a chunk is complete. state' is at the chunk start of the next token.
     """
+    return run_chunks(_chunk_heads, q, k, v, g, beta, state, position=position, chunk=chunk,
+                      scale=scale)  # fmt: skip
+
+
+def run_chunks(chunk_pass, q, k, v, g, beta, state: GdnState, *, position: int, chunk: int,
+               scale=None):  # fmt: skip
+    """``gdn_chunked`` with each chunk's pass done by ``chunk_pass`` (``_chunk_heads`` here;
+    the cuda backend's one-launch pass, ``programs.cuda.gdn.chunk``, which computes the same
+    bytes): the calls, the state and the chunk boundaries are this function's."""
     n, h_k, h_v, d_k, d_v = _check(q, k, v, g, beta, state, position, chunk)
     dev = q.device
     if scale is None:
@@ -285,7 +302,7 @@ def gdn_chunked(q, k, v, g, beta, state: GdnState, *, position: int, chunk: int,
         m = min(chunk, end - c)
         first = max(position - c, 0)  # first row of this chunk that is a new token
         q_rows = qs[c + first - position : c + m - position]
-        o, s_next, u_rows, g_rows = _chunk_heads(
+        o, s_next, u_rows, g_rows = chunk_pass(
             s,
             q_rows[:, head_map],
             kk[lo : lo + m][:, head_map],

@@ -1,5 +1,6 @@
 """The hybrid lane's programs (Qwen3-Next) on the cuda backend: the cpu backend's code, run on
-CUDA tensors.
+CUDA tensors; gdn.chunked's chunk pass is one Triton kernel of the same operations
+(``programs/cuda/gdn.py``).
 
 gdn.chunked, gdn.gating, gdn.l2norm, conv1d.causal, rmsnorm.zero_centered, rmsnorm.gated,
 gate.sigmoid and moe.shared_gate are written (``programs/cpu/gdn.py``, ``hybrid.py``) from
@@ -26,6 +27,7 @@ from ..cpu import hybrid as _hybrid
 from ..cpu.gdn import GdnState, state_tensors
 from ..cpu.rope import rotate_first
 from .arith import require_cuda
+from .gdn import chunk as chunk_pass
 from .rope import rope
 
 
@@ -34,7 +36,9 @@ def gdn_chunked(q, k, v, g, beta, state: GdnState, *, position: int, chunk: int,
     require_cuda(q, k, v, g, beta, *state_tensors(state))
     if isinstance(scale, torch.Tensor):
         require_cuda(scale)
-    return _gdn.gdn_chunked(q, k, v, g, beta, state, position=position, chunk=chunk, scale=scale)
+    return _gdn.run_chunks(
+        chunk_pass, q, k, v, g, beta, state, position=position, chunk=chunk, scale=scale
+    )
 
 
 def gdn_gating(a, b, a_log, dt_bias):

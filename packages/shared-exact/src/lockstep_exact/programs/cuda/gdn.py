@@ -1,0 +1,221 @@
+"""gdn.chunked's chunk pass as one Triton kernel: the cpu program's bytes in one launch.
+
+The cpu backend's ``_chunk`` (``programs/cpu/gdn.py``) is written from elementwise IEEE
+operations, fixed adjacent-pair trees (``tree_sum``) and two left-to-right chains (the gate sum
+G and the forward substitution). Run op by op on CUDA tensors it gives the cpu bytes but takes
+thousands of launches a chunk (a 64-row chunk's substitution alone is 64 rounds of about ten
+ops). This kernel performs the same operations in the same order, so its bytes are the cpu
+backend's: one program per (value head, block of value columns), every value fp32, each
+``*``, ``+``, ``-`` rounded on its own (contraction off: ``EXACT``), ``exp`` the cpu backend's
+polynomial and exponent-bit construction written out (``_exp``), every tree the same pairs as
+``tree_sum`` (``_tree_rows``, ``_tree_cols``: zeros padded to a power of two, element 2i added
+to element 2i+1, level by level).
+
+Value columns never interact (the state, u and the outputs are column by column over V), so a
+program owns ``BV`` of them and recomputes the column-free parts (G, the decays, k_i . k_j) for
+its head. Rows past ``m`` and key dims past ``K`` load as +0, as the cpu code's zero padding.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..cpu import arith as _cpu
+from ..cpu.arith import F32
+from .arith import EXACT, next_pow2, require, require_cuda
+
+# 1.5 * 2**23: for |t| < 2**22, (t + RINT) - RINT is t rounded to the nearest integer, ties to
+# even (torch.round's rule), in two IEEE adds.
+_RINT = tl.constexpr(12582912.0)
+# The cpu exp's constants (``cpu.arith.exp``).
+_MIN, _MAX = tl.constexpr(_cpu._EXP_F32_MIN), tl.constexpr(_cpu._EXP_F32_MAX)
+_INF = tl.constexpr(float("inf"))
+_LOG2E = tl.constexpr(_cpu._LOG2E)
+_HI, _LO = tl.constexpr(_cpu._LN2_HI_F32), tl.constexpr(_cpu._LN2_LO_F32)
+_P0, _P1, _P2, _P3, _P4, _P5 = (tl.constexpr(c) for c in _cpu._EXP_F32_POLY)
+_BV = 32  # value columns per program
+
+
+@triton.jit
+def _exp(x):
+    """The cpu backend's fp32 exp (``cpu.arith.exp``), op for op."""
+    xc = tl.where(x < _MIN, _MIN, tl.where(x > _MAX, _MAX, x))
+    n = ((xc * _LOG2E) + _RINT) - _RINT
+    r = xc - n * _HI
+    r = r - n * _LO
+    z = r * r
+    acc = r * _P0 + _P1  # horner: c0 * r + c1, ...
+    acc = acc * r + _P2
+    acc = acc * r + _P3
+    acc = acc * r + _P4
+    acc = acc * r + _P5
+    y = acc * z
+    y = (y + r) + 1.0
+    ni = n.to(tl.int32)
+    half = ni >> 1  # floor(n / 2)
+    p1 = ((half + 127) << 23).to(tl.float32, bitcast=True)
+    p2 = ((ni - half + 127) << 23).to(tl.float32, bitcast=True)
+    out = (y * p1) * p2
+    out = tl.where(x > _MAX, _INF, out)
+    out = tl.where(x < _MIN, 0.0, out)
+    return tl.where(x != x, x, out)
+
+
+@triton.jit
+def _tree_cols(x, R: tl.constexpr, N: tl.constexpr, LOG: tl.constexpr):
+    """[R, N] -> [R]: ``tree_sum`` along the last axis (N = 2**LOG)."""
+    for lvl in tl.static_range(LOG):
+        a, b = tl.split(tl.reshape(x, (R, N >> (lvl + 1), 2)))
+        x = a + b
+    return tl.reshape(x, (R,))
+
+
+@triton.jit
+def _tree_rows(x, N: tl.constexpr, B: tl.constexpr, LOG: tl.constexpr):
+    """[N, B] -> [B]: ``tree_sum`` along the first axis (N = 2**LOG)."""
+    for lvl in tl.static_range(LOG):
+        y = tl.permute(tl.reshape(x, (N >> (lvl + 1), 2, B)), (0, 2, 1))
+        a, b = tl.split(y)
+        x = a + b
+    return tl.reshape(x, (B,))
+
+
+@triton.jit
+def _at(vec, rows, i):
+    """Element i of a register vector (a sum of it and +0s: exact, but for the sign of a zero,
+    which ``_exp`` maps to the same 1)."""
+    return tl.sum(tl.where(rows == i, vec, 0.0), 0)
+
+
+@triton.jit
+def _chunk_kernel(
+    s0_ptr, k_ptr, v_ptr, g_ptr, b_ptr, q_ptr, us_ptr, gs_ptr,
+    u_ptr, gc_ptr, o_ptr, se_ptr,
+    m, w, first, K, V,
+    sk_t, sk_h, sv_t, sv_h, sg_t, sq_t, sq_h, sus_t, sus_h, sgs_t, su_t, su_h, sgc_t,
+    so_t, so_h,
+    C: tl.constexpr, LOGC: tl.constexpr, KP: tl.constexpr, LOGK: tl.constexpr,
+    BV: tl.constexpr, LAST: tl.constexpr,
+):  # fmt: skip
+    h = tl.program_id(0)
+    vb = tl.program_id(1)
+    rows = tl.arange(0, C)
+    ks = tl.arange(0, KP)
+    vs = vb * BV + tl.arange(0, BV)
+    kin = ks < K
+    vin = vs < V
+    # k rows of the chunk [C, KP] (+0 past m and past K), the start state [KP, BV].
+    kh = tl.load(
+        k_ptr + rows[:, None] * sk_t + h * sk_h + ks[None, :],
+        mask=(rows[:, None] < m) & kin[None, :],
+        other=0.0,
+    )
+    s0 = tl.load(
+        s0_ptr + h * K * V + ks[:, None] * V + vs[None, :],
+        mask=kin[:, None] & vin[None, :],
+        other=0.0,
+    )
+    # G: the first w rows as solved before; then left to right from the last of them (or g_0).
+    gcum = tl.load(gs_ptr + rows * sgs_t + h, mask=rows < w, other=0.0)
+    g0 = tl.load(g_ptr + h)
+    acc = tl.where(w > 0, tl.load(gs_ptr + (w - 1) * sgs_t + h, mask=w > 0, other=0.0), g0)
+    gcum = tl.where((rows == 0) & (w == 0), g0, gcum)
+    for i in range(tl.maximum(w, 1), m):
+        acc = acc + tl.load(g_ptr + i * sg_t + h)
+        gcum = tl.where(rows == i, acc, gcum)
+    tl.store(gc_ptr + rows * sgc_t + h, gcum, mask=(rows < m) & (vb == 0))
+    # u: the first w rows as solved before, the rest solved below.
+    u = tl.load(
+        us_ptr + rows[:, None] * sus_t + h * sus_h + vs[None, :],
+        mask=(rows[:, None] < w) & vin[None, :],
+        other=0.0,
+    )
+    for i in range(w, m):
+        gi = _at(gcum, rows, i)
+        gam_i = _exp(gi)
+        dec_i = tl.where(rows <= i, _exp(gi - gcum), 0.0)  # exp(G_i - G_j), j <= i
+        beta_i = tl.load(b_ptr + i * sg_t + h)
+        k_i = tl.load(k_ptr + i * sk_t + h * sk_h + ks, mask=kin, other=0.0)
+        kk_i = _tree_cols(k_i[None, :] * kh, C, KP, LOGK)  # k_i . k_j over K
+        a_i = tl.where(rows < i, beta_i * (kk_i * dec_i), 0.0)
+        sk_i = _tree_rows(s0 * k_i[:, None], KP, BV, LOGK)  # S0^T k_i
+        v_i = tl.load(v_ptr + i * sv_t + h * sv_h + vs, mask=vin, other=0.0)
+        r_i = beta_i * (v_i - gam_i * sk_i)
+        prod = tl.where(rows[:, None] < i, a_i[:, None] * u, 0.0)
+        u_i = r_i - _tree_rows(prod, C, BV, LOGC)
+        u = tl.where(rows[:, None] == i, u_i[None, :], u)
+        tl.store(u_ptr + i * su_t + h * su_h + vs, u_i, mask=vin)
+        if i >= first:
+            # o_i = gamma_i * (S0^T q_i) + tree_C(q_i.k_j * exp(G_i - G_j) * u_j), j <= i
+            q_i = tl.load(q_ptr + (i - first) * sq_t + h * sq_h + ks, mask=kin, other=0.0)
+            qk_i = _tree_cols(q_i[None, :] * kh, C, KP, LOGK)
+            p_i = tl.where(rows <= i, qk_i * dec_i, 0.0)
+            intra = _tree_rows(tl.where(rows[:, None] <= i, p_i[:, None] * u, 0.0), C, BV, LOGC)
+            sq_i = _tree_rows(s0 * q_i[:, None], KP, BV, LOGK)
+            o_i = gam_i * sq_i + intra
+            tl.store(o_ptr + (i - first) * so_t + h * so_h + vs, o_i, mask=vin)
+    if LAST:
+        # S_end = gamma_last * S0 + tree_C((exp(G_last - G_j) * k_j) u_j^T), row by row of K.
+        g_last = _at(gcum, rows, C - 1)
+        gam_last = _exp(g_last)
+        dec_last = _exp(g_last - gcum)
+        for kk in range(0, K):
+            wk = dec_last * tl.load(k_ptr + rows * sk_t + h * sk_h + kk)
+            upd = _tree_rows(wk[:, None] * u, C, BV, LOGC)
+            s_row = tl.load(s0_ptr + h * K * V + kk * V + vs, mask=vin, other=0.0)
+            tl.store(se_ptr + h * K * V + kk * V + vs, gam_last * s_row + upd, mask=vin)
+
+
+def chunk(s0, q, k, v, g, beta, first, chunk_size, solved=None):
+    """The cpu backend's ``_chunk`` (same arguments, same returns, same bytes) in one launch.
+
+    s0 [H, K, V]; q [m-first, H, K] (scaled); k [m, H, K]; v [m, H, V]; g, beta [m, H]; all
+    fp32 on one CUDA device; ``solved``: (u [w, H, V], G [w, H]) of the first w rows, or None.
+    Returns (out [m-first, H, V], the state at the chunk end if m == C else None, u [m, H, V],
+    G [m, H]).
+    """
+    require_cuda(s0, q, k, v, g, beta)
+    return run(s0, q, k, v, g, beta, first, chunk_size, solved)
+
+
+def run(s0, q, k, v, g, beta, first, chunk_size, solved=None):
+    """``chunk`` without the device check: the launch itself (Triton's interpreter runs it on
+    cpu tensors, for the checks of ``tools/gpu/interpret``)."""
+    h, d_k, d_v = s0.shape
+    m = k.shape[0]
+    c = chunk_size
+    require(1 <= m <= c and 0 <= first < m, f"gdn chunk: {m} rows from {first} in a chunk of {c}")
+    dev = s0.device
+    if solved is None:
+        u_in = torch.zeros(0, h, d_v, dtype=F32, device=dev)
+        g_in = torch.zeros(0, h, dtype=F32, device=dev)
+    else:
+        u_in, g_in = (t.contiguous() for t in solved)
+    w = u_in.shape[0]
+    require(w <= first, f"gdn chunk: {w} solved rows, outputs from row {first}")
+    s0, q, k, v, g, beta = (t.contiguous() for t in (s0, q, k, v, g, beta))
+    u = torch.empty(m, h, d_v, dtype=F32, device=dev)
+    u[:w] = u_in
+    gc = torch.empty(m, h, dtype=F32, device=dev)
+    gc[:w] = g_in
+    out = torch.empty(m - first, h, d_v, dtype=F32, device=dev)
+    last = m == c
+    s_end = torch.empty(h, d_k, d_v, dtype=F32, device=dev) if last else out
+    kp = next_pow2(d_k)
+    _chunk_kernel[(h, triton.cdiv(d_v, _BV))](
+        s0, k, v, g, beta, q, u_in, g_in,
+        u, gc, out, s_end,
+        m, w, first, d_k, d_v,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), q.stride(0),
+        q.stride(1), u_in.stride(0), u_in.stride(1), g_in.stride(0), u.stride(0), u.stride(1),
+        gc.stride(0), out.stride(0), out.stride(1),
+        C=c, LOGC=c.bit_length() - 1, KP=kp, LOGK=kp.bit_length() - 1, BV=_BV, LAST=last,
+        num_warps=4,
+        **EXACT,
+    )  # fmt: skip
+    return out, (s_end if last else None), u, gc
+
+
+__all__ = ["chunk", "run"]
