@@ -21,9 +21,13 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from lockstep_exact.programs.cpu import activation as cpu_act  # noqa: E402
+from lockstep_exact.programs.cpu import arith as cpu_arith  # noqa: E402
 from lockstep_exact.programs.cpu import gdn as cpu_gdn  # noqa: E402
-from lockstep_exact.programs.cpu.arith import exp  # noqa: E402
+from lockstep_exact.programs.cpu import hybrid as cpu_hybrid  # noqa: E402
+from lockstep_exact.programs.cuda import exactmath  # noqa: E402
 from lockstep_exact.programs.cuda import gdn as kernel  # noqa: E402
+from lockstep_exact.programs.cuda import hybrid as cuda_hybrid  # noqa: E402
 from lockstep_exact.testing import nudge_ulp  # noqa: E402
 
 
@@ -123,27 +127,163 @@ def check_calls(out: dict) -> None:
         out[f"gdn.chunked: {name}"] = {"equal": same(want, got) and states}
 
 
+def nan_canonical(t: torch.Tensor) -> torch.Tensor:
+    """fp32 with every NaN as one pattern (the GPU suite's rule for fp32 outputs: a NaN's
+    payload is not part of a program's bytes); bf16 outputs are compared as they are."""
+    if t.dtype != torch.float32:
+        return t
+    return torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t)
+
+
+def same_values(a, b) -> bool:
+    return same(nan_canonical(a), nan_canonical(b))
+
+
 @triton.jit
-def _exp_kernel(x_ptr, o_ptr, N: tl.constexpr):
-    offs = tl.arange(0, N)
-    tl.store(o_ptr + offs, kernel._exp(tl.load(x_ptr + offs)))
+def _helper_kernel(x_ptr, o_ptr, N, WHICH: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0)
+    if WHICH == 0:
+        y = exactmath.exp(x)
+    elif WHICH == 1:
+        y = exactmath.log(x)
+    elif WHICH == 2:
+        y = exactmath.silu(x)
+    elif WHICH == 3:
+        y = exactmath.sigmoid(x)
+    elif WHICH == 4:
+        y = exactmath.softplus(x)
+    else:
+        y = exactmath.widen(exactmath.round_bf16(x))
+    tl.store(o_ptr + offs, y, mask=ok)
 
 
-def check_exp(out: dict) -> None:
+def fp32_cases(n: int = 1 << 16) -> torch.Tensor:
+    """Random fp32 bit patterns (NaNs, infinities, subnormals among them), a spread of
+    ordinary values and the edges."""
+    gen = torch.Generator().manual_seed(3)
+    bits = torch.randint(-(2**31), 2**31 - 1, (n,), generator=gen, dtype=torch.int64)
     edges = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 0.5, -0.5, 1.5, -1.5]
     edges += [88.72283172607421875, -103.97208404541015625, 89.0, -104.0, -87.5, -100.0]
-    spread = torch.randn(2000, generator=torch.Generator().manual_seed(3)) * 30
-    x = torch.cat([torch.linspace(-120.0, 100.0, 30000), spread, torch.tensor(edges)])
-    width = 1 << (x.numel() - 1).bit_length()
-    x = torch.cat([x, torch.zeros(width - x.numel())])
-    got = torch.empty_like(x)
-    _exp_kernel[(1,)](x, got, width)
-    out["exp: the cpu exp's bytes"] = {"equal": same(got, exp(x))}
+    edges += [1e-45, -1e-45, 1.1754943508222875e-38, 3.4028234663852886e38, 1.0, 2.0, 0.7071068]
+    return torch.cat([
+        bits.to(torch.int32).view(torch.float32),
+        torch.linspace(-120.0, 100.0, 20000),
+        torch.randn(4000, generator=gen) * 30,
+        torch.tensor(edges),
+    ])  # fmt: skip
+
+
+def check_helpers(out: dict) -> None:
+    x = fp32_cases()
+    wants = {
+        "exp": cpu_arith.exp,
+        "log": lambda t: cpu_arith.log(t.abs()),
+        "silu": cpu_act.silu,
+        "sigmoid": cpu_gdn.sigmoid,
+        "softplus": cpu_gdn.softplus,
+        "round_bf16": lambda t: cpu_arith.round_bf16(t).float(),
+    }
+    for which, (name, want) in enumerate(wants.items()):
+        arg = x.abs() if name == "log" else x
+        got = torch.empty_like(arg)
+        _helper_kernel[(triton.cdiv(arg.numel(), 1024),)](arg, got, arg.numel(), which, 1024)
+        out[f"helper: {name}"] = {"equal": same_values(got, want(arg))}
+
+
+def bf16_cases(*shape, seed: int, scale: float = 3.0, specials: bool = True) -> torch.Tensor:
+    """bf16 values of a normal spread, with every 7th element a random bit pattern (NaNs,
+    infinities, subnormals) when ``specials``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(*shape, generator=gen) * scale).bfloat16()
+    if specials:
+        flat = x.view(-1).view(torch.int16)
+        pick = torch.arange(0, flat.numel(), 7)
+        flat[pick] = torch.randint(-(2**15), 2**15 - 1, (pick.numel(),), generator=gen).to(
+            torch.int16
+        )
+    return x
+
+
+def check_programs(out: dict) -> None:
+    """Each program's launch against its cpu program, at odd sizes (specials included)."""
+    b = bf16_cases
+    cases = {
+        "gdn.gating": (
+            cuda_hybrid.gating, cpu_gdn.gdn_gating,
+            (b(37, 5, seed=1, scale=4.0), b(37, 5, seed=2, scale=4.0),
+             torch.randn(5, generator=torch.Generator().manual_seed(3)), b(5, seed=4)),
+        ),
+        "gdn.gating, bf16 A_log": (
+            cuda_hybrid.gating, cpu_gdn.gdn_gating,
+            (b(9, 3, seed=5), b(9, 3, seed=6), b(3, seed=7, specials=False), b(3, seed=8)),
+        ),
+        "gdn.l2norm, D 33": (cuda_hybrid.l2norm_rows, cpu_gdn.l2norm, (b(7, 3, 33, seed=9),)),
+        "gdn.l2norm, D 128": (cuda_hybrid.l2norm_rows, cpu_gdn.l2norm, (b(5, 2, 128, seed=10),)),
+        "conv1d.causal, D 300, kernel 4": (
+            lambda x, w, win: cuda_hybrid.conv1d(x, w, win, kernel=4),
+            lambda x, w, win: cpu_gdn.conv1d_causal(x, w, win, kernel=4),
+            (b(6, 300, seed=11), b(300, 4, seed=12), b(3, 300, seed=13)),
+        ),
+        "conv1d.causal, D 20, kernel 3": (
+            lambda x, w, win: cuda_hybrid.conv1d(x, w, win, kernel=3),
+            lambda x, w, win: cpu_gdn.conv1d_causal(x, w, win, kernel=3),
+            (b(1, 20, seed=14), b(20, 3, seed=15), b(2, 20, seed=16)),
+        ),
+        "rmsnorm.zero_centered, H 2048": (
+            lambda x, w: cuda_hybrid.zero_centered(x, w, 1e-6),
+            lambda x, w: cpu_hybrid.rmsnorm_zero_centered(x, w, 1e-6),
+            (b(3, 2048, seed=17), b(2048, seed=18, scale=0.1)),
+        ),
+        "rmsnorm.zero_centered, H 24": (
+            lambda x, w: cuda_hybrid.zero_centered(x, w, 1e-5),
+            lambda x, w: cpu_hybrid.rmsnorm_zero_centered(x, w, 1e-5),
+            (b(2, 5, 24, seed=19), b(24, seed=20, scale=0.1)),
+        ),
+        "rmsnorm.gated, V 128": (
+            lambda x, z, w: cuda_hybrid.gated(x, z, w, 1e-6),
+            lambda x, z, w: cpu_hybrid.rmsnorm_gated(x, z, w, 1e-6),
+            (b(3, 4, 128, seed=21), b(3, 4, 128, seed=22), b(128, seed=23)),
+        ),
+        "rmsnorm.gated, V 40": (
+            lambda x, z, w: cuda_hybrid.gated(x, z, w, 1e-6),
+            lambda x, z, w: cpu_hybrid.rmsnorm_gated(x, z, w, 1e-6),
+            (b(9, 40, seed=24), b(9, 40, seed=25), b(40, seed=26)),
+        ),
+        "gate.sigmoid": (
+            cuda_hybrid.gate_sigmoid, cpu_hybrid.sigmoid_gate,
+            (b(5, 3, 70, seed=27), b(5, 3, 70, seed=28)),
+        ),
+        "moe.shared_gate": (
+            cuda_hybrid.shared_gate, cpu_hybrid.shared_expert_gate,
+            (b(6, 90, seed=29), b(6, 90, seed=30), b(6, 1, seed=31)),
+        ),
+    }  # fmt: skip
+    for name, (launch, program, args) in cases.items():
+        got, want = launch(*args), program(*args)
+        got = got if isinstance(got, tuple) else (got,)
+        want = want if isinstance(want, tuple) else (want,)
+        out[f"program: {name}"] = {
+            "equal": all(same_values(a, c) for a, c in zip(got, want, strict=True))
+        }
+    # The control: one input element one bf16 ulp up moves the launch's output with the
+    # program's.
+    x, w = b(3, 2048, seed=17, specials=False), b(2048, seed=18, scale=0.1)
+    base = cuda_hybrid.zero_centered(x, w, 1e-6)
+    moved = x.clone()
+    moved.view(torch.int16)[1, 100] += 1  # the next bf16 away from zero
+    got = cuda_hybrid.zero_centered(moved, w, 1e-6)
+    out["control: a norm input one bf16 ulp up"] = {
+        "equal": same(got, cpu_hybrid.rmsnorm_zero_centered(moved, w, 1e-6)),
+        "moved": not same(got, base),
+    }
 
 
 if __name__ == "__main__":
     results: dict = {}
-    check_exp(results)
+    check_helpers(results)
+    check_programs(results)
     check_chunks(results)
     check_calls(results)
     json.dump(results, sys.stdout)

