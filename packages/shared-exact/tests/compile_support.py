@@ -1,0 +1,145 @@
+"""Compile the hybrid lane's cuda kernels for the H200 (sm_90) without a GPU and read their PTX
+(``test_interpret.py`` runs this in a Python that has Triton).
+
+Triton compiles ahead of time for a named target: its front end, layouts, LLVM and ptxas all
+run on the host. A kernel that does not compile, or whose PTX holds an instruction that would
+round differently from the cpu program's operations, is caught here before any GPU run: a fused
+multiply-add (``fma``: one rounding for ``*`` and ``+``), an fp32 ``*``, ``+`` or ``-`` without
+an explicit rounding mode (``mul.f32``: ptxas may contract it; with contraction off Triton
+writes ``mul.rn.f32``), flush-to-zero (``.ftz``: subnormals read or written as zero) or an
+approximate instruction (``.approx``: division, square root, exp). The machine code's own FFMAs
+are not counted: the IEEE division and square root are built from them. Register spills are
+reported (a speed matter only).
+
+Prints one JSON object: kernel case -> {"compiled": bool, "fma": n, "unrounded": n, "ftz": n,
+"approx": n, "registers": n, "spill_bytes": n, "error": str | None}.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from lockstep_exact.programs.cuda import gdn, hybrid
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def _signature(fn, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
+    """Every argument: the given pointer (or float scalar: ``fp32``) types, the constexprs,
+    the rest int32."""
+    return {
+        name: "constexpr" if name in constexprs else pointers.get(name, "i32")
+        for name in fn.arg_names
+    }
+
+
+def _ptxas(ptx: str) -> tuple[int, int]:
+    """(registers, spill bytes) that the bundled ptxas reports for sm_90a."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        done = subprocess.run(
+            [str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+            capture_output=True,
+            text=True,
+        )
+    info = done.stdout + done.stderr
+    regs = re.search(r"Used (\d+) registers", info)
+    spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", info)
+    return (int(regs.group(1)) if regs else -1), sum(int(s) for s in spills)
+
+
+def _case(fn, pointers, constexprs, num_warps=4, fusion=False) -> dict:
+    try:
+        src = ASTSource(
+            fn=fn, signature=_signature(fn, pointers, constexprs), constexprs=constexprs
+        )
+        kernel = triton.compile(
+            src, target=TARGET, options={"enable_fp_fusion": fusion, "num_warps": num_warps}
+        )
+    except Exception as err:  # noqa: BLE001 - reported, the test names it
+        return {"compiled": False, "error": f"{type(err).__name__}: {err}"[:2000]}
+    ptx = kernel.asm["ptx"]
+    regs, spill = _ptxas(ptx)
+    return {
+        "compiled": True,
+        "fma": len(re.findall(r"\bfma\.", ptx)),
+        # fp32 * + - without an explicit rounding mode: ptxas may contract those into an fma
+        "unrounded": len(re.findall(r"\b(?:mul|add|sub)\.f32\b", ptx)),
+        "ftz": ptx.count(".ftz"),
+        "approx": ptx.count(".approx"),
+        "registers": regs,
+        "spill_bytes": spill,
+        "error": None,
+    }
+
+
+def main() -> dict:
+    f32 = "*fp32"
+    i16 = "*i16"
+    out: dict = {}
+    chunk_ptrs = {n: f32 for n in gdn._chunk_kernel.arg_names if n.endswith("_ptr")}
+    for c, kp, last in ((64, 128, False), (64, 128, True), (16, 16, True), (64, 32, False)):
+        warps = 8 if c * kp >= 4096 else 4
+        out[f"gdn chunk pass C={c} K={kp} last={last}"] = _case(
+            gdn._chunk_kernel,
+            chunk_ptrs,
+            {"C": c, "LOGC": c.bit_length() - 1, "KP": kp, "LOGK": kp.bit_length() - 1,
+             "BV": gdn._BV, "LAST": last},
+            num_warps=warps,
+        )  # fmt: skip
+    out["gdn.gating"] = _case(
+        hybrid._gating_kernel,
+        {"a_ptr": i16, "b_ptr": i16, "alog_ptr": f32, "dtb_ptr": f32, "g_ptr": f32,
+         "beta_ptr": f32},
+        {"BLOCK": hybrid._BLOCK},
+    )  # fmt: skip
+    for width in (128, 32):
+        per = max(1, min(16, 4096 // width))
+        out[f"gdn.l2norm D={width}"] = _case(
+            hybrid._l2norm_kernel,
+            {"x_ptr": i16, "o_ptr": f32, "eps": "fp32"},
+            {"ROWS": per, "W": width, "LOG": width.bit_length() - 1},
+        )
+    out["conv1d.causal kernel 4"] = _case(
+        hybrid._conv1d_kernel,
+        {"f_ptr": i16, "w_ptr": i16, "o_ptr": i16},
+        {"BD": 128, "WP": 4, "LOG": 2},
+    )
+    for gated, width in ((False, 2048), (True, 128)):
+        per = max(1, min(16, 4096 // width))
+        out[f"rmsnorm gated={gated} H={width}"] = _case(
+            hybrid._rms_kernel,
+            {"x_ptr": i16, "z_ptr": i16, "w_ptr": i16, "o_ptr": i16, "h_f32": "fp32",
+             "eps": "fp32"},
+            {"GATED": gated, "ROWS": per, "W": width, "LOG": width.bit_length() - 1},
+        )  # fmt: skip
+    for shared in (False, True):
+        out[f"gate shared={shared}"] = _case(
+            hybrid._gate_kernel,
+            {"x_ptr": i16, "g_ptr": i16, "s_ptr": i16, "o_ptr": i16},
+            {"SHARED": shared, "BLOCK": hybrid._BLOCK},
+        )
+    # The control: the same kernel with contraction on shows what the checks look for.
+    out["control: rmsnorm gated=True H=128, contraction on"] = _case(
+        hybrid._rms_kernel,
+        {"x_ptr": i16, "z_ptr": i16, "w_ptr": i16, "o_ptr": i16, "h_f32": "fp32",
+         "eps": "fp32"},
+        {"GATED": True, "ROWS": 16, "W": 128, "LOG": 7},
+        fusion=True,
+    )  # fmt: skip
+    return out
+
+
+if __name__ == "__main__":
+    json.dump(main(), sys.stdout)
