@@ -28,7 +28,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from lockstep_exact.programs.cuda import gdn, hybrid
+from lockstep_exact.programs.cuda import gdn, hybrid, moe
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -129,6 +129,21 @@ def main() -> dict:
             hybrid._gate_kernel,
             {"x_ptr": i16, "g_ptr": i16, "s_ptr": i16, "o_ptr": i16},
             {"SHARED": shared, "BLOCK": hybrid._BLOCK},
+        )
+    for bf16, e, k in ((True, 128, 8), (False, 60, 4), (True, 512, 10)):
+        ep, kp = 1 << (e - 1).bit_length(), 1 << (k - 1).bit_length()
+        out[f"router.softmax_topk E={e} k={k} bf16={bf16}"] = _case(
+            moe._router_kernel,
+            {"x_ptr": i16 if bf16 else f32, "ids_ptr": "*i64", "w_ptr": i16},
+            {"BF16_IN": bf16, "EP": ep, "LOGE": ep.bit_length() - 1, "KP": kp,
+             "LOGK": kp.bit_length() - 1, "NORMALIZE": True},
+        )  # fmt: skip
+    for acc_bf16, k in ((True, 8), (False, 8), (True, 3)):
+        kp = 1 << (k - 1).bit_length()
+        out[f"moe.fold k={k} acc_bf16={acc_bf16}"] = _case(
+            moe._fold_kernel,
+            {"y_ptr": i16, "w_ptr": i16, "o_ptr": i16},
+            {"KP": kp, "LOGK": kp.bit_length() - 1, "BH": moe._BLOCK_H, "ACC_BF16": acc_bf16},
         )
     # The control: the same kernel with contraction on shows what the checks look for.
     out["control: rmsnorm gated=True H=128, contraction on"] = _case(

@@ -25,14 +25,19 @@ from lockstep_exact.programs.cpu import activation as cpu_act  # noqa: E402
 from lockstep_exact.programs.cpu import arith as cpu_arith  # noqa: E402
 from lockstep_exact.programs.cpu import gdn as cpu_gdn  # noqa: E402
 from lockstep_exact.programs.cpu import hybrid as cpu_hybrid  # noqa: E402
+from lockstep_exact.programs.cpu import moe as cpu_moe  # noqa: E402
 from lockstep_exact.programs.cuda import exactmath  # noqa: E402
 from lockstep_exact.programs.cuda import gdn as kernel  # noqa: E402
 from lockstep_exact.programs.cuda import hybrid as cuda_hybrid  # noqa: E402
+from lockstep_exact.programs.cuda import moe as cuda_moe  # noqa: E402
 from lockstep_exact.testing import nudge_ulp  # noqa: E402
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32)
+    """The raw bytes as integers of the element's width (ids are compared as they are)."""
+    if not t.is_floating_point():
+        return t
+    return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def same(a, b) -> bool:
@@ -206,6 +211,44 @@ def bf16_cases(*shape, seed: int, scale: float = 3.0, specials: bool = True) -> 
     return x
 
 
+def router_logits(t, e, dtype, seed):
+    """Router logits with ties, a NaN, a row of one live expert and an infinity."""
+    x = torch.randn(t, e, generator=torch.Generator().manual_seed(seed)) * 3
+    x[0, :5] = x[0, 5]
+    x[1, 3] = float("nan")
+    x[2] = -1e30
+    x[2, 7 % e] = 0.0
+    x[-1, 2] = float("inf")
+    return x.to(dtype)
+
+
+def moe_cases() -> dict:
+    """router.softmax_topk and moe.fold against the definitions (``cpu/moe.py``, which is what
+    the cuda backend ran before its kernels: the cuda lock's goldens equal the cpu ones)."""
+    cases = {}
+    for t, e, k, norm, dtype in (
+        (5, 128, 8, True, torch.bfloat16), (3, 60, 4, False, torch.float32),
+        (7, 16, 16, True, torch.bfloat16), (4, 33, 1, True, torch.float32),
+        (6, 10, 3, True, torch.bfloat16), (5, 512, 10, True, torch.float32),
+    ):  # fmt: skip
+        name = f"router.softmax_topk T={t} E={e} k={k} normalize={norm} {str(dtype)[6:]}"
+        cases[name] = (
+            lambda x, k=k, n=norm: cuda_moe.route(x, k, n),
+            lambda x, k=k, n=norm: cpu_moe.router_topk(x, k, normalize=n),
+            (router_logits(t, e, dtype, seed=t + e),),
+        )
+    for t, k, h in ((5, 8, 300), (3, 3, 17), (4, 1, 256), (2, 16, 64)):
+        y = bf16_cases(t, k, h, seed=t * k, scale=2.0)
+        w = torch.rand(t, k, generator=torch.Generator().manual_seed(h)).bfloat16()
+        cases[f"moe.fold T={t} k={k} H={h}"] = (cuda_moe.fold, cpu_moe.moe_fold, (y, w))
+        cases[f"moe.fold fp32 T={t} k={k} H={h}"] = (
+            cuda_moe.fold_fp32,
+            cpu_moe.moe_fold_fp32,
+            (y, w),
+        )
+    return cases
+
+
 def check_programs(out: dict) -> None:
     """Each program's launch against its cpu program, at odd sizes (specials included)."""
     b = bf16_cases
@@ -260,7 +303,7 @@ def check_programs(out: dict) -> None:
             (b(6, 90, seed=29), b(6, 90, seed=30), b(6, 1, seed=31)),
         ),
     }  # fmt: skip
-    for name, (launch, program, args) in cases.items():
+    for name, (launch, program, args) in {**cases, **moe_cases()}.items():
         got, want = launch(*args), program(*args)
         got = got if isinstance(got, tuple) else (got,)
         want = want if isinstance(want, tuple) else (want,)

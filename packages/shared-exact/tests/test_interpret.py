@@ -30,57 +30,20 @@ def triton_python() -> str | None:
 
 
 PYTHON = triton_python()
-# interpret_support's cases (that module imports Triton, which this environment lacks)
-HELPERS = ["exp", "log", "silu", "sigmoid", "softplus", "round_bf16"]
-PROGRAMS = [
-    "gdn.gating",
-    "gdn.gating, bf16 A_log",
-    "gdn.l2norm, D 33",
-    "gdn.l2norm, D 128",
-    "conv1d.causal, D 300, kernel 4",
-    "conv1d.causal, D 20, kernel 3",
-    "rmsnorm.zero_centered, H 2048",
-    "rmsnorm.zero_centered, H 24",
-    "rmsnorm.gated, V 128",
-    "rmsnorm.gated, V 40",
-    "gate.sigmoid",
-    "moe.shared_gate",
-]
-CHUNK_CASES = [
-    "complete chunk, odd K, V over two blocks",
-    "partial chunk from solved rows",
-    "complete chunk after 9 solved rows",
-    "chunk 64, K = V = 16",
-    "one decode row after 36 solved",
-    "one row, K 5, V 7, chunk 8",
-    "the chunk's last row",
-    "strong gates: decays at zero",
-]
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        PYTHON is None,
-        reason="no Python with Triton (LOCKSTEP_TRITON_PYTHON, or .venv-sglang: "
-        "bash tools/setup --sglang)",
-    ),
-]
+# How many cases interpret_support runs of each kind (it imports Triton, which this environment
+# lacks, so its tables cannot be read here): a case that silently stops running fails the count.
+COUNTS = {"helper": 6, "program": 26, "chunk": 8, "gdn.chunked": 3}
+
+
+def failing(results: dict, kind: str) -> list[str]:
+    """The cases of ``kind`` whose bytes differ (the count checked first)."""
+    cases = {k: v for k, v in results.items() if k.startswith(f"{kind}: ")}
+    assert len(cases) == COUNTS[kind], sorted(cases)
+    return [k for k, v in cases.items() if not v["equal"]]
 
 
 COMPILE = Path(__file__).with_name("compile_support.py")
-KERNELS = [
-    "gdn chunk pass C=64 K=128 last=False",
-    "gdn chunk pass C=64 K=128 last=True",
-    "gdn chunk pass C=16 K=16 last=True",
-    "gdn chunk pass C=64 K=32 last=False",
-    "gdn.gating",
-    "gdn.l2norm D=128",
-    "gdn.l2norm D=32",
-    "conv1d.causal kernel 4",
-    "rmsnorm gated=False H=2048",
-    "rmsnorm gated=True H=128",
-    "gate shared=False",
-    "gate shared=True",
-]
+KERNELS = 18  # compile_support's kernel cases (the control apart)
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +56,19 @@ def compiled() -> dict:
     return json.loads(done.stdout)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_each_kernel_compiles_for_the_h200_without_an_inexact_instruction(compiled, kernel):
+def test_each_kernel_compiles_for_the_h200_without_an_inexact_instruction(compiled):
     """Compiled ahead of time for sm_90 (no GPU needed): no fma, no fp32 * + - without an
     explicit rounding mode, no flush-to-zero, no approximate instruction in its PTX."""
-    got = compiled[kernel]
-    assert got["compiled"], got["error"]
-    assert (got["fma"], got["unrounded"], got["ftz"], got["approx"]) == (0, 0, 0, 0), got
+    cases = {k: v for k, v in compiled.items() if not k.startswith("control: ")}
+    assert len(cases) == KERNELS, sorted(cases)
+    broken = {k: v["error"] for k, v in cases.items() if not v["compiled"]}
+    assert broken == {}
+    inexact = {
+        k: v
+        for k, v in cases.items()
+        if (v["fma"], v["unrounded"], v["ftz"], v["approx"]) != (0,) * 4
+    }
+    assert inexact == {}
 
 
 def test_the_ptx_checks_see_contraction_when_it_is_on(compiled):
@@ -118,24 +87,16 @@ def results() -> dict:
     return json.loads(done.stdout)
 
 
-def test_every_case_ran(results):
-    assert len([r for r in results if r.startswith("helper: ")]) == len(HELPERS)
-    assert len([r for r in results if r.startswith("program: ")]) == len(PROGRAMS)
-    assert len([r for r in results if r.startswith("chunk: ")]) == len(CHUNK_CASES)
-    assert len([r for r in results if r.startswith("gdn.chunked: ")]) == 3
-
-
-@pytest.mark.parametrize("helper", HELPERS)
-def test_each_arithmetic_helper_is_the_cpu_helper_on_every_fp32_pattern(results, helper):
+def test_each_arithmetic_helper_is_the_cpu_helper_on_every_fp32_pattern(results):
     """exp, log, silu, sigmoid, softplus and the bf16 rounding over 65,536 random fp32 bit
     patterns (NaNs, infinities, subnormals), a spread and the edges (NaNs compared as one)."""
-    assert results[f"helper: {helper}"]["equal"]
+    assert failing(results, "helper") == []
 
 
-@pytest.mark.parametrize("program", PROGRAMS)
-def test_each_elementwise_or_row_program_has_the_cpu_bytes(results, program):
-    """Odd sizes, every 7th input a random bf16 bit pattern."""
-    assert results[f"program: {program}"]["equal"]
+def test_each_program_kernel_has_the_cpu_bytes(results):
+    """The hybrid lane's elementwise and row programs, the router and both folds, at odd sizes
+    with specials (NaNs, infinities, ties, one live expert)."""
+    assert failing(results, "program") == []
 
 
 def test_a_one_ulp_input_move_moves_a_row_program_with_the_cpu_program(results):
@@ -144,9 +105,10 @@ def test_a_one_ulp_input_move_moves_a_row_program_with_the_cpu_program(results):
     assert control["equal"]
 
 
-@pytest.mark.parametrize("case", CHUNK_CASES)
-def test_one_chunk_pass_has_the_cpu_bytes(results, case):
-    assert results[f"chunk: {case}"]["equal"]
+def test_each_chunk_pass_has_the_cpu_bytes(results):
+    """gdn.chunked's chunk pass: partial and complete chunks, solved rows, odd K and V, decays
+    at zero."""
+    assert failing(results, "chunk") == []
 
 
 def test_a_one_ulp_move_of_an_input_moves_the_chunk_kernel_with_the_cpu_program(results):
@@ -155,8 +117,6 @@ def test_a_one_ulp_move_of_an_input_moves_the_chunk_kernel_with_the_cpu_program(
     assert control["equal"]
 
 
-@pytest.mark.parametrize(
-    "case", ["one pass", "pieces across chunk boundaries", "prefill then token by token"]
-)
-def test_gdn_chunked_with_the_kernel_has_the_cpu_bytes_and_states(results, case):
-    assert results[f"gdn.chunked: {case}"]["equal"]
+def test_gdn_chunked_with_the_kernel_has_the_cpu_bytes_and_states(results):
+    """One pass, pieces across chunk boundaries, prefill then token by token."""
+    assert failing(results, "gdn.chunked") == []

@@ -11,17 +11,13 @@ from .softmax import softmax
 def router_topk(logits: torch.Tensor, k: int, *, normalize: bool = True):
     """logits [T, E] (bf16 or fp32) -> (expert ids [T, k] ascending, weights [T, k] bf16).
 
-    p = softmax_fp32(logits); the k largest p are chosen, ties going to the lowest expert id
-    (a stable sort on -p); the chosen are put in ascending expert id order; with
-    ``normalize`` (Qwen3-MoE norm_topk_prob) w = p / tree_sum(p_chosen); one RNE to bf16.
+    p = softmax_fp32(logits) (this module's softmax program: the only reduction); the k
+    largest p are chosen, ties going to the lowest expert id (a stable sort on -p: comparisons
+    only); the chosen are put in ascending expert id order; with ``normalize`` (Qwen3-MoE
+    norm_topk_prob) w = p / tree_sum(p_chosen); one RNE to bf16. Every step is an exact
+    elementwise torch operation or a fixed tree, so this code gives the same bytes on any
+    device; the cuda backend runs it as one kernel (``programs/cuda/moe.py``).
     """
-    return select_topk(logits, k, normalize, softmax)
-
-
-def select_topk(logits: torch.Tensor, k: int, normalize: bool, softmax_fp32):
-    """router.softmax_topk around a backend's own softmax (the only reduction in it); the
-    selection (stable sort: comparisons only), gather, pair-tree normalization and RNE are
-    exact elementwise torch operations on any device."""
     require(logits.dim() == 2, "router_topk: logits [T, E]")
     require(1 <= k <= logits.shape[1], f"router_topk: top-{k} of {logits.shape[1]} experts")
     p = softmax(as_f32(logits))

@@ -23,8 +23,8 @@ from ..cpu import arith as _cpu
 # even (torch.round's rule), in two IEEE adds.
 _RINT = tl.constexpr(12582912.0)
 _MIN, _MAX = tl.constexpr(_cpu._EXP_F32_MIN), tl.constexpr(_cpu._EXP_F32_MAX)
-_INF = tl.constexpr(float("inf"))
-_NAN = tl.constexpr(float("nan"))
+INF = _INF = tl.constexpr(float("inf"))
+NAN = _NAN = tl.constexpr(float("nan"))
 _LOG2E = tl.constexpr(_cpu._LOG2E)
 _HI, _LO = tl.constexpr(_cpu._LN2_HI_F32), tl.constexpr(_cpu._LN2_LO_F32)
 _P0, _P1, _P2, _P3, _P4, _P5 = (tl.constexpr(c) for c in _cpu._EXP_F32_POLY)
