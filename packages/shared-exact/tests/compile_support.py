@@ -28,7 +28,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from lockstep_exact.programs.cuda import gdn, hybrid, moe
+from lockstep_exact.programs.cuda import gdn, hybrid, moe, plan
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -145,6 +145,14 @@ def main() -> dict:
             {"y_ptr": i16, "w_ptr": i16, "o_ptr": i16},
             {"KP": kp, "LOGK": kp.bit_length() - 1, "BH": moe._BLOCK_H, "ACC_BF16": acc_bf16},
         )
+    for ep, bp in ((128, 64), (512, 32)):
+        out[f"expert plan E<={ep}"] = _case(
+            plan._plan_kernel,
+            {"ids_ptr": "*i64", "order_ptr": "*i64", "src_ptr": "*i64", "bounds_ptr": "*i64",
+             "tiles_ptr": "*i32"},
+            {"EP": ep, "BP": bp, "BT": 64, "TILE": 64},
+            num_warps=8,
+        )  # fmt: skip
     # The control: the same kernel with contraction on shows what the checks look for.
     out["control: rmsnorm gated=True H=128, contraction on"] = _case(
         hybrid._rms_kernel,

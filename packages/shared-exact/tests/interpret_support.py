@@ -30,6 +30,8 @@ from lockstep_exact.programs.cuda import exactmath  # noqa: E402
 from lockstep_exact.programs.cuda import gdn as kernel  # noqa: E402
 from lockstep_exact.programs.cuda import hybrid as cuda_hybrid  # noqa: E402
 from lockstep_exact.programs.cuda import moe as cuda_moe  # noqa: E402
+from lockstep_exact.programs.cuda import plan as cuda_plan  # noqa: E402
+from lockstep_exact.programs.grouping import expert_plan  # noqa: E402
 from lockstep_exact.testing import nudge_ulp  # noqa: E402
 
 
@@ -249,6 +251,23 @@ def moe_cases() -> dict:
     return cases
 
 
+def check_plans(out: dict) -> None:
+    """The expert plan's kernel against the torch form: every field, element for element."""
+    gen = torch.Generator().manual_seed(5)
+    for t, k, e in ((1, 8, 128), (64, 8, 128), (37, 4, 60), (300, 8, 128), (5, 1, 3),
+                    (0, 8, 16), (100, 10, 512)):  # fmt: skip
+        rows = [torch.randperm(e, generator=gen)[:k] for _ in range(t)]
+        ids = torch.stack(rows) if t else torch.zeros(0, k, dtype=torch.int64)
+        if t > 3:
+            ids[: t // 2] = ids[0]  # many rows on the same experts: tiles past one
+        ids = torch.sort(ids, dim=-1).values
+        want, got = expert_plan(ids, e), cuda_plan.plan(ids, e)
+        fields = ("order", "src", "bounds", "tiles")
+        out[f"plan: T={t} k={k} E={e}"] = {
+            "equal": all(torch.equal(getattr(want, f), getattr(got, f)) for f in fields)
+        }
+
+
 def check_programs(out: dict) -> None:
     """Each program's launch against its cpu program, at odd sizes (specials included)."""
     b = bf16_cases
@@ -327,6 +346,7 @@ if __name__ == "__main__":
     results: dict = {}
     check_helpers(results)
     check_programs(results)
+    check_plans(results)
     check_chunks(results)
     check_calls(results)
     json.dump(results, sys.stdout)

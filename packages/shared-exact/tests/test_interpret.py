@@ -32,7 +32,7 @@ def triton_python() -> str | None:
 PYTHON = triton_python()
 # How many cases interpret_support runs of each kind (it imports Triton, which this environment
 # lacks, so its tables cannot be read here): a case that silently stops running fails the count.
-COUNTS = {"helper": 6, "program": 26, "chunk": 8, "gdn.chunked": 3}
+COUNTS = {"helper": 6, "program": 26, "plan": 7, "chunk": 8, "gdn.chunked": 3}
 
 
 def failing(results: dict, kind: str) -> list[str]:
@@ -43,7 +43,7 @@ def failing(results: dict, kind: str) -> list[str]:
 
 
 COMPILE = Path(__file__).with_name("compile_support.py")
-KERNELS = 18  # compile_support's kernel cases (the control apart)
+KERNELS = 20  # compile_support's kernel cases (the control apart)
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +103,12 @@ def test_a_one_ulp_input_move_moves_a_row_program_with_the_cpu_program(results):
     control = results["control: a norm input one bf16 ulp up"]
     assert control["moved"], "the kernel's bytes did not follow a moved input"
     assert control["equal"]
+
+
+def test_the_expert_plan_kernel_is_the_torch_plan(results):
+    """order, src, bounds and tiles, element for element, from one decode row to 300 rows
+    skewed onto a few experts (tiles past one), k = 1 to 10, E = 3 to 512."""
+    assert failing(results, "plan") == []
 
 
 def test_each_chunk_pass_has_the_cpu_bytes(results):

@@ -242,7 +242,11 @@ def gemm_kpart(x, w, *, bk: int, parts: int, out_dtype=torch.bfloat16, gather=LO
 
 def expert_plan(ids, experts: int):
     """A router's ids [T, k] sorted by expert on their device, for ``gemm_grouped``
-    (``programs.grouping.ExpertPlan``; no host read)."""
+    (``programs.grouping.ExpertPlan``; no host read). A backend with a one-launch form
+    (cuda: ``programs/cuda/plan.py``) computes the same integers in one kernel."""
+    one_launch = getattr(backend_module(backend_of(ids)), "expert_plan", None)
+    if one_launch is not None:
+        return one_launch(ids, experts)
     return _grouping.expert_plan(ids, experts)
 
 

@@ -32,6 +32,7 @@ from .hybrid import (
 from .lora import lora_expand, lora_shrink
 from .moe import moe_fold, moe_fold_fp32, router_topk
 from .norm import residual_add, rmsnorm
+from .plan import expert_plan
 from .rope import rope
 from .sampling import sample
 from .softmax import log_softmax, softmax
@@ -52,6 +53,7 @@ def environment(device: torch.device | int | None = None) -> dict[str, str]:
 
 
 __all__ = [
+    "expert_plan",
     "KPART_ONE_LAUNCH_ROWS",
     "TILINGS",
     "attention",
