@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from lockstep_exact.programs.cpu import gdn, hybrid
+from lockstep_exact.programs import grouping
+from lockstep_exact.programs.cpu import gdn, hybrid, moe
 
 _VIEWS = {
     "view", "slice", "select", "transpose", "t", "permute", "expand", "unsqueeze", "squeeze",
@@ -102,9 +103,18 @@ def main() -> None:
             x.reshape(1, -1)[:, :hidden], x.reshape(1, -1)[:, :hidden], x[:, :1, 0]
         ),
     }
+    t, e, k = 64, 128, 8
+    logits = torch.randn(t, e, generator=gen).to(b16)
+    ids, weights = moe.router_topk(logits, k)
+    y = torch.randn(t, k, hidden, generator=gen).to(b16)
+    others["router.softmax_topk (64 rows)"] = lambda _c: moe.router_topk(logits, k)
+    others["expert plan (64 rows)"] = lambda _c: grouping.expert_plan(ids, e)
+    others["moe.fold (64 rows)"] = lambda _c: moe.moe_fold(y, weights)
     around = {"conv1d.causal": "2 (the window joined, the next window copied) + 1"}
     for name, fn in others.items():
-        print(f"| {name} | one token | {count(fn).ops} | {around.get(name, '1 kernel')} |")
+        call = "64 rows" if "64 rows" in name else "one token"
+        name = name.replace(" (64 rows)", "")
+        print(f"| {name} | {call} | {count(fn).ops} | {around.get(name, '1 kernel')} |")
 
 
 if __name__ == "__main__":
