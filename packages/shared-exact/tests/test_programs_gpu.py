@@ -441,6 +441,70 @@ def test_router_topk_rows_do_not_depend_on_batch():
     assert (top == ids).all(-1).float().mean() > 0.99
 
 
+@pytest.mark.parametrize(
+    ("t", "e", "k", "dtype"),
+    [(5, 128, 8, BF16), (3, 60, 4, F32), (7, 16, 16, BF16), (300, 512, 10, F32)],
+)
+def test_the_router_kernel_has_the_definitions_bytes(t, e, k, dtype):
+    """router.softmax_topk on cuda (one kernel) against the cpu program on the same logits:
+    ids and weight bytes equal, rows with ties, a NaN, one live expert and an infinity
+    included. Control on an input: one logit of a live row moved one ulp moves its weights."""
+    x = cuda_rand(t, e, seed=e + k, scale=3.0, dtype=F32)
+    x[0, :5] = x[0, 5]
+    x[1, 3] = float("nan")
+    x[2] = -1e30
+    x[2, 7] = 0.0
+    x[-1, 2] = float("inf")
+    x = x.to(dtype)
+    for normalize in (True, False):
+        ids, w = P.router_topk(x, k, normalize=normalize)
+        want_ids, want_w = CPU.router_topk(x.cpu(), k, normalize=normalize)
+        assert torch.equal(ids.cpu(), want_ids)
+        assert_same_bytes(w.cpu(), want_w, f"router weights, normalize={normalize}")
+    moved = x.clone()
+    moved.view(torch.int16 if dtype == BF16 else torch.int32)[0, 5] += 1  # one ulp up
+    ids, w = P.router_topk(x, k)
+    ids_moved, w_moved = P.router_topk(moved, k)
+    assert not (torch.equal(ids_moved[0], ids[0]) and same_bytes(w_moved[0], w[0]))
+
+
+@pytest.mark.parametrize("k", [1, 3, 8, 16])
+def test_the_fold_kernel_has_the_definitions_bytes(k):
+    """moe.fold on cuda (one kernel) against the cpu program, both accumulators, NaN and
+    infinite expert outputs included; control: one weight moved one bf16 ulp."""
+    y = cuda_rand(33, k, 300, seed=k, scale=2.0)
+    y.view(-1)[::13] = float("nan")
+    y.view(-1)[5::17] = float("inf")
+    w = cuda_rand(33, k, seed=k + 1).abs()
+    for acc in ("bf16", "fp32"):
+        got = P.moe_fold(y, w, acc=acc)
+        want = (
+            CPU.moe_fold(y.cpu(), w.cpu()) if acc == "bf16" else CPU.moe_fold_fp32(y.cpu(), w.cpu())
+        )
+        assert_same_bytes(got.cpu(), want, f"fold acc={acc} k={k}")
+    moved = w.clone()
+    moved.view(torch.int16)[1, 0] += 1
+    assert not same_bytes(P.moe_fold(y, moved)[1], P.moe_fold(y, w)[1])
+
+
+@pytest.mark.parametrize(("t", "k", "e"), [(1, 8, 128), (64, 8, 128), (37, 4, 60), (1000, 8, 512)])
+def test_the_plan_kernel_is_the_torch_plan(t, k, e):
+    """The one-launch expert plan against the torch form on the same device: every field."""
+    from lockstep_exact.programs import grouping
+
+    ids = _routing(t, k, e, seed=t + e)
+    got, want = P.expert_plan(ids, e), grouping.expert_plan(ids, e)
+    for field in ("order", "src", "bounds", "tiles"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    # control: row 0 routed to one other expert gives another order
+    free = sorted(set(range(e)) - set(ids[0].tolist()))
+    if free:
+        moved = ids.clone()
+        moved[0, 0] = free[-1]
+        moved[0] = moved[0].sort().values
+        assert not torch.equal(P.expert_plan(moved, e).order, got.order)
+
+
 # --- moe fold, lora ------------------------------------------------------------------------------
 @pytest.mark.parametrize("k", [1, 2, 3, 8])
 @pytest.mark.parametrize("acc", ["bf16", "fp32"])
