@@ -28,7 +28,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from lockstep_exact.programs.cuda import gdn, hybrid, moe, plan
+from lockstep_exact.programs.cuda import gdn, hybrid, moe, plan, sampling
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -153,6 +153,13 @@ def main() -> dict:
             {"EP": ep, "BP": bp, "BT": 64, "TILE": 64},
             num_warps=8,
         )  # fmt: skip
+    out["sample.gumbel_topp one-kernel rounds=3"] = _case(
+        sampling._sample_kernel,
+        {"lp_ptr": f32, "temp_ptr": f32, "seed_ptr": "*i64", "pos_ptr": "*i64",
+         "out_ptr": "*i64"},
+        {"ROUNDS": 3, "BLOCK": sampling._BLOCK},
+        num_warps=8,
+    )  # fmt: skip
     # The control: the same kernel with contraction on shows what the checks look for.
     out["control: rmsnorm gated=True H=128, contraction on"] = _case(
         hybrid._rms_kernel,

@@ -26,11 +26,13 @@ from lockstep_exact.programs.cpu import arith as cpu_arith  # noqa: E402
 from lockstep_exact.programs.cpu import gdn as cpu_gdn  # noqa: E402
 from lockstep_exact.programs.cpu import hybrid as cpu_hybrid  # noqa: E402
 from lockstep_exact.programs.cpu import moe as cpu_moe  # noqa: E402
+from lockstep_exact.programs.cpu import sampling as cpu_sampling  # noqa: E402
 from lockstep_exact.programs.cuda import exactmath  # noqa: E402
 from lockstep_exact.programs.cuda import gdn as kernel  # noqa: E402
 from lockstep_exact.programs.cuda import hybrid as cuda_hybrid  # noqa: E402
 from lockstep_exact.programs.cuda import moe as cuda_moe  # noqa: E402
 from lockstep_exact.programs.cuda import plan as cuda_plan  # noqa: E402
+from lockstep_exact.programs.cuda import sampling as cuda_sampling  # noqa: E402
 from lockstep_exact.programs.grouping import expert_plan  # noqa: E402
 from lockstep_exact.testing import nudge_ulp  # noqa: E402
 
@@ -268,6 +270,49 @@ def check_plans(out: dict) -> None:
         }
 
 
+def _kernel_draws(lp, temps, seeds, positions, rounds=3):
+    """The sampler's one-kernel form, launched as ``cuda.sampling.sample`` launches it."""
+    t = lp.shape[0]
+    words = torch.tensor(list(seeds) + list(positions), dtype=torch.int64)
+    out = torch.empty(t, dtype=torch.int64)
+    cuda_sampling._sample_kernel[(t,)](
+        lp, torch.tensor(temps, dtype=torch.float32), words[:t], words[t:], out, lp.shape[1],
+        lp.stride(0), ROUNDS=rounds, BLOCK=cuda_sampling._BLOCK,
+    )  # fmt: skip
+    return out
+
+
+def check_sampler(out: dict) -> None:
+    """sample.gumbel_topp's one-kernel form (greedy and top_p 1 rows) against the definition:
+    48 rows of 3,001 tokens (two blocks), temperatures 0 to 1.5, seeds across the 64-bit
+    range, positions to 2**32 - 1, one to four stream rounds; ties in greedy rows."""
+    gen = torch.Generator().manual_seed(11)
+    t, v = 48, 3001
+    lp = torch.log_softmax(torch.randn(t, v, generator=gen) * 2.5, dim=-1)
+    lp[3, 10] = lp[3, 2000] = lp[3].max() + 1.0  # a greedy tie: the lower id wins
+    temps = [[0.0, 1.0, 0.7, 1.5][i % 4] for i in range(t)]
+    seeds = [int(x) for x in torch.randint(-(2**62), 2**62, (t,), generator=gen)]
+    positions = [int(x) for x in torch.randint(0, 2**32, (t,), generator=gen)]
+    positions[0] = 2**32 - 1
+    for rounds in (1, 3, 4):
+        want = cpu_sampling.sample(
+            lp, temperature=temps, top_p=[1.0] * t, seeds=seeds, positions=positions,
+            rounds=rounds,
+        )  # fmt: skip
+        got = _kernel_draws(lp, temps, seeds, positions, rounds)
+        out[f"sampler: rounds={rounds}"] = {"equal": torch.equal(got, want)}
+    # control: other seeds move some draws, in both forms alike
+    moved = [s + 1 for s in seeds]
+    got = _kernel_draws(lp, temps, moved, positions)
+    want = cpu_sampling.sample(
+        lp, temperature=temps, top_p=[1.0] * t, seeds=moved, positions=positions
+    )
+    out["control: seeds moved by one"] = {
+        "equal": torch.equal(got, want),
+        "moved": not torch.equal(got, _kernel_draws(lp, temps, seeds, positions)),
+    }
+
+
 def check_programs(out: dict) -> None:
     """Each program's launch against its cpu program, at odd sizes (specials included)."""
     b = bf16_cases
@@ -347,6 +392,7 @@ if __name__ == "__main__":
     check_helpers(results)
     check_programs(results)
     check_plans(results)
+    check_sampler(results)
     check_chunks(results)
     check_calls(results)
     json.dump(results, sys.stdout)

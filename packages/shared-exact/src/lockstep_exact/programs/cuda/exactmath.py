@@ -24,13 +24,22 @@ from ..cpu import arith as _cpu
 _RINT = tl.constexpr(12582912.0)
 _MIN, _MAX = tl.constexpr(_cpu._EXP_F32_MIN), tl.constexpr(_cpu._EXP_F32_MAX)
 INF = _INF = tl.constexpr(float("inf"))
-NAN = _NAN = tl.constexpr(float("nan"))
+# No NaN constant: Triton checks that a global a kernel read keeps its value by comparing it,
+# and a NaN never equals itself (a second kernel reading it fails to compile). ``nan_like``
+# makes the quiet NaN 0x7FC00000 (torch's) from its bits instead.
+_QNAN_BITS = tl.constexpr(0x7FC00000)
 _LOG2E = tl.constexpr(_cpu._LOG2E)
 _HI, _LO = tl.constexpr(_cpu._LN2_HI_F32), tl.constexpr(_cpu._LN2_LO_F32)
 _P0, _P1, _P2, _P3, _P4, _P5 = (tl.constexpr(c) for c in _cpu._EXP_F32_POLY)
 _L0, _L1, _L2, _L3, _L4, _L5, _L6, _L7, _L8 = (tl.constexpr(c) for c in _cpu._LOG_F32_POLY)
 _SQRT_HALF = tl.constexpr(_cpu._SQRT_HALF)
 _TINY = tl.constexpr(1.1754943508222875e-38)  # the smallest normal fp32
+
+
+@triton.jit
+def nan_like(x):
+    """A tensor of x's shape holding the quiet NaN 0x7FC00000."""
+    return tl.full(x.shape, _QNAN_BITS, tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -95,7 +104,7 @@ def log(x):
     out = f + y
     out = out + e * _HI
     out = tl.where(x == 0.0, -_INF, out)
-    out = tl.where(x < 0.0, _NAN, out)
+    out = tl.where(x < 0.0, nan_like(x), out)
     out = tl.where(x == _INF, x, out)
     return tl.where(x != x, x, out)
 
@@ -167,6 +176,7 @@ __all__ = [
     "exp",
     "log",
     "log1p_small",
+    "nan_like",
     "neg",
     "round_bf16",
     "sigmoid",

@@ -42,7 +42,7 @@ def _router_kernel(
     # max over the row (torch.amax: a NaN anywhere makes it NaN; max is exact in any order)
     nan_in = tl.max(tl.where(real & (x != x), 1, 0), 0)
     m = tl.max(tl.where(real, x, -em.INF), 0)
-    m = tl.where(nan_in > 0, em.NAN, m)
+    m = tl.where(nan_in > 0, em.nan_like(m), m)
     e = tl.where(real, em.exp(x - m), 0.0)  # +0 past E: tree_sum's padding
     total = em.tree_cols(tl.reshape(e, (1, EP)), 1, EP, LOGE)
     p = tl.math.div_rn(e, tl.broadcast_to(total, (EP,)))

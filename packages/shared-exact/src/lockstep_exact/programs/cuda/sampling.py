@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..cpu import arith as _arith
 from ..cpu import sampling as _cpu
 from ..kernels import note
+from . import exactmath as em
 from .arith import EXACT, require_cuda
 
 _BLOCK = 2048
@@ -42,35 +42,6 @@ def _fmix32(x):
     return x ^ (x >> 16)
 
 
-@triton.jit
-def _log_f32(x):
-    """``cpu.arith.log`` for positive finite normal fp32 (the uniforms and -log of them)."""
-    bits = x.to(tl.int32, bitcast=True)
-    e = (((bits >> 23) & 0xFF) - 126).to(tl.float32)
-    m = ((bits & -0x7F800001) | 0x3F000000).to(tl.float32, bitcast=True)
-    low = m < _SQRT_HALF_F32
-    e = tl.where(low, e - 1.0, e)
-    f = tl.where(low, (m + m) - 1.0, m - 1.0)
-    acc = tl.full(f.shape, _P0, tl.float32)
-    acc = acc * f + _P1
-    acc = acc * f + _P2
-    acc = acc * f + _P3
-    acc = acc * f + _P4
-    acc = acc * f + _P5
-    acc = acc * f + _P6
-    acc = acc * f + _P7
-    acc = acc * f + _P8
-    z = f * f
-    y = (acc * f) * z
-    y = y + e * _LO
-    y = y + (z * -0.5)
-    out = f + y
-    return out + e * _HI
-
-
-_P0, _P1, _P2, _P3, _P4, _P5, _P6, _P7, _P8 = (tl.constexpr(c) for c in _arith._LOG_F32_POLY)
-_LO, _HI = tl.constexpr(_arith._LN2_LO_F32), tl.constexpr(_arith._LN2_HI_F32)
-_SQRT_HALF_F32 = tl.constexpr(_arith._SQRT_HALF)
 _K0, _K1, _K2, _K3, _K4, _K5 = (tl.constexpr(k) for k in _cpu._KEY)
 _FMIX_A, _FMIX_B = tl.constexpr(_cpu._FMIX_A), tl.constexpr(_cpu._FMIX_B)
 _U_SCALE = tl.constexpr(_cpu._U_SCALE)
@@ -134,7 +105,7 @@ def _sample_kernel(
         if ROUNDS > 3:
             x = _fmix32(x ^ key3)
         u = ((x >> 9) * 2 + 1).to(tl.float32) * _U_SCALE  # the definition's uniforms
-        gumbel = _log_f32(-_log_f32(u))
+        gumbel = em.log(em.neg(em.log(u)))  # u and -log(u): positive normal fp32
         z = tl.math.div_rn(lp, safe_temp)
         score = tl.where(greedy, lp, z - gumbel)
         score = tl.where(ok, score, float("-inf"))
