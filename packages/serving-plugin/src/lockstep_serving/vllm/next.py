@@ -180,8 +180,8 @@ def check_hybrid(vllm_config, geom: N.Geometry) -> None:
     cc = vllm_config.cache_config
     par = vllm_config.parallel_config
     backend = lane_backend(vllm_config)
-    graphs = vllm_config.compilation_config.cudagraph_mode
-    if backend == "cuda" and graphs not in (None, CUDAGraphMode.NONE):
+    graphs = vllm_config.compilation_config.cudagraph_mode if backend == "cuda" else None
+    if graphs not in (None, CUDAGraphMode.NONE):
         # The state metadata builder declares no CUDA graph support, and a hybrid step reads
         # the host (positions, state page meta) per request: nothing of it could be captured.
         _refuse(
