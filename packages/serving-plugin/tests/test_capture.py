@@ -213,3 +213,6 @@ def test_a_cuda_capture_sizes_its_kv_cache_for_its_sequences(tmp_path):
     assert opts("cuda", n=3, max_model_len=64, block_size=32)["num_gpu_blocks_override"] == 9
     assert opts("cuda", num_gpu_blocks_override=5)["num_gpu_blocks_override"] == 5
     assert "num_gpu_blocks_override" not in opts("cpu")
+    # a hybrid sequence also holds a state page per GDN cache group (the tiny model: 1 layer)
+    model = ModelDir(make_tiny(tmp_path / "next", arch="qwen3-next"), hybrid=True)
+    assert opts("cuda", max_model_len=1000)["num_gpu_blocks_override"] == 8 * (63 + 1 + 1)

@@ -243,6 +243,8 @@ class _SourceTree:
                 return [f"{target.name}: no signature"]
             a = fn.args
             names = [x.arg for x in a.posonlyargs + a.args]
+            if any(isinstance(d, ast.Name) and d.id == "classmethod" for d in fn.decorator_list):
+                names = names[1:]  # as inspect.signature gives a classmethod: bound, no cls
             names += [a.vararg.arg] if a.vararg else []
             names += [x.arg for x in a.kwonlyargs]
             if tuple(names[: len(target.params)]) != target.params:
@@ -260,6 +262,7 @@ def test_the_0_26_table_matches_the_vllm_0_26_source():
     wheel cannot be installed beside the CPU torch). LOCKSTEP_VLLM_0_26_SOURCE names the
     wheel (vllm-0.26.0-...whl) or a directory holding its ``vllm/``; skipped without it. The
     GPU suite runs ``problems()`` on the installed 0.26.0 (tests/test_vllm_gpu.py)."""
+    import dataclasses
     import os
 
     where = os.environ.get("LOCKSTEP_VLLM_0_26_SOURCE")
@@ -277,3 +280,15 @@ def test_the_0_26_table_matches_the_vllm_0_26_source():
     assert "lacks field(s) ['watermarking']" in watermark
     (layouts,) = tree.problems(by_name["vllm.v1.attention.backend.AttentionBackend"])
     assert "supported_kv_cache_layouts" in layouts
+    # the hybrid lane's 0.32.0-only rows: 0.26.0 adds no mamba enum member and binds no state
+    # layer through the layer (next_state.register and the runner's views replace them)
+    for gone in (
+        "vllm.v1.attention.backends.registry.MambaAttentionBackendEnum.register",
+        "vllm.model_executor.layers.mamba.abstract.MambaBase.bind_kv_cache",
+    ):
+        assert tree.problems(by_name[gone]) == [f"{gone}: missing"]
+    # a classmethod's parameters are read as inspect.signature gives them: without cls
+    align = by_name["vllm.platforms.interface.Platform._align_hybrid_block_size"]
+    assert align.params == ("vllm_config", "backend_cls") and tree.problems(align) == []
+    (moved,) = tree.problems(dataclasses.replace(align, params=("cls", "vllm_config")))
+    assert "do not start with ('cls', 'vllm_config')" in moved

@@ -354,10 +354,14 @@ def _config(**changes):
     cache = dict(enable_prefix_caching=False, mamba_cache_dtype="auto")
     cache["mamba_ssm_cache_dtype"] = "auto"
     cache.update({k: v for k, v in changes.items() if k in cache})
+    from vllm.config.compilation import CUDAGraphMode
+
+    graphs = CUDAGraphMode[changes.get("graphs", "NONE")]
     return SimpleNamespace(
         cache_config=SimpleNamespace(**cache),
         parallel_config=SimpleNamespace(tensor_parallel_size=changes.get("tp", 1)),
         device_config=SimpleNamespace(device_type=changes.get("device", "cpu")),
+        compilation_config=SimpleNamespace(cudagraph_mode=graphs),
         lora_config=changes.get("lora"),
     )
 
@@ -365,7 +369,11 @@ def _config(**changes):
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"device": "cuda"}, r"backend 'cuda': the qwen3-next lane's programs run on cpu only"),
+        (
+            {"device": "cuda", "graphs": "FULL_DECODE_ONLY"},
+            r"CUDA graphs \(cudagraph_mode FULL_DECODE_ONLY\) on the qwen3-next lane: its steps "
+            r"run eagerly only",
+        ),
         (
             {"tp": 2},
             r"the qwen3-next lane runs on one device so far \(tp 1, ep 1\); asked for tp 2",
@@ -390,6 +398,44 @@ def test_what_the_hybrid_lane_does_not_cover_is_refused_by_name(model_dir, chang
     check_hybrid(_config(), geom)  # a plain engine passes
     with pytest.raises(LaneRefused, match=r"Lockstep exact lane refused to start: .*" + message):
         check_hybrid(_config(**changes), geom)
+
+
+def test_graphs_are_refused_on_cuda_only():
+    """The cpu engine's cudagraph mode is not the lane's concern (vLLM captures nothing there);
+    on cuda anything but NONE is refused before the contract is read (checked at cuda eager on
+    the GPU: tests/test_next_gpu.py)."""
+    from lockstep_serving.vllm.next import check_hybrid
+
+    geom = SimpleNamespace()  # never read: the refusal comes first
+    for mode in ("PIECEWISE", "FULL", "FULL_AND_PIECEWISE"):
+        with pytest.raises(LaneRefused, match=rf"CUDA graphs \(cudagraph_mode {mode}\)"):
+            check_hybrid(_config(device="cuda", graphs=mode), geom)
+
+
+def test_the_state_backend_takes_the_custom_mamba_slot_where_names_cannot_be_added(monkeypatch):
+    """vLLM 0.26 has no MambaAttentionBackendEnum.register: the lane's state backend takes the
+    CUSTOM member (register_backend(..., is_mamba=True)), and refuses it when another class
+    holds it. Run here on 0.32's enum, which has the same CUSTOM member and override map."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum, register_backend
+
+    from lockstep_serving.vllm import next_state
+
+    custom = MambaAttentionBackendEnum.CUSTOM
+    assert not custom.is_overridden()
+    monkeypatch.setattr(next_state, "NAMES_ADDED", False)
+    try:
+        assert next_state.register() is custom
+        assert custom.get_class() is next_state.LaneStateBackend
+        assert next_state.register() is custom  # idempotent
+        register_backend(custom, "some.other.Backend", is_mamba=True)
+        held = r"CUSTOM mamba backend is already registered to 'some.other.Backend'"
+        with pytest.raises(LaneRefused, match=held):
+            next_state.register()
+    finally:
+        custom.clear_override()
+    # this vLLM (0.32) adds a member by name
+    monkeypatch.undo()
+    assert next_state.register() is MambaAttentionBackendEnum["LOCKSTEP_GDN_STATE"]
 
 
 def test_engine_args_turn_prefix_caching_off_for_qwen3_next_only(model_dir):

@@ -171,11 +171,15 @@ def capture_options(model: ModelDir, request) -> dict:
     ``num_gpu_blocks_override`` itself. Otherwise vLLM fills the GPU's free
     memory with blocks, and a tiny model's blocks are small: its block pool then holds
     millions of Python objects and starting it takes tens of seconds (a capture of the tiny
-    model took 30-47 s on the H200). The bytes do not depend on the block count."""
+    model took 30-47 s on the H200). The bytes do not depend on the block count. A hybrid
+    (qwen3-next) sequence also holds one state page per cache group of its GDN layers, drawn
+    from the same pool (at most one group per GDN layer)."""
     options = engine_options(model, request.options, getattr(request, "tp", 1))
     if request.backend == "cuda" and "num_gpu_blocks_override" not in options:
         block = int(options.get("block_size") or _MIN_BLOCK)
         per_sequence = -(-options["max_model_len"] // block) + 1
+        if model.family == "qwen3-next":
+            per_sequence += sum(k == "linear_attention" for k in model.geometry.layer_types)
         options["num_gpu_blocks_override"] = max(1, len(request.prompts)) * per_sequence
     return options
 

