@@ -216,14 +216,20 @@ def register() -> None:
         if BACKEND_NAME not in AttentionBackendEnum.__members__:
             register_backend(BACKEND_NAME, BACKEND_PATH)
         return
-    custom = AttentionBackendEnum.CUSTOM
-    if custom.is_overridden() and custom.get_path() != BACKEND_PATH:
+    claim_custom(AttentionBackendEnum.CUSTOM, BACKEND_PATH, "attention", "the lane's backend", "")
+
+
+def claim_custom(member, path: str, kind: str, holder: str, sort: str, **register_kw) -> None:
+    """vLLM 0.26: put ``path`` in its reserved CUSTOM ``member`` (of the attention or the
+    mamba backend enum), refused when another class already holds it (the lane would take
+    that class's layers' slot); idempotent. ``sort``: "" or "mamba ", the words before
+    "backend" in the refusal's last clause."""
+    if member.is_overridden() and member.get_path() != path:
         _refuse(
-            f"vLLM's CUSTOM attention backend is already registered to {custom.get_path()!r}; "
-            "on this vLLM the lane's backend needs that slot (one out-of-tree backend per "
-            "process)"
+            f"vLLM's CUSTOM {kind} backend is already registered to {member.get_path()!r}; "
+            f"on this vLLM {holder} needs that slot (one out-of-tree {sort}backend per process)"
         )
-    register_backend(custom, BACKEND_PATH)
+    register_backend(member, path, **register_kw)
 
 
 def kv_halves(kv_cache: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,9 +32,10 @@ from vllm.v1.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum, register_backend
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ..common.errors import LaneRefused
+from .attn_backend import claim_custom
 
 BACKEND_PATH = f"{__name__}.LaneStateBackend"
 # vLLM 0.32 adds an enum member for a new mamba backend name; 0.26 only lets an out-of-tree
@@ -123,13 +124,14 @@ def register() -> MambaAttentionBackendEnum:
             MambaAttentionBackendEnum.register(BACKEND_NAME, BACKEND_PATH)
         return MambaAttentionBackendEnum[BACKEND_NAME]
     custom = MambaAttentionBackendEnum.CUSTOM
-    if custom.is_overridden() and custom.get_path() != BACKEND_PATH:
-        _refuse(
-            f"vLLM's CUSTOM mamba backend is already registered to {custom.get_path()!r}; "
-            "on this vLLM the qwen3-next lane's state backend needs that slot (one out-of-tree "
-            "mamba backend per process)"
-        )
-    register_backend(custom, BACKEND_PATH, is_mamba=True)
+    claim_custom(
+        custom,
+        BACKEND_PATH,
+        "mamba",
+        "the qwen3-next lane's state backend",
+        "mamba ",
+        is_mamba=True,
+    )
     return custom
 
 
