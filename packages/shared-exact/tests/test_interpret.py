@@ -32,6 +32,14 @@ def triton_python() -> str | None:
 
 
 PYTHON = triton_python()
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        PYTHON is None,
+        reason="no Python with Triton (LOCKSTEP_TRITON_PYTHON, or .venv-sglang: "
+        "bash tools/setup --sglang)",
+    ),
+]
 # How many cases interpret_support runs of each kind (it imports Triton, which this environment
 # lacks, so its tables cannot be read here): a case that silently stops running fails the count.
 COUNTS = {"helper": 6, "program": 26, "plan": 7, "sampler": 3, "chunk": 8, "gdn.chunked": 3}
