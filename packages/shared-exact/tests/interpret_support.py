@@ -512,16 +512,13 @@ def check_varlen(out: dict) -> None:
         q_starts[0] = 1
         late = torch.cat(ps).clone()
         late[3] = 9  # request 1 (rows 1..5) has 9 keys
+        q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
         for name, (qs_, ps_) in {
             "offsets that skip row 0": (q_starts, torch.cat(ps)),
             "a position past its request's keys": (starts, late),
         }.items():
-            out[f"control: {name} stop the kernel"] = {
-                "stopped": varlen_stops(
-                    torch.cat(qs), torch.cat(ks), torch.cat(vs), ps_, qs_, k_starts, block,
-                    segment,
-                )  # fmt: skip
-            }
+            stopped = varlen_stops(q, k, v, ps_, qs_, k_starts, block, segment)
+            out[f"control: {name} stop the kernel"] = {"stopped": stopped}
 
 
 def varlen_stops(q, k, v, positions, q_starts, k_starts, block, segment) -> bool:

