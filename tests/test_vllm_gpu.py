@@ -183,13 +183,13 @@ def test_the_lane_models_paged_attention_gives_the_contiguous_programs_bytes(for
                 q, k, v, p, q_starts, k_starts, max_rows=max_rows, block=BLOCK, segment=SEGMENT
             )
 
-    core = Site() if form == "one call" else Site().__call__
+    core = Site()
     positions = torch.cat(news)
     places = CachePlaces(md, md.slot_mapping, reqs, positions, PAGE, kv_cache.device)
     with K.noting() as notes:
         out = paged_attention(
             torch.cat(qs), torch.cat(rows_k), torch.cat(rows_v), positions, md, kv_cache,
-            places, core=core,
+            places, core=core, one_call=form == "one call",
         )  # fmt: skip
     assert ("cuda.attention_varlen" in notes) == (form == "one call"), notes
     for i, (r, a, b, s) in enumerate(reqs):

@@ -111,7 +111,8 @@ def _caches(layout):
 
 def _attend(q, k, v, positions, md, cache, reqs, core=CORE):
     places = CachePlaces(md, md.slot_mapping, reqs, positions, cache.shape[2], cache.device)
-    return paged_attention(q, k, v, positions, md, cache, places, core=core)
+    one_call = isinstance(core, ManyCore)  # the many-sequence form, as cuda runs it
+    return paged_attention(q, k, v, positions, md, cache, places, core=core, one_call=one_call)
 
 
 def _rows(seed, n, heads):
@@ -170,8 +171,8 @@ def _run(layer_cache, corrupt: bool = False, core=CORE):
 
 @pytest.mark.parametrize("form", ["per request", "one call"])
 def test_paged_attention_reads_the_same_bytes_in_every_kv_cache_layout(form):
-    """Each request through the op site alone, or all of them in one call (its many-sequence
-    form): the reference's bytes in every layout."""
+    """Each request through the op site alone (cpu's choice), or all of them in one call of
+    its many-sequence form (cuda's): the reference's bytes in every layout."""
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     core = CORE if form == "per request" else ManyCore()

@@ -501,7 +501,7 @@ class CachePlaces:
         return self.key == (id(md), id(md.block_table), block_size, device)
 
 
-def paged_attention(q, k, v, positions, md, kv_cache, places: CachePlaces, *, core):
+def paged_attention(q, k, v, positions, md, kv_cache, places: CachePlaces, *, core, one_call=None):
     """Write these rows' K/V into the paged cache, then attend every request over its cache.
 
     q/k/v/positions hold the rows of the step's requests in ``places``'s order (a
@@ -510,10 +510,13 @@ def paged_attention(q, k, v, positions, md, kv_cache, places: CachePlaces, *, co
     layout (``attn_backend``: [num_blocks, kv_heads, block_size, K|V]); both come from the
     lane's own attention backend. Every cache access is an exact copy.
     ``core`` is the composition's attention op site (the contract's program and parameters:
-    there is no default). Every request's keys and values are gathered at once; where ``core``
-    has the many-sequence form (``core.varlen``, ``lanes.ops.AttentionSite``: one launch on
-    cuda) all requests attend in one call, else ``core(q_rows, keys, values, positions)`` runs
-    per request. Either way each row has the bytes of the site's program on its request alone.
+    there is no default). Every request's keys and values are gathered at once. ``one_call``
+    (None: on cuda only): all requests attend in one call of the site's many-sequence form
+    (``core.varlen``, ``lanes.ops.AttentionSite``: one launch on cuda), else
+    ``core(q_rows, keys, values, positions)`` runs per request. Either way each row has the
+    bytes of the site's program on its request alone. On cpu the per-request calls are the cpu
+    program of many sequences itself, and record the reference forward's kernel
+    (``cpu.attention``), so a cpu trace's kernel record is the reference's.
     """
     from .attn_backend import kv_halves  # imports vLLM: engine only
 
@@ -527,9 +530,10 @@ def paged_attention(q, k, v, positions, md, kv_cache, places: CachePlaces, *, co
     value_cache[places.write_pages, :, places.write_offsets] = v
     ks = key_cache[places.key_pages, :, places.key_offsets]
     vs = value_cache[places.key_pages, :, places.key_offsets]
-    varlen = getattr(core, "varlen", None)
-    if varlen is not None:
-        return varlen(
+    if one_call is None:
+        one_call = q.is_cuda
+    if one_call:
+        return core.varlen(
             q, ks, vs, positions, places.q_starts, places.k_starts, max_rows=places.max_rows
         )
     # A core of one sequence a call: each request over its slice of the gathered keys.
