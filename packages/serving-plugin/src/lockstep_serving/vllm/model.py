@@ -215,11 +215,12 @@ class LockstepQwen3ForCausalLM(nn.Module):
         """Compile the cuda backend's kernels before the first request: the lane's programs
         run once at each row count of ``warm_rows`` (steps of up to ``max_tokens`` rows, logits
         of up to ``max_seqs``), on dummy tokens, plus the prefill attention over a long prefix
-        and one sampler draw. vLLM's own warm-up runs the lane only to capture its decode
-        graphs (its dummy steps carry no attention metadata), so without this the prefill and
-        sampler kernels compiled during the first requests. The runs go through an Ops of
-        their own: the record of what served (``self.ops``) stays that. Returns the row
-        counts run; cpu (nothing to compile) and tensor parallelism run none."""
+        (per sequence and for many sequences in one call) and one sampler draw. vLLM's own
+        warm-up runs the lane only to capture its decode graphs (its dummy steps carry no
+        attention metadata), so without this the prefill and sampler kernels compiled during
+        the first requests. The runs go through an Ops of their own: the record of what served
+        (``self.ops``) stays that. Returns the row counts run; cpu (nothing to compile) and
+        tensor parallelism run none."""
         if self.device.type != "cuda" or self.tp != 1:
             return []
         return self.warm(max_tokens, max_seqs)
@@ -242,13 +243,23 @@ class LockstepQwen3ForCausalLM(nn.Module):
             ops.sample("sample", lp, temperature=1.0, top_p=1.0, seeds=[0] * lp.shape[0],
                        positions=list(range(lp.shape[0])))  # fmt: skip
             g = self.geom
-            for queries, keys in ((1, 1025), (17, 1040)):
-                if keys > self.max_positions:
-                    continue
+            reqs = [(n, s) for n, s in ((1, 1025), (17, 1040)) if s <= self.max_positions]
+            for queries, keys in reqs:
                 q = torch.zeros(queries, g.heads, g.head_dim, dtype=torch.bfloat16, device=dev)
                 kv = torch.zeros(keys, g.kv_heads, g.head_dim, dtype=torch.bfloat16, device=dev)
                 pos = torch.arange(keys - queries, keys, device=dev)
                 ops.attention("layers.0.self_attn.core", q, kv, kv, pos)
+            if reqs:  # the same requests in one call: a prefill step's form (paged_attention)
+                counts = list(zip(*reqs, strict=True))  # (rows of each, keys of each)
+                rows, keys = (sum(x) for x in counts)
+                q = torch.zeros(rows, g.heads, g.head_dim, dtype=torch.bfloat16, device=dev)
+                kv = torch.zeros(keys, g.kv_heads, g.head_dim, dtype=torch.bfloat16, device=dev)
+                pos = torch.cat([torch.arange(s - n, s, device=dev) for n, s in reqs])
+                q_starts, k_starts = (
+                    torch.tensor([0, *itertools.accumulate(x)], device=dev) for x in counts
+                )
+                ops.attention_varlen("layers.0.self_attn.core", q, kv, kv, pos, q_starts,
+                                     k_starts, max_rows=max(n for n, _ in reqs))  # fmt: skip
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         self.warm_ops = ops  # what the warm-up ran (tests read it)
