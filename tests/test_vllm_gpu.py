@@ -130,13 +130,16 @@ def test_attention_paged_gives_the_contiguous_programs_bytes(block):
         _control(want, got, f"sequence {i} ({s} keys, rows from {first})")
 
 
-def test_the_lane_models_paged_attention_gives_the_contiguous_programs_bytes():
+@pytest.mark.parametrize("form", ["per request", "one call"])
+def test_the_lane_models_paged_attention_gives_the_contiguous_programs_bytes(form):
     """vllm.model.paged_attention: new rows written through the slot mapping, then each
-    request attends over its pages; a batch of five requests of every kind at once."""
+    request attends over its pages; a batch of five requests of every kind at once, through
+    the op site per request or in one call of its many-sequence form (one launch)."""
     _vllm()
     from lockstep_exact import programs as P
+    from lockstep_exact.programs import kernels as K
     from lockstep_serving.vllm.attn_backend import LaneAttentionMetadata
-    from lockstep_serving.vllm.model import paged_attention
+    from lockstep_serving.vllm.model import CachePlaces, paged_attention
 
     ks, vs, key_cache, value_cache, tables = _paged(SEQS, seed=5)
     kv_cache = torch.cat([key_cache, value_cache], dim=-1)  # the lane's [.., K|V] layout
@@ -170,17 +173,25 @@ def test_the_lane_models_paged_attention_gives_the_contiguous_programs_bytes():
         block_table=table,
         slot_mapping=torch.cat(slots),
     )
-    out = paged_attention(
-        torch.cat(qs),
-        torch.cat(rows_k),
-        torch.cat(rows_v),
-        torch.cat(news),
-        md,
-        kv_cache,
-        torch.cat(slots),
-        reqs,
-        core=lambda q, k, v, p: P.attention(q, k, v, p, block=BLOCK, segment=SEGMENT),
-    )
+
+    class Site:  # the op site's two forms, as lanes.ops.AttentionSite has them
+        def __call__(self, q, k, v, p):
+            return P.attention(q, k, v, p, block=BLOCK, segment=SEGMENT)
+
+        def varlen(self, q, k, v, p, q_starts, k_starts, *, max_rows):
+            return P.attention_varlen(
+                q, k, v, p, q_starts, k_starts, max_rows=max_rows, block=BLOCK, segment=SEGMENT
+            )
+
+    core = Site()
+    positions = torch.cat(news)
+    places = CachePlaces(md, md.slot_mapping, reqs, positions, PAGE, kv_cache.device)
+    with K.noting() as notes:
+        out = paged_attention(
+            torch.cat(qs), torch.cat(rows_k), torch.cat(rows_v), positions, md, kv_cache,
+            places, core=core, one_call=form == "one call",
+        )  # fmt: skip
+    assert ("cuda.attention_varlen" in notes) == (form == "one call"), notes
     for i, (r, a, b, s) in enumerate(reqs):
         want = P.attention(qs[i], ks[i], vs[i], news[i], block=BLOCK, segment=SEGMENT)
         _control(want, out[a:b], f"request {r} ({s} keys)")

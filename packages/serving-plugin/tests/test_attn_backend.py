@@ -30,6 +30,24 @@ SEGMENT = Program.of("attention.blocked").param("segment")
 CORE = partial(P.attention, block=BLOCK, segment=SEGMENT)  # the composition's op site
 
 
+class ManyCore:
+    """The op site with its many-sequence form too (as ``lanes.ops.AttentionSite`` has it),
+    counting the calls of each form."""
+
+    def __init__(self):
+        self.calls = {"one": 0, "many": 0}
+
+    def __call__(self, q, k, v, positions):
+        self.calls["one"] += 1
+        return CORE(q, k, v, positions)
+
+    def varlen(self, q, k, v, positions, q_starts, k_starts, *, max_rows):
+        self.calls["many"] += 1
+        return P.attention_varlen(
+            q, k, v, positions, q_starts, k_starts, max_rows=max_rows, block=BLOCK, segment=SEGMENT
+        )
+
+
 HKV, HEADS, D, BS, NUM_BLOCKS = 2, 4, 16, 4, 8
 NO_CONNECTOR = SimpleNamespace(kv_transfer_config=None)  # all the builder reads of the config
 # Two requests, each over blocks that are neither adjacent nor in order.
@@ -91,9 +109,10 @@ def _caches(layout):
     return [caches[name] for name in layers]
 
 
-def _attend(q, k, v, positions, md, cache, reqs):
+def _attend(q, k, v, positions, md, cache, reqs, core=CORE):
     places = CachePlaces(md, md.slot_mapping, reqs, positions, cache.shape[2], cache.device)
-    return paged_attention(q, k, v, positions, md, cache, places, core=CORE)
+    one_call = isinstance(core, ManyCore)  # the many-sequence form, as cuda runs it
+    return paged_attention(q, k, v, positions, md, cache, places, core=core, one_call=one_call)
 
 
 def _rows(seed, n, heads):
@@ -113,7 +132,7 @@ def _nudge_cache_entry(layer_cache, block: int, slot: int) -> None:
     entry.copy_(nudge_ulp(entry))
 
 
-def _run(layer_cache, corrupt: bool = False):
+def _run(layer_cache, corrupt: bool = False, core=CORE):
     """``corrupt``: between the steps, one cache entry that request 0 wrote in step 1 (its
     position 0: block BLOCK_TABLE[0, 0], slot 0) is moved by one ulp (the input control)."""
     outs, ks, vs = [], [[], []], [[], []]
@@ -127,7 +146,7 @@ def _run(layer_cache, corrupt: bool = False):
             _rows(10 * step + 1, n, HKV),
             _rows(10 * step + 2, n, HKV),
         )
-        outs.append(_attend(q, k, v, positions, md, layer_cache, reqs))
+        outs.append(_attend(q, k, v, positions, md, layer_cache, reqs, core))
         for r, start, end, _ in reqs:
             ks[r].append(k[start:end])
             vs[r].append(v[start:end])
@@ -150,23 +169,29 @@ def _run(layer_cache, corrupt: bool = False):
     return outs, ref
 
 
-def test_paged_attention_reads_the_same_bytes_in_every_kv_cache_layout():
+@pytest.mark.parametrize("form", ["per request", "one call"])
+def test_paged_attention_reads_the_same_bytes_in_every_kv_cache_layout(form):
+    """Each request through the op site alone (cpu's choice), or all of them in one call of
+    its many-sequence form (cuda's): the reference's bytes in every layout."""
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
+    core = CORE if form == "per request" else ManyCore()
     results = {}
     for layout in KVCacheLayout:
         _, cache = _caches(layout)  # layer 1: its view starts after layer 0's in every layout
-        outs, ref = _run(cache)
+        outs, ref = _run(cache, core=core)
         assert_same_bytes_and_comparator(ref, outs[-1], f"{layout.name}: paged vs reference")
         results[layout.name] = torch.cat(outs)
         # control: the same steps on a fresh cache with one entry one ulp off between them
         _, fresh = _caches(layout)
-        moved, same_ref = _run(fresh, corrupt=True)
+        moved, same_ref = _run(fresh, corrupt=True, core=core)
         assert same_bytes(same_ref, ref), layout.name  # the reference reads no cache
         assert not same_bytes(ref, moved[-1]), f"{layout.name}: a cache entry's ulp is missed"
     first = results.pop("LBHNC")
     for name, got in results.items():
         assert_same_bytes_and_comparator(first, got, f"LBHNC vs {name}")
+    if form == "one call":  # one call a step (two runs a layout), the per-request form never
+        assert core.calls == {"one": 0, "many": 2 * len(STEPS) * len(KVCacheLayout)}
 
 
 def test_the_cache_cell_holds_k_then_v_of_each_token():

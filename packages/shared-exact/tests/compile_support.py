@@ -17,6 +17,7 @@ Prints one JSON object: kernel case -> {"compiled": bool, "fma": n, "unrounded":
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import subprocess
@@ -29,6 +30,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from lockstep_exact.programs.cuda import gdn, hybrid, moe, plan, sampling
+
+attention = importlib.import_module("lockstep_exact.programs.cuda.attention")
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -59,14 +62,15 @@ def _ptxas(ptx: str) -> tuple[int, int]:
     return (int(regs.group(1)) if regs else -1), sum(int(s) for s in spills)
 
 
-def _case(fn, pointers, constexprs, num_warps=4, fusion=False) -> dict:
+def _case(fn, pointers, constexprs, num_warps=4, fusion=False, num_stages=None) -> dict:
+    options = {"enable_fp_fusion": fusion, "num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
     try:
         src = ASTSource(
             fn=fn, signature=_signature(fn, pointers, constexprs), constexprs=constexprs
         )
-        kernel = triton.compile(
-            src, target=TARGET, options={"enable_fp_fusion": fusion, "num_warps": num_warps}
-        )
+        kernel = triton.compile(src, target=TARGET, options=options)
     except Exception as err:  # noqa: BLE001 - reported, the test names it
         return {"compiled": False, "error": f"{type(err).__name__}: {err}"[:2000]}
     ptx = kernel.asm["ptx"]
@@ -78,6 +82,7 @@ def _case(fn, pointers, constexprs, num_warps=4, fusion=False) -> dict:
         "unrounded": len(re.findall(r"\b(?:mul|add|sub)\.f32\b", ptx)),
         "ftz": ptx.count(".ftz"),
         "approx": ptx.count(".approx"),
+        "ex2_approx": len(re.findall(r"\bex2\.approx\.", ptx)),
         "registers": regs,
         "spill_bytes": spill,
         "error": None,
@@ -160,6 +165,23 @@ def main() -> dict:
         {"ROUNDS": 3, "BLOCK": sampling._BLOCK},
         num_warps=8,
     )  # fmt: skip
+    # attention.blocked: the one-pass kernel and the many-sequence one, with the launch's
+    # tiling (programs/cuda/attention.py: _TILE, _NUM_STAGES)
+    block_m, warps = attention._TILE
+    attn_ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16",
+                 "pos_ptr": "*i64", "m_buf": f32, "l_buf": f32, "a_buf": f32, "qs_ptr": "*i64",
+                 "ks_ptr": "*i64", "scale": "fp32"}  # fmt: skip
+    for d, block, segment in ((128, 64, 512), (64, 32, 256)):
+        shape = {"G": 4, "D": d, "BLOCK_M": block_m, "BLOCK_N": block,
+                 "SEG_BLOCKS": segment // block, "SEG": segment}  # fmt: skip
+        out[f"attention: one-pass D={d} block {block}"] = _case(
+            attention._attn_kernel, attn_ptrs, {**shape, "SPLIT": False, "ONE_SEG": False},
+            num_warps=warps, num_stages=attention._NUM_STAGES,
+        )  # fmt: skip
+        out[f"attention: varlen D={d} block {block}"] = _case(
+            attention._varlen_kernel, attn_ptrs, shape, num_warps=warps,
+            num_stages=attention._NUM_STAGES,
+        )  # fmt: skip
     # The control: the same kernel with contraction on shows what the checks look for.
     out["control: rmsnorm gated=True H=128, contraction on"] = _case(
         hybrid._rms_kernel,

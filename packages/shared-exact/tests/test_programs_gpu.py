@@ -675,6 +675,90 @@ def test_attention_error_is_bounded(h_q, h_kv):
     assert rel_err(out, attention_f64(q, k, v)) < 1e-2
 
 
+def _mix(name):
+    """[(rows, keys)] per request: each request's rows are the last ``rows`` of its keys."""
+    g = torch.Generator().manual_seed(len(name))
+    if name == "64 prompts of 1 to 300 tokens":
+        return [(n, n) for n in torch.randint(1, 301, (64,), generator=g).tolist()]
+    if name == "64 chunks and decodes over caches up to 4096":
+        keys = torch.randint(1, 4097, (64,), generator=g).tolist()
+        return [(min(s, r), s) for s, r in zip(keys, [1, 7, 64, 65, 130, 500] * 11, strict=False)]
+    return {
+        "edges of a tile": [(1, 1), (5, 5), (63, 63), (64, 64), (65, 65), (130, 130), (0, 0)],
+        "one long prefill": [(4096, 4096)],
+        "long and short, a request with no rows": [(2000, 2600), (0, 9), (1, 4096), (17, 40)],
+    }[name]
+
+
+VARLEN_MIXES = (
+    "64 prompts of 1 to 300 tokens",
+    "64 chunks and decodes over caches up to 4096",
+    "edges of a tile",
+    "one long prefill",
+    "long and short, a request with no rows",
+)
+
+
+def _varlen_batch(reqs, h_q, h_kv, d, seed, gap=5):
+    """The requests' rows concatenated and each request's own (q, k, v, positions). A
+    request's span of the concatenated keys ends with ``gap`` NaN/inf keys past its last
+    query, which no row may read (its own call gets only its clean keys)."""
+    qs, ks, vs, ps, own = [], [], [], [], []
+    q_starts, k_starts = [0], [0]
+    junk = torch.full((gap, h_kv, d), float("nan"), dtype=BF16, device="cuda")
+    for i, (n, s) in enumerate(reqs):
+        q = cuda_rand(n, h_q, d, seed=seed + 3 * i)
+        k = cuda_rand(s, h_kv, d, seed=seed + 3 * i + 1)
+        v = cuda_rand(s, h_kv, d, seed=seed + 3 * i + 2)
+        pos = torch.arange(s - n, s, device="cuda")
+        own.append((q, k, v, pos))
+        qs.append(q)
+        ps.append(pos)
+        ks += [k, junk]
+        vs += [v, junk.clone().fill_(float("inf"))]
+        q_starts.append(q_starts[-1] + n)
+        k_starts.append(k_starts[-1] + s + gap)
+    q_starts = torch.tensor(q_starts, dtype=torch.int32, device="cuda")
+    k_starts = torch.tensor(k_starts, device="cuda")
+    return torch.cat(qs), torch.cat(ks), torch.cat(vs), torch.cat(ps), q_starts, k_starts, own
+
+
+@pytest.mark.parametrize("mix", VARLEN_MIXES)
+@pytest.mark.parametrize(
+    "h_q,h_kv,d,block,segment",
+    [(8, 2, 128, BLOCK, SEGMENT), (16, 8, 128, 64, 2048), (4, 2, 64, 32, 96), (16, 1, 64, 64, 512)],
+)
+def test_attention_of_many_sequences_in_one_launch_gives_each_row_its_bytes(
+    mix, h_q, h_kv, d, block, segment
+):
+    """attention_varlen (one launch over every request) against attention on each request
+    alone (which may run the Hopper or the split form): the same bytes, for batches of 64
+    prompts, of chunks and decodes over caches up to 4096 keys, tile edges, one 4096-token
+    prefill (several segments), a request with no rows; each request's keys followed by
+    NaN/inf keys no row may read. One ulp of one request's key moves that request's rows
+    and no other's."""
+    reqs = _mix(mix)
+    q, k, v, pos, q_starts, k_starts, own = _varlen_batch(reqs, h_q, h_kv, d, seed=70)
+    kw = {"block": block, "segment": segment}
+    max_rows = max(n for n, _ in reqs)
+    got = P.attention_varlen(q, k, v, pos, q_starts, k_starts, max_rows=max_rows, **kw)
+    bounds = q_starts.tolist()
+    for r, (qr, kr, vr, pr) in enumerate(own):
+        if len(qr):
+            want = P.attention(qr, kr, vr, pr, **kw)
+            assert_same_bytes(got[bounds[r] : bounds[r + 1]], want, f"{mix}: request {r}")
+    # the control: one ulp of the largest element of one key, the first query's own key in
+    # the request whose rows start earliest (its rows see few keys, so the ulp shows)
+    r = min((s - n, -n, i) for i, (n, s) in enumerate(reqs) if n)[2]
+    at = int(k_starts[r]) + reqs[r][1] - reqs[r][0]
+    moved = k.clone()
+    moved[at] = nudge_ulp(k[at], int(k[at].float().abs().argmax()))
+    other = P.attention_varlen(q, moved, v, pos, q_starts, k_starts, max_rows=max_rows, **kw)
+    lo, hi = bounds[r], bounds[r + 1]
+    assert not same_bytes(other[lo:hi], got[lo:hi]), "the request's rows did not move"
+    assert same_bytes(other[:lo], got[:lo]) and same_bytes(other[hi:], got[hi:])
+
+
 # --- paged decode (issue 11: the graph-safe step) ------------------------------------------------
 def _paged_batch(lens, page, seed, h_kv=2, d=128, spare=3):
     """Requests of ``lens`` keys scattered over shuffled pages of one cache whose other slots

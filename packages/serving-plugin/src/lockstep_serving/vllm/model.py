@@ -8,6 +8,7 @@ sequence through its block table (exact copies), and the composition's attention
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Iterable
 from pathlib import Path
@@ -214,11 +215,12 @@ class LockstepQwen3ForCausalLM(nn.Module):
         """Compile the cuda backend's kernels before the first request: the lane's programs
         run once at each row count of ``warm_rows`` (steps of up to ``max_tokens`` rows, logits
         of up to ``max_seqs``), on dummy tokens, plus the prefill attention over a long prefix
-        and one sampler draw. vLLM's own warm-up runs the lane only to capture its decode
-        graphs (its dummy steps carry no attention metadata), so without this the prefill and
-        sampler kernels compiled during the first requests. The runs go through an Ops of
-        their own: the record of what served (``self.ops``) stays that. Returns the row
-        counts run; cpu (nothing to compile) and tensor parallelism run none."""
+        (per sequence and for many sequences in one call) and one sampler draw. vLLM's own
+        warm-up runs the lane only to capture its decode graphs (its dummy steps carry no
+        attention metadata), so without this the prefill and sampler kernels compiled during
+        the first requests. The runs go through an Ops of their own: the record of what served
+        (``self.ops``) stays that. Returns the row counts run; cpu (nothing to compile) and
+        tensor parallelism run none."""
         if self.device.type != "cuda" or self.tp != 1:
             return []
         return self.warm(max_tokens, max_seqs)
@@ -241,13 +243,23 @@ class LockstepQwen3ForCausalLM(nn.Module):
             ops.sample("sample", lp, temperature=1.0, top_p=1.0, seeds=[0] * lp.shape[0],
                        positions=list(range(lp.shape[0])))  # fmt: skip
             g = self.geom
-            for queries, keys in ((1, 1025), (17, 1040)):
-                if keys > self.max_positions:
-                    continue
+            reqs = [(n, s) for n, s in ((1, 1025), (17, 1040)) if s <= self.max_positions]
+            for queries, keys in reqs:
                 q = torch.zeros(queries, g.heads, g.head_dim, dtype=torch.bfloat16, device=dev)
                 kv = torch.zeros(keys, g.kv_heads, g.head_dim, dtype=torch.bfloat16, device=dev)
                 pos = torch.arange(keys - queries, keys, device=dev)
                 ops.attention("layers.0.self_attn.core", q, kv, kv, pos)
+            if reqs:  # the same requests in one call: a prefill step's form (paged_attention)
+                counts = list(zip(*reqs, strict=True))  # (rows of each, keys of each)
+                rows, keys = (sum(x) for x in counts)
+                q = torch.zeros(rows, g.heads, g.head_dim, dtype=torch.bfloat16, device=dev)
+                kv = torch.zeros(keys, g.kv_heads, g.head_dim, dtype=torch.bfloat16, device=dev)
+                pos = torch.cat([torch.arange(s - n, s, device=dev) for n, s in reqs])
+                q_starts, k_starts = (
+                    torch.tensor([0, *itertools.accumulate(x)], device=dev) for x in counts
+                )
+                ops.attention_varlen("layers.0.self_attn.core", q, kv, kv, pos, q_starts,
+                                     k_starts, max_rows=max(n for n, _ in reqs))  # fmt: skip
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         self.warm_ops = ops  # what the warm-up ran (tests read it)
@@ -449,10 +461,14 @@ class CachePlaces:
     of the lane reads the same block table and slot mapping, so the layers share it.
 
     ``reqs`` = [(r, start, end, seq_len)] (batch indices; their rows are concatenated in this
-    order) and ``positions``/``slots`` hold those rows. Per request: its local rows [lo, hi)
-    and the page and page offset of each of its positions 0..seq_len-1; for the rows: the page
-    and offset their K/V are written to. One host read checks every request's last query
-    position (the only place the lane reads the device here)."""
+    order) and ``positions``/``slots`` hold those rows. For the requests' keys, concatenated in
+    the same order (request r's positions 0..seq_len-1): the page and page offset of each
+    (``key_pages``/``key_offsets``, one gather reads them all); per request its local rows
+    [lo, hi) (``spans``) and keys (``key_spans``), and the same as offsets on the device
+    (``q_starts``/``k_starts`` [R + 1], ``max_rows`` the most rows of one request) for the
+    one-launch attention; for the rows: the page and offset their K/V are written to. One host
+    read checks every request's last query position (the only place the lane reads the device
+    here)."""
 
     def __init__(self, md, slots, reqs, positions, block_size: int, device):
         from .attn_backend import LaneAttentionMetadata  # imports vLLM: engine only
@@ -478,11 +494,17 @@ class CachePlaces:
                 )
         table = md.block_table.to(device=device, dtype=torch.int64)
         self.spans = spans
-        self.pages, self.offsets = [], []
-        for r, _start, _end, seq_len in reqs:
-            at = torch.arange(seq_len, device=device)
-            self.pages.append(table[r][at // bs])
-            self.offsets.append(at % bs)
+        lens = torch.tensor([seq_len for *_, seq_len in reqs], dtype=torch.int64)
+        k_starts = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+        self.key_spans = list(itertools.pairwise(k_starts.tolist()))
+        # every request's key positions 0..seq_len-1 in order, and the batch row of its table
+        at = torch.arange(int(k_starts[-1])) - k_starts[:-1].repeat_interleave(lens)
+        table_rows = torch.tensor([r for r, *_ in reqs], dtype=torch.int64).repeat_interleave(lens)
+        self.key_pages = table[table_rows.to(device), (at // bs).to(device)]
+        self.key_offsets = (at % bs).to(device)
+        self.q_starts = torch.tensor([0] + [hi for _, hi in spans], dtype=torch.int32).to(device)
+        self.k_starts = k_starts.to(device)
+        self.max_rows = max((hi - lo for lo, hi in spans), default=0)
         slots = slots.to(device=device, dtype=torch.int64)
         self.write_pages, self.write_offsets = slots // bs, slots % bs
 
@@ -490,16 +512,22 @@ class CachePlaces:
         return self.key == (id(md), id(md.block_table), block_size, device)
 
 
-def paged_attention(q, k, v, positions, md, kv_cache, places: CachePlaces, *, core):
-    """Write these rows' K/V into the paged cache, then attend each request over its cache.
+def paged_attention(q, k, v, positions, md, kv_cache, places: CachePlaces, *, core, one_call=None):
+    """Write these rows' K/V into the paged cache, then attend every request over its cache.
 
     q/k/v/positions hold the rows of the step's requests in ``places``'s order (a
     ``CachePlaces`` of this step, built from ``md``; one of another step is refused). ``md``
     is the batch's ``LaneAttentionMetadata`` and ``kv_cache`` the layer's cache in the lane's
     layout (``attn_backend``: [num_blocks, kv_heads, block_size, K|V]); both come from the
     lane's own attention backend. Every cache access is an exact copy.
-    ``core(q_rows, keys, values, positions)`` is the composition's attention op site (the
-    contract's program and parameters: there is no default).
+    ``core`` is the composition's attention op site (the contract's program and parameters:
+    there is no default). Every request's keys and values are gathered at once. ``one_call``
+    (None: on cuda only): all requests attend in one call of the site's many-sequence form
+    (``core.varlen``, ``lanes.ops.AttentionSite``: one launch on cuda), else
+    ``core(q_rows, keys, values, positions)`` runs per request. Either way each row has the
+    bytes of the site's program on its request alone. On cpu the per-request calls are the cpu
+    program of many sequences itself, and record the reference forward's kernel
+    (``cpu.attention``), so a cpu trace's kernel record is the reference's.
     """
     from .attn_backend import kv_halves  # imports vLLM: engine only
 
@@ -511,9 +539,16 @@ def paged_attention(q, k, v, positions, md, kv_cache, places: CachePlaces, *, co
     key_cache, value_cache = kv_halves(kv_cache, k)
     key_cache[places.write_pages, :, places.write_offsets] = k
     value_cache[places.write_pages, :, places.write_offsets] = v
+    ks = key_cache[places.key_pages, :, places.key_offsets]
+    vs = value_cache[places.key_pages, :, places.key_offsets]
+    if one_call is None:
+        one_call = q.is_cuda
+    if one_call:
+        return core.varlen(
+            q, ks, vs, positions, places.q_starts, places.k_starts, max_rows=places.max_rows
+        )
+    # A core of one sequence a call: each request over its slice of the gathered keys.
     out = torch.empty_like(q)
-    for (lo, hi), pages, offsets in zip(places.spans, places.pages, places.offsets, strict=True):
-        ks = key_cache[pages, :, offsets]
-        vs = value_cache[pages, :, offsets]
-        out[lo:hi] = core(q[lo:hi], ks, vs, positions[lo:hi])
+    for (lo, hi), (k_lo, k_hi) in zip(places.spans, places.key_spans, strict=True):
+        out[lo:hi] = core(q[lo:hi], ks[k_lo:k_hi], vs[k_lo:k_hi], positions[lo:hi])
     return out

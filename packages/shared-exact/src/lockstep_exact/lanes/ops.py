@@ -54,6 +54,25 @@ def site(method: Callable) -> Callable:
     return run
 
 
+class AttentionSite:
+    """A layer's attention op site as the engine's ``attend`` slot receives it: ``site`` its
+    path; called per sequence, ``core(q_rows, keys, values, positions)``, or for many sequences
+    at once, ``core.varlen(q, keys, values, positions, q_starts, k_starts, max_rows=...)``
+    (``Ops.attention_varlen``: the same row bytes, one launch on cuda). Both run inside the
+    site, so the kernels they note are recorded for it."""
+
+    def __init__(self, ops: Ops, site: str):
+        self.ops, self.site = ops, site
+
+    def __call__(self, q, k, v, positions):
+        return self.ops.attention(self.site, q, k, v, positions)
+
+    def varlen(self, q, k, v, positions, q_starts, k_starts, *, max_rows: int):
+        return self.ops.attention_varlen(
+            self.site, q, k, v, positions, q_starts, k_starts, max_rows=max_rows
+        )
+
+
 class Ops:
     """The byte programs of one contract, called by op-site path."""
 
@@ -191,6 +210,21 @@ class Ops:
             k,
             v,
         )
+
+    @site
+    def attention_varlen(self, path: str, q, k, v, positions, q_starts, k_starts, *, max_rows):
+        """The site's attention.blocked for many sequences at once (``P.attention_varlen``:
+        each row the bytes of ``attention`` on its request's rows and keys; serving only, no
+        VJP)."""
+        prog = self.program(path, "attention.blocked")
+        if self.grad:
+            raise ContractMismatch(f"op site {site_key(path)!r}: the many-sequence form has no VJP")
+        self._ran(path, prog)
+        out = P.attention_varlen(
+            q, k, v, positions, q_starts, k_starts, max_rows=max_rows,
+            block=prog.param("block"), segment=prog.param("segment"),
+        )  # fmt: skip
+        return record(path, out)
 
     @site
     def attention_decode_paged(

@@ -20,7 +20,7 @@ from ..programs import Program
 from ..programs.grouping import unsort
 from ..sites import is_recording, record
 from .config import UnsupportedModel, check_config
-from .ops import Ops
+from .ops import AttentionSite, Ops
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3-moe"}
 
@@ -151,8 +151,9 @@ def op_sites(geom: Geometry) -> dict[str, Program]:
 LoRA = tuple[torch.Tensor, torch.Tensor, float]  # (A [r, K], B [N, r], scale)
 # attend(path, q, k, v, positions, core): the engine's attention slot. q/k/v are this step's
 # rows (after rope); the engine stores k/v in its own cache, gathers each sequence's keys and
-# values, and calls core(q_rows, keys, values, positions_of_those_rows) per sequence.
-Core = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# values, and calls core(q_rows, keys, values, positions_of_those_rows) per sequence, or
+# core.varlen(...) once for all of them (``ops.AttentionSite``).
+Core = AttentionSite
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Core], torch.Tensor]
 
 
@@ -261,11 +262,7 @@ class Layer:
         q = ops.rope(f"{s}.q_rope", q, positions)
         k = ops.rope(f"{s}.k_rope", k, positions)
 
-        def core(qq, kk, vv, pos):
-            return ops.attention(f"{s}.core", qq, kk, vv, pos)
-
-        core.site = f"{s}.core"  # for slots that run the site's program in another form
-
+        core = AttentionSite(ops, f"{s}.core")
         o = self.slots.attend(self.index, q, k, v, positions, core)
         o = record(f"{s}.core", o)  # all rows of the step (core records per sequence)
         return self.proj(o.reshape(t, -1), "self_attn.o_proj")

@@ -40,7 +40,7 @@ from ..programs import Program
 from ..programs import vjp as V
 from ..sites import record
 from .config import UnsupportedModel, check_next_config
-from .ops import Ops, site
+from .ops import AttentionSite, Ops, site
 from .qwen3 import K_PARTS, LoRA, k_parts, linear, local_dispatch
 
 ARCHITECTURES = {"Qwen3NextForCausalLM": "qwen3-next"}
@@ -486,7 +486,7 @@ class Layer:
         k = ops.rmsnorm_zc(f"{s}.k_norm", k, self.w("self_attn.k_norm.weight"))
         q = ops.rope_partial(f"{s}.q_rope", q, positions)
         k = ops.rope_partial(f"{s}.k_rope", k, positions)
-        core = lambda qr, keys, values, pos: ops.attention(f"{s}.core", qr, keys, values, pos)
+        core = AttentionSite(ops, f"{s}.core")
         o = record(f"{s}.core", self.slots.attend(i, q, k, v, segs, positions, core))
         o = o.reshape(t, -1)
         o = ops.sigmoid_gate(f"{s}.gate", o, gate.contiguous())

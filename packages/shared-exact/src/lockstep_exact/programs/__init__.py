@@ -309,6 +309,18 @@ def attention(q, k, v, positions, *, scale=None, block: int, segment: int):
     )
 
 
+def attention_varlen(
+    q, k, v, positions, q_starts, k_starts, *, max_rows: int, block: int, segment: int
+):
+    """attention.blocked for many sequences at once: request r's rows
+    q[q_starts[r]:q_starts[r+1]] over its keys k/v[k_starts[r]:k_starts[r+1]]. Each row has
+    the bytes ``attention`` gives on its request's rows and keys (cpu: ``attention`` per
+    request; cuda: one launch). ``max_rows`` bounds every request's row count."""
+    return _impl("attention_varlen", q, k, v)(
+        q, k, v, positions, q_starts, k_starts, max_rows=max_rows, block=block, segment=segment
+    )
+
+
 def attention_decode_paged(
     q, key_cache, value_cache, block_table, seq_lens, positions, *, max_seq_len: int,
     block: int, segment: int,
@@ -513,6 +525,7 @@ __all__ = [
     "Program",
     "attention",
     "attention_decode_paged",
+    "attention_varlen",
     "backend_of",
     "backend_module",
     "Gather",

@@ -3,9 +3,9 @@
 A program's bytes are fixed by its definition, but a backend may run it through more than one
 kernel: the cuda gemm through a pointer-fed or a TMA-fed persistent kernel (by row count), the
 prefill attention through the Hopper kernel, the split kernel and its merge, or the one-pass
-kernel, the sampler in one Triton kernel or as the definition's torch operations. Each form
-gives the bytes of the others, and a GPU test shows it. Which one ran is recorded, so replay
-can refuse a form no test gates.
+kernel, or for many sequences in one launch, the sampler in one Triton kernel or as the
+definition's torch operations. Each form gives the bytes of the others, and a GPU test shows it.
+Which one ran is recorded, so replay can refuse a form no test gates.
 
 A *kernel* is named ``backend.function`` (the backend function the dispatch point called:
 ``cuda.gemm``) or ``backend.function:form`` (the form that function chose: ``cuda.gemm:tma``).
@@ -54,7 +54,7 @@ REACHES: dict[str, frozenset[str]] = {
         "residual.add": ("residual_add",),
         "swiglu": ("swiglu",),
         "rope.neox": ("rope",),
-        "attention.blocked": ("attention", "attention_decode_paged"),
+        "attention.blocked": ("attention", "attention_decode_paged", "attention_varlen"),
         "softmax.tree": ("softmax",),
         "log_softmax.tree": ("log_softmax", "shard_tree_nodes"),
         "router.softmax_topk": ("router_topk",),
@@ -114,6 +114,7 @@ FORMS: dict[str, dict[str, str]] = {
 ONE_LAUNCH: dict[str, str] = {
     "kpart_partial": "test_kpart_in_one_launch_gives_the_bytes_of_its_partitions",
     "gemm_grouped": "test_grouped_experts_give_each_pair_the_bytes_of_its_experts_plain_gemm",
+    "attention_varlen": "test_attention_of_many_sequences_in_one_launch_gives_each_row_its_bytes",
 }
 
 

@@ -2,7 +2,7 @@
 
 from .activation import silu, swiglu
 from .arith import exp, log, round_bf16, tree_sum
-from .attention import attention, default_scale
+from .attention import attention, attention_varlen, default_scale
 from .gdn import (
     GdnState,
     conv1d_causal,
@@ -34,6 +34,7 @@ __all__ = [
     "shared_expert_gate",
     "sigmoid_gate",
     "attention",
+    "attention_varlen",
     "default_scale",
     "exp",
     "fold_tree_nodes",

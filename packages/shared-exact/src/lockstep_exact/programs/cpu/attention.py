@@ -152,3 +152,67 @@ def _merge(m_g, l_g, a_g, m, l_s, acc, active):
         torch.where(keep, l_new, l_g),
         torch.where(keep[..., None], a_new, a_g),
     )
+
+
+def check_starts(q_starts, k_starts) -> None:
+    """The rules of attention.blocked's many-sequence call on the starts tensors themselves
+    (their values are checked where they are read): [R + 1] int32 or int64 offsets each."""
+    for name, s in (("q_starts", q_starts), ("k_starts", k_starts)):
+        require(
+            s.dim() == 1 and s.shape[0] >= 1 and s.dtype in (torch.int32, torch.int64),
+            f"attention_varlen: {name} must be a 1-D int32 or int64 tensor of R + 1 offsets",
+        )
+    require(q_starts.shape == k_starts.shape, "attention_varlen: q_starts and k_starts differ")
+
+
+def spans(q_starts, k_starts, n_q: int, s_len: int, max_rows: int) -> list[tuple[int, ...]]:
+    """The requests' (row start, row end, key start, key end), read on the host and checked:
+    rows cover 0..n_q in order, each request's keys lie in 0..s_len, no request has more
+    than ``max_rows`` rows."""
+    qs, ks = q_starts.tolist(), k_starts.tolist()
+    require(qs[0] == 0 and qs[-1] == n_q, f"attention_varlen: q_starts must run from 0 to {n_q}")
+    out = []
+    for r in range(len(qs) - 1):
+        q_lo, q_hi, k_lo, k_hi = qs[r], qs[r + 1], ks[r], ks[r + 1]
+        require(
+            0 <= q_hi - q_lo <= max_rows,
+            f"attention_varlen: request {r} has {q_hi - q_lo} rows (0..{max_rows} allowed)",
+        )
+        require(
+            0 <= k_lo <= k_hi <= s_len,
+            f"attention_varlen: request {r}'s keys [{k_lo}, {k_hi}) are not within 0..{s_len}",
+        )
+        out.append((q_lo, q_hi, k_lo, k_hi))
+    return out
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    q_starts: torch.Tensor,
+    k_starts: torch.Tensor,
+    *,
+    max_rows: int,
+    scale: torch.Tensor | None = None,
+    block: int,
+    segment: int,
+) -> torch.Tensor:
+    """attention.blocked for many sequences at once: request r's query rows are
+    q[q_starts[r]:q_starts[r+1]] at those ``positions``, its keys and values
+    k/v[k_starts[r]:k_starts[r+1]] (its positions 0, 1, ...). Each request runs through
+    ``attention`` on its own rows and keys, so every row has that program's bytes by
+    construction. ``max_rows`` bounds every request's row count (the cuda form sizes its
+    launch from it)."""
+    n_q, _, _, s_len, _ = check_inputs(q, k, v, positions)
+    check_tiling(block, segment)
+    check_starts(q_starts, k_starts)
+    out = torch.empty_like(q)
+    for q_lo, q_hi, k_lo, k_hi in spans(q_starts, k_starts, n_q, s_len, max_rows):
+        if q_hi > q_lo:
+            out[q_lo:q_hi] = attention(
+                q[q_lo:q_hi], k[k_lo:k_hi], v[k_lo:k_hi], positions[q_lo:q_hi],
+                scale=scale, block=block, segment=segment,
+            )  # fmt: skip
+    return out

@@ -15,7 +15,7 @@ import triton
 
 from .activation import swiglu
 from .arith import round_bf16
-from .attention import attention, attention_decode_paged, write_pages
+from .attention import attention, attention_decode_paged, attention_varlen, write_pages
 from .gemm import TILINGS, gemm, pick_tiling
 from .grouped import KPART_ONE_LAUNCH_ROWS, gemm_grouped, kpart_partial
 from .hybrid import (
@@ -58,6 +58,7 @@ __all__ = [
     "TILINGS",
     "attention",
     "attention_decode_paged",
+    "attention_varlen",
     "conv1d_causal",
     "environment",
     "gdn_chunked",

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..cpu.attention import check_inputs, check_tiling, default_scale
+from ..cpu.attention import check_inputs, check_starts, check_tiling, default_scale, spans
 from ..kernels import note
 from . import attention_hopper
 from .arith import (
@@ -563,6 +563,142 @@ def _combine(out, positions, m_buf, l_buf, a_buf, g, segment, seq_lens=None, rea
         m_buf, l_buf, a_buf, n_rows, h_kv, out.stride(0), out.stride(1),
         G=g, D=d, ROWS=_COMBINE_ROWS, SEG=segment, PAGED=paged, COLS=cols, num_warps=4, **EXACT,
     )  # fmt: skip
+
+
+@triton.jit
+def _varlen_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, stride_p, qs_ptr, ks_ptr,
+    n_reqs, n_q, n_k, n_kv_heads, max_tiles, scale,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEG_BLOCKS: tl.constexpr, SEG: tl.constexpr,
+):  # fmt: skip
+    """One (request, kv head, tile) of many sequences: ``_attn_kernel``'s one-pass body with
+    every row of the tile from one request, its q, positions, keys, values and output reached
+    through the request's row and key offsets. Axis 0 walks (request, kv head, tile) with the
+    request fastest and each request's tiles from its last (longest) one; programs past a
+    request's tiles do nothing. The offsets are checked in every program: rows from 0 to
+    ``n_q`` in order, keys within ``n_k``, at most ``max_tiles`` tiles a request."""
+    pid = tl.program_id(0)
+    r = pid % n_reqs
+    h = (pid // n_reqs) % n_kv_heads
+    back = pid // n_reqs // n_kv_heads  # tiles before the request's last
+    q_lo = tl.load(qs_ptr + r).to(tl.int64)
+    q_hi = tl.load(qs_ptr + r + 1).to(tl.int64)
+    k_lo = tl.load(ks_ptr + r).to(tl.int64)
+    k_hi = tl.load(ks_ptr + r + 1).to(tl.int64)
+    bad = (q_lo < 0) | (q_hi < q_lo) | (q_hi > n_q) | (k_lo < 0) | (k_hi < k_lo) | (k_hi > n_k)
+    bad = bad | ((r == 0) & (q_lo != 0)) | ((r == n_reqs - 1) & (q_hi != n_q))
+    bad = bad | ((q_hi - q_lo) * G > max_tiles * BLOCK_M)
+    lanes = tl.zeros([BLOCK_M], tl.int32) + bad.to(tl.int32)
+    q_lo = q_lo + tl.max(trap_if(lanes != 0), 0)
+    n_rows = ((q_hi - q_lo) * G).to(tl.int32)
+    kv_len = (k_hi - k_lo).to(tl.int32)
+    n_tiles = tl.cdiv(n_rows, BLOCK_M)
+    if back < n_tiles:
+        tile = n_tiles - 1 - back
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        t = rows // G  # the request's row = token * G + query head within the group
+        head = h * G + rows % G
+        pos = tl.load(pos_ptr + (q_lo + t) * stride_p, mask=row_ok, other=-1)
+        pos = (pos + trap_if(row_ok & ((pos < 0) | (pos >= kv_len)))).to(tl.int32)
+        offs_d = tl.arange(0, D)
+        q_src = q_ptr + q_lo * stride_qt
+        q_src = q_src + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_src, mask=row_ok[:, None], other=0.0)
+        pos_max = tl.max(pos, 0)
+        pos_min = tl.min(tl.where(row_ok, pos, 2147483647), 0)
+        j_last = pos_max // BLOCK_N
+        j_full = (pos_min + 1) // BLOCK_N
+        kv_lim = tl.minimum(kv_len, pos_max + 1)  # keys past the last query are never loaded
+        k_base = k_ptr + k_lo * stride_ks + h * stride_kh
+        v_base = v_ptr + k_lo * stride_vs + h * stride_vh
+        o_base = o_ptr + q_lo * stride_ot
+        if j_last < SEG_BLOCKS:
+            _one_segment(
+                q, k_base, v_base, stride_ks, stride_vs, pos, kv_lim, j_last, j_full, scale,
+                o_base, t, head, stride_ot, stride_oh, row_ok, BLOCK_M, BLOCK_N, D,
+            )  # fmt: skip
+        else:
+            m_g = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_g = tl.zeros([BLOCK_M], tl.float32)
+            a_g = tl.zeros([BLOCK_M, D], tl.float32)
+            for s_idx in range(0, j_last // SEG_BLOCKS + 1):
+                j_lo = s_idx * SEG_BLOCKS
+                j_hi = tl.minimum(j_lo + SEG_BLOCKS, j_last + 1)
+                m, l_s, acc = _segment(
+                    q, k_base, v_base, stride_ks, stride_vs, pos, kv_lim, j_lo, j_hi, j_full,
+                    scale, BLOCK_M, BLOCK_N, D, pos_ptr, 0, 0, 0, 0,
+                )  # fmt: skip
+                m_g, l_g, a_g = _merge(m_g, l_g, a_g, m, l_s, acc, pos >= s_idx * SEG)
+            _finish(o_base, t, head, stride_ot, stride_oh, l_g[:, None], a_g, row_ok, offs_d)
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    q_starts: torch.Tensor,
+    k_starts: torch.Tensor,
+    *,
+    max_rows: int,
+    scale: torch.Tensor | float | None = None,
+    block: int,
+    segment: int,
+) -> torch.Tensor:
+    """attention.blocked for many sequences in one launch (the cpu program's interface).
+
+    Request r's query rows are q[q_starts[r]:q_starts[r+1]] ([T, Hq, D] bf16, the requests'
+    rows concatenated in order) at those ``positions``; its keys and values are
+    k/v[k_starts[r]:k_starts[r+1]] ([S, Hkv, D] bf16), its positions 0, 1, ... Every row has
+    the bytes ``attention`` gives on its request's rows and keys: a program's rows are all of
+    one request and run ``_attn_kernel``'s one-pass code (the same 64-row tiles of 4 warps,
+    blocks, segments and merge order; the split form is not used). ``max_rows`` (a host bound
+    on every request's row count) fixes the launch grid, so nothing is read on the host from
+    the device. The starts (int32 or int64, [R + 1]) and positions are checked in the kernel:
+    q_starts runs from 0 to T without going down, each request's keys lie within S and its
+    positions below its key count, no request has more than ``max_rows`` rows.
+    """
+    require_cuda(q, k, v)
+    n_q, h_q, d, s_len, h_kv = check_inputs(q, k, v, positions)
+    _tiling_ok(d, block, segment)
+    check_starts(q_starts, k_starts)
+    require(max_rows >= 0, "attention_varlen: max_rows must not be negative")
+    n_reqs = q_starts.shape[0] - 1
+    if n_q == 0 or n_reqs == 0:
+        require(n_q == 0, "attention_varlen: rows but no request")
+        return q.clone()
+    pos = index_tensor(positions, q.device, "attention_varlen")
+    qs = index_tensor(q_starts, q.device, "attention_varlen")
+    ks = index_tensor(k_starts, q.device, "attention_varlen")
+    if not q_starts.is_cuda and not k_starts.is_cuda:  # host offsets are checked here too
+        spans(q_starts, k_starts, n_q, s_len, max_rows)
+    if scale is None:
+        scale_f = _default_scale(d)
+    else:
+        scale_f = float(scale.item() if isinstance(scale, torch.Tensor) else scale)
+        require(torch.tensor(scale_f, dtype=F32).item() == scale_f, "attention: scale must be fp32")
+    require(max(q.numel(), k.numel()) < 2**31, "attention (cuda): tensor too large")
+    g = h_q // h_kv
+    qc = q.contiguous()
+    kc = k.contiguous()
+    vc = v.contiguous()
+    out = torch.empty_like(qc)
+    block_m, num_warps = _TILE
+    # No request has more than n_q rows: the bound is capped there (max_tiles * 64 < 2**31)
+    max_tiles = triton.cdiv(max(min(max_rows, n_q), 1) * g, block_m)
+    require(n_reqs * h_kv * max_tiles < 2**31, "attention_varlen (cuda): too many programs")
+    _varlen_kernel[(n_reqs * h_kv * max_tiles,)](
+        qc, kc, vc, out, pos, pos.stride(0), qs, ks,
+        n_reqs, n_q, s_len, h_kv, max_tiles, scale_f,
+        qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1),
+        vc.stride(0), vc.stride(1), out.stride(0), out.stride(1),
+        G=g, D=d, BLOCK_M=block_m, BLOCK_N=block, SEG_BLOCKS=segment // block, SEG=segment,
+        num_warps=num_warps, num_stages=_NUM_STAGES, **EXACT,
+    )  # fmt: skip
+    return out
 
 
 def _tiling_ok(d: int, block: int, segment: int) -> None:
