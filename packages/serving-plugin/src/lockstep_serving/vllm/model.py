@@ -522,8 +522,9 @@ def paged_attention(q, k, v, positions, md, kv_cache, places: CachePlaces, *, co
     lane's own attention backend. Every cache access is an exact copy.
     ``core`` is the composition's attention op site (the contract's program and parameters:
     there is no default). Every request's keys and values are gathered at once. ``one_call``
-    (None: on cuda only): all requests attend in one call of the site's many-sequence form
-    (``core.varlen``, ``lanes.ops.AttentionSite``: one launch on cuda), else
+    (None: on cuda, for more than one request): all requests attend in one call of the
+    site's many-sequence form (``core.varlen``, ``lanes.ops.AttentionSite``: one launch on
+    cuda), else
     ``core(q_rows, keys, values, positions)`` runs per request. Either way each row has the
     bytes of the site's program on its request alone. On cpu the per-request calls are the cpu
     program of many sequences itself, and record the reference forward's kernel
@@ -541,8 +542,8 @@ def paged_attention(q, k, v, positions, md, kv_cache, places: CachePlaces, *, co
     value_cache[places.write_pages, :, places.write_offsets] = v
     ks = key_cache[places.key_pages, :, places.key_offsets]
     vs = value_cache[places.key_pages, :, places.key_offsets]
-    if one_call is None:
-        one_call = q.is_cuda
+    if one_call is None:  # one request alone keeps the per-request call (sm_90: Hopper's kernel)
+        one_call = q.is_cuda and len(places.spans) > 1
     if one_call:
         return core.varlen(
             q, ks, vs, positions, places.q_starts, places.k_starts, max_rows=places.max_rows
