@@ -53,6 +53,16 @@ def test_the_patched_kernel_warmup_runs_vllms_then_the_lanes_with_the_engines_li
     assert calls == ["vllm"]
 
 
+def _warm_under(model, *, max_positions: int) -> list[int]:
+    """``model.warm(20, 3)`` as in an engine whose max_model_len is ``max_positions``."""
+    kept = model.max_positions
+    model.max_positions = max_positions
+    try:
+        return model.warm(20, 3)
+    finally:
+        model.max_positions = kept
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize(
     "arch", [pytest.param("qwen3", marks=pytest.mark.slow), "qwen3-moe"]
@@ -67,6 +77,8 @@ def test_the_warm_up_runs_every_served_program_and_leaves_the_engine_alone(tmp_p
         (before,) = llm.generate(["a warm start"], params, use_tqdm=False)
         served = llm.apply_model(lambda m: (dict(m.ops.invoked), m.warm_up_lane(64, 4)))[0]
         rows = llm.apply_model(lambda m: m.warm(20, 3))[0]
+        # steps of more rows than max_model_len: the warm-up's positions stay in its bound
+        short = llm.apply_model(lambda m: _warm_under(m, max_positions=8))[0]
         warm = llm.apply_model(lambda m: (dict(m.warm_ops.invoked), dict(m.ops.invoked)))[0]
         (after,) = llm.generate(["a warm start"], params, use_tqdm=False)
         other = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=4, logprobs=0, seed=4)
@@ -75,7 +87,7 @@ def test_the_warm_up_runs_every_served_program_and_leaves_the_engine_alone(tmp_p
         stop_engine(llm)
     invoked, on_cpu = served
     assert on_cpu == []  # cpu compiles nothing: the engine's warm-up runs none there
-    assert rows == [1, 2, 16, 17, 19, 20]
+    assert rows == [1, 2, 16, 17, 19, 20] and short == rows
     warm_sites, still = warm
     assert still == invoked  # the served record is what served
     assert set(invoked) - {"sample"} <= set(warm_sites)  # every program the steps ran

@@ -246,6 +246,18 @@ def test_rope_row_bytes_do_not_depend_on_batch():
     moves_alone(lambda x: P.rope(x, pos, 1e6), full, 2, what="rope")
 
 
+def test_a_position_outside_the_promised_bound_is_refused_on_cpu_as_the_cuda_kernel_stops():
+    x, pos = rand(5, 2, 64), torch.arange(5)
+    free, part = P.rope(x, pos, 1e6), P.rope_partial(x, pos, 1e6, 32)
+    with P.position_bound(5):  # positions 0..4 keep the promise: the unbounded bytes
+        assert_same_bytes(P.rope(x, pos, 1e6), free)
+        assert_same_bytes(P.rope_partial(x, pos, 1e6, 32), part)
+    with P.position_bound(4), pytest.raises(ValueError, match=r"rope: position 4 outside"):
+        P.rope(x, torch.arange(5), 1e6)
+    with P.position_bound(8), pytest.raises(ValueError, match=r"rope.partial: position -1"):
+        P.rope_partial(x, torch.tensor([0, 1, 2, 3, -1]), 1e6, 32)
+
+
 def test_rope_tables_are_within_one_fp32_ulp_of_float64():
     cos, sin = P.cpu.rope_tables(1e6, 128, 4096)
     inv = 1.0 / (1e6 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128))

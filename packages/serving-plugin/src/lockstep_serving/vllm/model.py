@@ -235,8 +235,10 @@ class LockstepQwen3ForCausalLM(nn.Module):
         with torch.no_grad(), paused(), P.position_bound(self.max_positions):
             for n in rows:
                 ids = torch.zeros(n, dtype=torch.int64, device=dev)
-                qwen3.layers(ops, self.geom, slots, qwen3.embed(ops, slots, ids),
-                             torch.arange(n, device=dev))  # fmt: skip
+                # positions inside the bound (a step of more rows than max_model_len holds
+                # several sequences): the kernels check them and stop on one outside it
+                pos = torch.arange(n, device=dev) % self.max_positions
+                qwen3.layers(ops, self.geom, slots, qwen3.embed(ops, slots, ids), pos)
             for n in warm_rows(max_seqs):
                 h = torch.zeros(n, self.geom.hidden, dtype=torch.bfloat16, device=dev)
                 lp = qwen3.logprobs(ops, qwen3.final_logits(ops, self.geom, slots, h))

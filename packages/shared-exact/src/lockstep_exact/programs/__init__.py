@@ -294,12 +294,28 @@ def swiglu(gate, up):
     return _impl("swiglu", gate, up)(gate, up)
 
 
+def _within_bound(x, positions, what: str) -> None:
+    """A host tensor's positions against ``position_bound``'s promise, checked here (the cuda
+    kernels check it on the device and stop), so a broken promise fails on every backend."""
+    bound = position_bound_now()
+    if bound is None or x.is_cuda or positions.is_cuda or not len(positions):
+        return
+    lo, hi = int(positions.min()), int(positions.max())
+    if lo < 0 or hi >= bound:
+        raise ValueError(
+            f"{what}: position {hi if hi >= bound else lo} outside the promised range "
+            f"[0, {bound}) of programs.position_bound"
+        )
+
+
 def rope(x, positions, base: float):
+    _within_bound(x, positions, "rope")
     return _impl("rope", x)(x, positions, base)
 
 
 def rope_partial(x, positions, base: float, rotary: int):
     """rope.partial: rope.neox on the first ``rotary`` dims of each head, the rest copied."""
+    _within_bound(x, positions, "rope.partial")
     return _impl("rope_partial", x)(x, positions, base, rotary)
 
 
