@@ -21,7 +21,7 @@ from lockstep_exact.parity import same_bytes
 from lockstep_exact.programs import Program
 from lockstep_exact.testing import nudge_ulp
 from lockstep_serving.vllm import attn_backend as ab
-from lockstep_serving.vllm.model import CachePlaces, paged_attention
+from lockstep_serving.vllm.model import CachePlaces, paged_attention, starts
 from lockstep_serving.vllm.patches import LaneRefused
 
 # The contract's program parameters (programs.CATALOG), never restated here.
@@ -111,6 +111,11 @@ def _caches(layout):
 
 def _attend(q, k, v, positions, md, cache, reqs, core=CORE):
     places = CachePlaces(md, md.slot_mapping, reqs, positions, cache.shape[2], cache.device)
+    # the one launch's offsets, of the kind the warm-up makes (one dtype: one compiled kernel)
+    for got, counts in ((places.q_starts, [e - s for _, s, e, _ in reqs]),
+                        (places.k_starts, [n for *_, n in reqs])):  # fmt: skip
+        want = starts(counts, cache.device)
+        assert got.dtype == want.dtype and torch.equal(got, want)
     one_call = isinstance(core, ManyCore)  # the many-sequence form, as cuda runs it
     return paged_attention(q, k, v, positions, md, cache, places, core=core, one_call=one_call)
 

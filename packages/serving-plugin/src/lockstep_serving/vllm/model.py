@@ -252,14 +252,14 @@ class LockstepQwen3ForCausalLM(nn.Module):
                 pos = torch.arange(keys - queries, keys, device=dev)
                 ops.attention("layers.0.self_attn.core", q, kv, kv, pos)
             if reqs:  # the same requests in one call: a prefill step's form (paged_attention)
-                counts = list(zip(*reqs, strict=True))  # (rows of each, keys of each)
-                rows, keys = (sum(x) for x in counts)
-                q = torch.zeros(rows, g.heads, g.head_dim, dtype=torch.bfloat16, device=dev)
-                kv = torch.zeros(keys, g.kv_heads, g.head_dim, dtype=torch.bfloat16, device=dev)
+                # offsets made as CachePlaces makes them (one dtype: one compiled kernel)
+                q_starts = starts([n for n, _ in reqs], dev)
+                k_starts = starts([s for _, s in reqs], dev)
+                q = torch.zeros(int(q_starts[-1]), g.heads, g.head_dim, dtype=torch.bfloat16,
+                                device=dev)  # fmt: skip
+                kv = torch.zeros(int(k_starts[-1]), g.kv_heads, g.head_dim, dtype=torch.bfloat16,
+                                 device=dev)  # fmt: skip
                 pos = torch.cat([torch.arange(s - n, s, device=dev) for n, s in reqs])
-                q_starts, k_starts = (
-                    torch.tensor([0, *itertools.accumulate(x)], device=dev) for x in counts
-                )
                 ops.attention_varlen("layers.0.self_attn.core", q, kv, kv, pos, q_starts,
                                      k_starts, max_rows=max(n for n, _ in reqs))  # fmt: skip
         if dev.type == "cuda":
@@ -497,14 +497,14 @@ class CachePlaces:
         table = md.block_table.to(device=device, dtype=torch.int64)
         self.spans = spans
         lens = torch.tensor([seq_len for *_, seq_len in reqs], dtype=torch.int64)
-        k_starts = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+        k_starts = starts(lens.tolist(), "cpu")
         self.key_spans = list(itertools.pairwise(k_starts.tolist()))
         # every request's key positions 0..seq_len-1 in order, and the batch row of its table
-        at = torch.arange(int(k_starts[-1])) - k_starts[:-1].repeat_interleave(lens)
+        at = (torch.arange(int(k_starts[-1])) - k_starts[:-1].repeat_interleave(lens)).to(device)
         table_rows = torch.tensor([r for r, *_ in reqs], dtype=torch.int64).repeat_interleave(lens)
-        self.key_pages = table[table_rows.to(device), (at // bs).to(device)]
-        self.key_offsets = (at % bs).to(device)
-        self.q_starts = torch.tensor([0] + [hi for _, hi in spans], dtype=torch.int32).to(device)
+        self.key_pages = table[table_rows.to(device), at // bs]
+        self.key_offsets = at % bs
+        self.q_starts = starts([hi - lo for lo, hi in spans], device)
         self.k_starts = k_starts.to(device)
         self.max_rows = max((hi - lo for lo, hi in spans), default=0)
         slots = slots.to(device=device, dtype=torch.int64)
@@ -512,6 +512,13 @@ class CachePlaces:
 
     def fits(self, md, block_size: int, device) -> bool:
         return self.key == (id(md), id(md.block_table), block_size, device)
+
+
+def starts(counts, device) -> torch.Tensor:
+    """[0, c0, c0 + c1, ...] int64 on ``device``: where each of items of these counts starts
+    when they lie end to end, and where the last ends (the one-launch attention's q_starts and
+    k_starts; the warm-up makes its own the same way, so it compiles the kernel that serves)."""
+    return torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int64, device=device)
 
 
 def paged_attention(q, k, v, positions, md, kv_cache, places: CachePlaces, *, core, one_call=None):
