@@ -199,6 +199,39 @@ def test_paged_attention_reads_the_same_bytes_in_every_kv_cache_layout(form):
         assert core.calls == {"one": 0, "many": 2 * len(STEPS) * len(KVCacheLayout)}
 
 
+@pytest.mark.parametrize("form", ["per request", "one call"])
+def test_a_step_of_whole_prompts_attends_its_own_rows_with_the_gathers_bytes(form):
+    """A step whose requests have no cached prefix (each request's rows are all its keys)
+    attends the step's own K/V rows instead of gathering them back from the cache: the bytes
+    of the gather. Control on an input: one K element of request 1 one ulp off moves request
+    1's rows and not request 0's."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    core = CORE if form == "per request" else ManyCore()
+    md, positions, reqs = _metadata(*STEPS[0])
+    q, k, v = _rows(0, 9, HEADS), _rows(1, 9, HKV), _rows(2, 9, HKV)
+
+    def attend(k, gather: bool):
+        _, cache = _caches(KVCacheLayout.LBNHC)
+        places = CachePlaces(md, md.slot_mapping, reqs, positions, cache.shape[2], cache.device)
+        assert places.fresh
+        places.fresh = not gather
+        one_call = isinstance(core, ManyCore)
+        return paged_attention(q, k, v, positions, md, cache, places, core=core, one_call=one_call)
+
+    own = attend(k, gather=False)
+    assert_same_bytes_and_comparator(attend(k, gather=True), own, "own rows vs gathered")
+    moved = k.clone()
+    moved[7] = nudge_ulp(k[7])
+    shifted = attend(moved, gather=False)
+    assert not same_bytes(shifted[6:], own[6:])
+    assert same_bytes(shifted[:6], own[:6])
+    _, cache = _caches(KVCacheLayout.LBNHC)
+    md2, positions2, reqs2 = _metadata(*STEPS[1])
+    places = CachePlaces(md2, md2.slot_mapping, reqs2, positions2, cache.shape[2], cache.device)
+    assert not places.fresh  # a decode and a second chunk read keys of an earlier step
+
+
 def test_the_cache_cell_holds_k_then_v_of_each_token():
     from vllm.v1.kv_cache_layout import KVCacheLayout
 

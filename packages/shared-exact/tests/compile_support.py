@@ -29,7 +29,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from lockstep_exact.programs.cuda import gdn, hybrid, moe, plan, sampling
+from lockstep_exact.programs.cuda import (
+    arith,
+    elementwise,
+    gdn,
+    grouped,
+    hybrid,
+    moe,
+    plan,
+    sampling,
+)
 
 attention = importlib.import_module("lockstep_exact.programs.cuda.attention")
 
@@ -165,6 +174,19 @@ def main() -> dict:
         {"ROUNDS": 3, "BLOCK": sampling._BLOCK},
         num_warps=8,
     )  # fmt: skip
+    out["residual.add one launch"] = _case(
+        elementwise._residual_kernel,
+        {"a_ptr": i16, "b_ptr": i16, "y_ptr": i16},
+        {"BLOCK": elementwise._BLOCK},
+    )
+    out["round_bf16 one launch"] = _case(
+        arith._round_kernel, {"x_ptr": f32, "y_ptr": i16}, {"BLOCK": arith.ROUND_BLOCK}
+    )
+    out["gemm.kpart fold of 8 stacked partials"] = _case(
+        grouped._fold_kernel,
+        {"s_ptr": f32, "y_ptr": f32},
+        {"PARTS": 8, "BLOCK": grouped._FOLD_BLOCK},
+    )
     # attention.blocked: the one-pass kernel and the many-sequence one, with the launch's
     # tiling (programs/cuda/attention.py: _TILE, _NUM_STAGES)
     block_m, warps = attention._TILE

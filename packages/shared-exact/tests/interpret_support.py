@@ -26,14 +26,19 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime.errors import InterpreterError  # noqa: E402
 
+from lockstep_exact.programs import fold_tree  # noqa: E402
 from lockstep_exact.programs.cpu import activation as cpu_act  # noqa: E402
 from lockstep_exact.programs.cpu import arith as cpu_arith  # noqa: E402
 from lockstep_exact.programs.cpu import gdn as cpu_gdn  # noqa: E402
 from lockstep_exact.programs.cpu import hybrid as cpu_hybrid  # noqa: E402
 from lockstep_exact.programs.cpu import moe as cpu_moe  # noqa: E402
+from lockstep_exact.programs.cpu import norm as cpu_norm  # noqa: E402
 from lockstep_exact.programs.cpu import sampling as cpu_sampling  # noqa: E402
+from lockstep_exact.programs.cuda import arith as cuda_arith  # noqa: E402
+from lockstep_exact.programs.cuda import elementwise as cuda_elementwise  # noqa: E402
 from lockstep_exact.programs.cuda import exactmath  # noqa: E402
 from lockstep_exact.programs.cuda import gdn as kernel  # noqa: E402
+from lockstep_exact.programs.cuda import grouped as cuda_grouped  # noqa: E402
 from lockstep_exact.programs.cuda import hybrid as cuda_hybrid  # noqa: E402
 from lockstep_exact.programs.cuda import moe as cuda_moe  # noqa: E402
 from lockstep_exact.programs.cuda import plan as cuda_plan  # noqa: E402
@@ -372,6 +377,15 @@ def check_programs(out: dict) -> None:
         "moe.shared_gate": (
             cuda_hybrid.shared_gate, cpu_hybrid.shared_expert_gate,
             (b(6, 90, seed=29), b(6, 90, seed=30), b(6, 1, seed=31)),
+        ),
+        "residual.add": (
+            cuda_elementwise.added, cpu_norm.residual_add,
+            (b(7, 333, seed=32, scale=1e30), b(7, 333, seed=33, scale=1e30)),
+        ),
+        "round_bf16": (cuda_arith.rounded, cpu_arith.round_bf16, (fp32_cases(1 << 12),)),
+        "fold of 8 stacked partials": (
+            cuda_grouped.folded, lambda s: fold_tree(list(s)),
+            (fp32_cases(8 * 999)[: 8 * 999].reshape(8, 999),),
         ),
     }  # fmt: skip
     for name, (launch, program, args) in {**cases, **moe_cases()}.items():

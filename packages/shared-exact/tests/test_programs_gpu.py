@@ -1217,6 +1217,94 @@ def test_kpart_in_one_launch_gives_the_bytes_of_its_partitions(m, n, k, parts):
     assert_same_bytes(shifted[1:], got[1:], "the other rows")
 
 
+@pytest.mark.parametrize(
+    "m,n,k,parts",
+    [(257, 4096, 4096, 8), (1000, 1000, 8 * 100, 8), (4099, 2048, 12288, 8), (300, 130, 768, 2),
+     (2048, 512, 1024, 16)],
+)  # fmt: skip
+def test_kpart_folded_above_the_one_launch_rows_gives_the_bytes_of_its_partitions(m, n, k, parts):
+    """gemm.kpart above the one-launch rows: each partition through the plain gemm into one
+    stacked buffer (K-slices read in place), the pair tree in one fold launch, against one
+    plain gemm per partition of contiguous copies and ``programs.fold_tree``'s torch adds."""
+    cuda = backend()
+    from lockstep_exact.programs.cuda import grouped
+
+    assert m > grouped.ONE_KERNEL_ROWS
+    x = cuda_rand(m, k, seed=97)
+    w = cuda_rand(n, k, seed=98, scale=0.05)
+    got = cuda.kpart_partial(x, w, parts=parts, bk=KPART_BK)
+    want = _kpart_by_partitions(x, w, parts, F32)
+    assert_same_bytes(got, want, f"{m}x{n}x{k} in {parts}")
+    assert_same_bytes(P.kpart_partial(x, w, parts=parts, bk=KPART_BK), want, "through the dispatch")
+    bf = P.gemm_kpart(x, w, parts=parts, bk=KPART_BK)
+    assert_same_bytes(bf, _kpart_by_partitions(x, w, parts, BF16), "rounded to bf16")
+    # Control on an input: the last partition's weight column of output 5 moved by one ulp
+    # moves column 5 of some row and no other column.
+    moved = w.clone()
+    moved[5] = nudge_ulp(w[5], index=k - 1)
+    shifted = cuda.kpart_partial(x, moved, parts=parts, bk=KPART_BK)
+    assert not same_bytes(shifted[:, 5], got[:, 5])
+    keep = [c for c in range(n) if c != 5]
+    assert_same_bytes(shifted[:, keep], got[:, keep], "the other columns")
+
+
+def test_the_fold_of_stacked_partials_is_the_pair_tree():
+    """One fold launch over [P, ...] fp32 partials (P = 1 to 16, specials: infinities of both
+    signs, NaN, signed zeros, subnormals) equals ``programs.fold_tree`` of the same tensors."""
+    from lockstep_exact.programs.cuda.grouped import fold_stacked
+
+    for parts in (1, 2, 4, 8, 16):
+        s = cuda_rand(parts, 333, 7, seed=99 + parts, dtype=F32) * 1e30
+        s[:, 0, 0] = torch.tensor([float("inf"), -float("inf")] * 8, device="cuda")[:parts]
+        s[0, 1, 1] = float("nan")
+        s[:, 2, 2] = -0.0
+        s[:, 3, 3] = 1e-40 * (torch.arange(parts, device="cuda") - parts / 2)
+        got = fold_stacked(s)
+        want = P.fold_tree(list(s))
+        assert_same_bytes(got, want, f"fold of {parts}")
+        # Control on an input: at an element where every other partial is +0, the last
+        # partial moved by one ulp moves the root (the adds of zeros are exact).
+        s[:, 5, 5] = 0.0
+        s[parts - 1, 5, 5] = 1.5
+        base = fold_stacked(s)
+        moved = s.clone()
+        moved[parts - 1, 5, 5] = nudge_ulp(s[parts - 1, 5, 5].reshape(1))[0]
+        again = fold_stacked(moved)
+        assert not same_bytes(again[5, 5], base[5, 5])
+        assert_same_bytes(again[6:], base[6:], "the other elements")
+
+
+def test_round_and_residual_add_in_one_launch_give_the_cpu_programs_bytes():
+    """The one-launch round_bf16 and residual.add against the cpu programs (the definitions),
+    over specials: ties at every bf16 exponent, subnormals, the largest finite values, both
+    infinities, NaNs of both signs; a row's bytes never depend on the launch's size."""
+    cuda = backend()
+    g = torch.Generator().manual_seed(100)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 18,), generator=g, dtype=torch.int64)
+    x = bits.to(torch.int32).view(F32)
+    ties = (torch.arange(-126, 128, dtype=torch.int32) + 127) << 23 | 0x8000
+    inf, nan = float("inf"), float("nan")
+    specials = torch.tensor([inf, -inf, nan, -nan, 3.4e38, -3.4e38, 1e-45, -1e-45, 0.0, -0.0])
+    x = torch.cat([x, ties.view(F32), -ties.view(F32), specials])
+    got = cuda.round_bf16(x.cuda()).cpu()
+    assert_same_bytes(got, CPU.round_bf16(x), "round_bf16")
+    assert_same_bytes(cuda.round_bf16(x[:1001].cuda()).cpu(), got[:1001], "a prefix alone")
+    a = CPU.round_bf16(x[: 1 << 17])
+    b = CPU.round_bf16(x[1 << 17 : 1 << 18])
+    # Control on an input: where b is +0 (a + 0 is exact), a moved by one ulp moves that
+    # element of the sum and no other.
+    i = int(torch.nonzero(torch.isfinite(a.float()) & (a.float() != 0))[0])
+    b[i] = 0.0
+    add = cuda.residual_add(a.cuda(), b.cuda()).cpu()
+    assert_same_bytes(add, CPU.residual_add(a, b), "residual_add")
+    moved = a.clone()
+    moved[i] = nudge_ulp(a[i].reshape(1))[0]
+    again = cuda.residual_add(moved.cuda(), b.cuda()).cpu()
+    assert not same_bytes(again[i], add[i])
+    keep = torch.arange(len(add)) != i
+    assert_same_bytes(again[keep], add[keep], "the other elements")
+
+
 # --- sample.gumbel_topp in one kernel ---------------------------------------------------------
 @pytest.mark.parametrize("vocab", [1000, 32000, 151936])
 def test_sample_in_one_kernel_draws_the_definitions_tokens(vocab):

@@ -307,14 +307,17 @@ class LockstepQwen3ForCausalLM(nn.Module):
             if end > start:
                 lid = ids[start] if start < len(ids) else 0
                 groups.setdefault(lid, []).append((r, start, end, seq_len))
-        for lid, reqs in groups.items():
-            adapters = self._adapters.get(lid) if lid else None
-            if lid and adapters is None:
-                _refuse(f"tokens of adapter id {lid} arrived before the adapter was loaded")
-            rows = torch.cat([torch.arange(s, e) for _, s, e, _ in reqs]).to(positions.device)
-            slots = PagedSlots(self, adapters, reqs, rows)
-            h = qwen3.embed(self.ops, slots, input_ids[rows])
-            out[rows] = qwen3.layers(self.ops, self.geom, slots, h, positions[rows])
+        # Positions stay below max_model_len: promised to rope (its kernel checks it), which
+        # then reads no position on the host (a host read a layer stalls the step's launches).
+        with P.position_bound(self.max_positions):
+            for lid, reqs in groups.items():
+                adapters = self._adapters.get(lid) if lid else None
+                if lid and adapters is None:
+                    _refuse(f"tokens of adapter id {lid} arrived before the adapter was loaded")
+                rows = torch.cat([torch.arange(s, e) for _, s, e, _ in reqs]).to(positions.device)
+                slots = PagedSlots(self, adapters, reqs, rows)
+                h = qwen3.embed(self.ops, slots, input_ids[rows])
+                out[rows] = qwen3.layers(self.ops, self.geom, slots, h, positions[rows])
         if is_recording():
             # lockstep bisect: the final sites of every row, through the lane's own programs.
             logits = qwen3.final_logits(self.ops, self.geom, self.slots(), out[: qsl[-1]])
@@ -507,6 +510,12 @@ class CachePlaces:
         self.q_starts = starts([hi - lo for lo, hi in spans], device)
         self.k_starts = k_starts.to(device)
         self.max_rows = max((hi - lo for lo, hi in spans), default=0)
+        # Every request's rows are all its keys (a whole prompt, no cached prefix): the keys
+        # and values to attend are the step's own rows, in this order.
+        self.fresh = all(
+            hi - lo == k_hi - k_lo
+            for (lo, hi), (k_lo, k_hi) in zip(spans, self.key_spans, strict=True)
+        )
         slots = slots.to(device=device, dtype=torch.int64)
         self.write_pages, self.write_offsets = slots // bs, slots % bs
 
@@ -549,8 +558,11 @@ def paged_attention(q, k, v, positions, md, kv_cache, places: CachePlaces, *, co
     key_cache, value_cache = kv_halves(kv_cache, k)
     key_cache[places.write_pages, :, places.write_offsets] = k
     value_cache[places.write_pages, :, places.write_offsets] = v
-    ks = key_cache[places.key_pages, :, places.key_offsets]
-    vs = value_cache[places.key_pages, :, places.key_offsets]
+    if places.fresh:  # what the gather would read back: these rows' K/V, copied exactly
+        ks, vs = k, v
+    else:
+        ks = key_cache[places.key_pages, :, places.key_offsets]
+        vs = value_cache[places.key_pages, :, places.key_offsets]
     if one_call is None:  # one request alone keeps the per-request call (sm_90: Hopper's kernel)
         one_call = q.is_cuda and len(places.spans) > 1
     if one_call:

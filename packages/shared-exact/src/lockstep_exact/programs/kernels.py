@@ -103,6 +103,10 @@ FORMS: dict[str, dict[str, str]] = {
         "one-program": "test_softmax_split_gives_the_same_bytes",
         "split": "test_softmax_split_gives_the_same_bytes",
     },
+    "kpart_partial": {
+        "one-launch": "test_kpart_in_one_launch_gives_the_bytes_of_its_partitions",
+        "folded": "test_kpart_folded_above_the_one_launch_rows_gives_the_bytes_of_its_partitions",
+    },
     "sample": {
         "one-kernel": "test_sample_in_one_kernel_draws_the_definitions_tokens",
         "definition": "test_sample_in_one_kernel_draws_the_definitions_tokens",

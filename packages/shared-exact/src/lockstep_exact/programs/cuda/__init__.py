@@ -16,6 +16,7 @@ import triton
 from .activation import swiglu
 from .arith import round_bf16
 from .attention import attention, attention_decode_paged, attention_varlen, write_pages
+from .elementwise import residual_add
 from .gemm import TILINGS, gemm, pick_tiling
 from .grouped import KPART_ONE_LAUNCH_ROWS, gemm_grouped, kpart_partial
 from .hybrid import (
@@ -31,7 +32,7 @@ from .hybrid import (
 )
 from .lora import lora_expand, lora_shrink
 from .moe import moe_fold, moe_fold_fp32, router_topk
-from .norm import residual_add, rmsnorm
+from .norm import rmsnorm
 from .plan import expert_plan
 from .rope import rope
 from .sampling import sample

@@ -12,7 +12,7 @@ from .arith import BF16, EXACT, require, require_cuda
 _BLOCK = 2048
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _swiglu_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from ..cpu.arith import BF16, F32, require
+from .exactmath import round_bf16 as _round_bits
 
 # Every kernel except the matrix products is compiled with floating-point contraction off, so
 # each * and + rounds on its own, as the programs' docstrings say (no fused multiply-add).
@@ -48,24 +49,39 @@ def index_tensor(positions: torch.Tensor, device: torch.device, what: str) -> to
     return pos if pos.dtype in INDEX_DTYPES else pos.to(torch.int64)
 
 
-_NAN_BF16 = 0x7FC0
-
-
 def require_cuda(*tensors: torch.Tensor) -> None:
     for t in tensors:
         require(t.is_cuda, f"cuda backend: tensor on {t.device}, expected a CUDA device")
 
 
-def round_bf16(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> bf16, round to nearest, ties to even; every NaN becomes 0x7FC0.
+@triton.jit(do_not_specialize=["n"])
+def _round_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0)
+    tl.store(y_ptr + offs, _round_bits(x), mask=ok)
 
-    The conversion is the hardware's cvt.rn.bf16.f32 (IEEE RNE, elementwise, so batch
-    independent); NaNs are then canonicalized to the cpu backend's pattern.
-    """
+
+ROUND_BLOCK = 1024
+
+
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16, round to nearest, ties to even; every NaN becomes 0x7FC0: the cpu
+    program's integer formula (``exactmath.round_bf16``), one launch."""
+    require_cuda(x)
+    return rounded(x)
+
+
+def rounded(x: torch.Tensor) -> torch.Tensor:
+    """``round_bf16``'s launch on x's device (Triton's interpreter runs it on cpu tensors)."""
     require(x.dtype == F32, f"round_bf16 takes float32, got {x.dtype}")
-    out = x.to(BF16)
-    nan = torch.full((), _NAN_BF16, dtype=torch.int16, device=x.device).view(BF16)
-    return torch.where(torch.isnan(x), nan, out)
+    xc = x.contiguous()
+    y = torch.empty(xc.shape, dtype=torch.int16, device=x.device)
+    if xc.numel():
+        _round_kernel[(triton.cdiv(xc.numel(), ROUND_BLOCK),)](
+            xc, y, xc.numel(), BLOCK=ROUND_BLOCK, num_warps=4, **EXACT
+        )
+    return y.view(BF16)
 
 
 def as_f32(x: torch.Tensor) -> torch.Tensor:

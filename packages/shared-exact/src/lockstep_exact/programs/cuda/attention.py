@@ -251,7 +251,7 @@ def _one_segment(
     _finish(o_ptr, t, head, stride_ot, stride_oh, l_g[:, None], a_g, row_ok, tl.arange(0, D))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "kv_len"])
 def _attn_kernel(
     q_ptr,
     k_ptr,
@@ -397,7 +397,7 @@ def _load_chunk(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _combine_kernel(
     o_ptr,
     pos_ptr,
@@ -565,7 +565,7 @@ def _combine(out, positions, m_buf, l_buf, a_buf, g, segment, seq_lens=None, rea
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_reqs", "n_q", "n_k", "max_tiles"])
 def _varlen_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, stride_p, qs_ptr, ks_ptr,
     n_reqs, n_q, n_k, n_kv_heads, max_tiles, scale,

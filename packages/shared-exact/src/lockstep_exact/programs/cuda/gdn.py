@@ -37,7 +37,7 @@ def _at(vec, rows, i):
     return tl.sum(tl.where(rows == i, vec, 0.0), 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m", "w", "first"])
 def _chunk_kernel(
     s0_ptr, k_ptr, v_ptr, g_ptr, b_ptr, q_ptr, us_ptr, gs_ptr,
     u_ptr, gc_ptr, o_ptr, se_ptr,

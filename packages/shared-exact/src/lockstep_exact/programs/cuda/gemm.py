@@ -150,7 +150,7 @@ def k_step(bk: int, k: int) -> int:
     return step
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(
     x_ptr,
     w_ptr,
@@ -208,7 +208,7 @@ def _gemm_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (rn[None, :] < N))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "num_progs"])
 def _gemm_tma_kernel(
     x_desc,
     w_desc,
@@ -257,6 +257,7 @@ def gemm(
     out_dtype=torch.bfloat16,
     tiling: str | None = None,
     block_k: int | None = None,
+    out: torch.Tensor | None = None,
 ):
     """x [..., K] bf16 times w [N, K]^T bf16.
 
@@ -270,6 +271,8 @@ def gemm(
     A block of ``bk`` is bk/16 k16 steps into one accumulator, so two consecutive blocks are
     the steps of one block of 2*bk: where K allows, the kernel loads ``block_k`` (None: up to
     64) columns per loop step. Gated bitwise (test_gemm_wider_k_steps_give_the_same_bytes).
+    ``out``: an [M, N] tensor of ``out_dtype`` with contiguous rows to write the result into
+    (a slice of a stacked buffer, say); the bytes are the same.
     """
     require_cuda(x, w)
     require(x.dtype == BF16 and w.dtype == BF16, "gemm (cuda): bf16 x and w required")
@@ -283,7 +286,18 @@ def gemm(
     x2 = _rows(x.reshape(-1, k_dim))
     wc = _rows(w)
     m_dim = x2.shape[0]
-    y = torch.empty(m_dim, n_dim, dtype=out_dtype, device=x.device)
+    if out is None:
+        y = torch.empty(m_dim, n_dim, dtype=out_dtype, device=x.device)
+    else:
+        require(
+            out.shape == (m_dim, n_dim)
+            and out.dtype == out_dtype
+            and out.device == x.device
+            and out.stride(1) == 1,
+            f"gemm: out must be [{m_dim}, {n_dim}] {out_dtype} on {x.device} with contiguous "
+            f"rows, got {tuple(out.shape)} {out.dtype}",
+        )
+        y = out
     if m_dim == 0 or n_dim == 0:
         return y.reshape(*lead, n_dim)
     if k_dim == 0:

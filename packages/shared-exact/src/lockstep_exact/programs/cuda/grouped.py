@@ -24,8 +24,9 @@ import triton
 import triton.language as tl
 
 from ..grouping import TILE_M, ExpertPlan
-from .arith import BF16, F32, require, require_cuda, round_bf16
-from .gemm import _SMS, _rows, k_step
+from ..kernels import note
+from .arith import BF16, EXACT, F32, require, require_cuda, round_bf16
+from .gemm import _SMS, _rows, gemm, k_step
 
 _WARPS = 4
 _STAGES = 4
@@ -57,7 +58,7 @@ def _fold_step(acc, t0, t1, t2, t3, P: tl.constexpr):
     return acc, t0, t1, t2, t3
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _grouped_kernel(
     x_ptr,
     w_ptr,
@@ -124,6 +125,51 @@ def _grouped_kernel(
                 acc, t0, t1, t2, t3 = _fold_step(acc, t0, t1, t2, t3, p)
         y_ptrs = y_ptr + pos[:, None] * stride_ym + rn[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (rn[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["n", "stride_p"])
+def _fold_kernel(s_ptr, y_ptr, n, stride_p, PARTS: tl.constexpr, BLOCK: tl.constexpr):
+    """``programs.fold_tree`` over the leading axis of stacked fp32 partials, in registers."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    t0 = tl.zeros((BLOCK,), dtype=tl.float32)
+    t1 = tl.zeros((BLOCK,), dtype=tl.float32)
+    t2 = tl.zeros((BLOCK,), dtype=tl.float32)
+    t3 = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for p in tl.static_range(PARTS):
+        acc = tl.load(s_ptr + p * stride_p + offs, mask=ok, other=0.0)
+        if PARTS > 1:
+            acc, t0, t1, t2, t3 = _fold_step(acc, t0, t1, t2, t3, p)
+    tl.store(y_ptr + offs, acc, mask=ok)
+
+
+_FOLD_BLOCK = 1024
+
+
+def fold_stacked(stacked: torch.Tensor) -> torch.Tensor:
+    """``programs.fold_tree`` of ``list(stacked)`` in one launch: [P, ...] fp32 (P a power of
+    two up to ``MAX_PARTS``) -> [...] fp32, element 2i plus element 2i+1, level by level."""
+    require_cuda(stacked)
+    return folded(stacked)
+
+
+def folded(stacked: torch.Tensor) -> torch.Tensor:
+    """``fold_stacked``'s launch on the partials' device."""
+    require(stacked.dtype == F32, f"fold: fp32 partials required, got {stacked.dtype}")
+    parts = stacked.shape[0] if stacked.dim() else 0
+    require(
+        1 <= parts <= MAX_PARTS and parts & (parts - 1) == 0,
+        f"fold: {parts} partials; a power of two up to {MAX_PARTS} is required",
+    )
+    s = stacked.contiguous()
+    n = s[0].numel()
+    y = torch.empty(s.shape[1:], dtype=F32, device=s.device)
+    if n:
+        _fold_kernel[(triton.cdiv(n, _FOLD_BLOCK),)](
+            s, y, n, n, PARTS=parts, BLOCK=_FOLD_BLOCK, num_warps=4, **EXACT
+        )
+    return y
 
 
 def _block_n(tiles_m: int, n_dim: int) -> int:
@@ -212,14 +258,27 @@ def gemm_grouped(
 
 
 def kpart_partial(x: torch.Tensor, w: torch.Tensor, *, bk: int, parts: int):
-    """gemm.kpart's partial over plain rows in one launch: fp32 [..., N], the balanced pair
-    tree over ``parts`` equal contiguous K partitions, each a gemm.kblock fp32 sum."""
+    """gemm.kpart's partial over plain rows: fp32 [..., N], the balanced pair tree over
+    ``parts`` equal contiguous K partitions, each a gemm.kblock fp32 sum. Two forms, the same
+    bytes (gated): up to ``ONE_KERNEL_ROWS`` rows the partitions and their fold in one launch
+    (``one-launch``); above, each partition through the plain gemm's wide tilings into one
+    stacked buffer, then the fold in one launch (``folded``: the pointer kernel's 64-row
+    tiles are slow at prefill sizes, and the pair tree as torch adds was a launch and a pass
+    over memory per add)."""
     lead = x.shape[:-1]
     x2 = _rows(x.reshape(-1, x.shape[-1]))
     size = _check(x2, w, bk, parts, "gemm.kpart")
     require(w.dim() == 2, "gemm.kpart: weight must be [N, K]")
     wc = _rows(w)
     m_dim, n_dim = x2.shape[0], wc.shape[0]
+    if m_dim > ONE_KERNEL_ROWS and parts > 1:
+        note("cuda.kpart_partial:folded")
+        stacked = torch.empty(parts, m_dim, n_dim, dtype=F32, device=x.device)
+        for p in range(parts):
+            cols = slice(p * size, (p + 1) * size)
+            gemm(x2[:, cols], wc[:, cols], bk=bk, out_dtype=F32, out=stacked[p])
+        return fold_stacked(stacked).reshape(*lead, n_dim)
+    note("cuda.kpart_partial:one-launch")
     y = torch.empty(m_dim, n_dim, dtype=F32, device=x.device)
     if m_dim and n_dim:
         w3 = wc.unsqueeze(0)
@@ -227,9 +286,19 @@ def kpart_partial(x: torch.Tensor, w: torch.Tensor, *, bk: int, parts: int):
     return y.reshape(*lead, n_dim)
 
 
-# Up to this many rows ``programs.kpart_partial`` takes the one-launch kernel; above it the
-# partitions run as the plain gemm's wide tilings (the same bytes, gated).
-KPART_ONE_LAUNCH_ROWS = 256
+# Up to this many rows ``kpart_partial`` runs its one-launch form, above it the folded form.
+ONE_KERNEL_ROWS = 256
+# ``programs.kpart_partial`` hands this backend's kpart_partial every row count (it picks
+# its form itself).
+KPART_ONE_LAUNCH_ROWS = 1 << 62
 
 
-__all__ = ["KPART_ONE_LAUNCH_ROWS", "MAX_PARTS", "gemm_grouped", "kpart_partial"]
+__all__ = [
+    "KPART_ONE_LAUNCH_ROWS",
+    "MAX_PARTS",
+    "ONE_KERNEL_ROWS",
+    "fold_stacked",
+    "folded",
+    "gemm_grouped",
+    "kpart_partial",
+]

@@ -50,7 +50,7 @@ def _row_block(n: int) -> tuple[int, int]:
 
 
 # --- the kernels ----------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _gating_kernel(a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, N, HV, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -63,7 +63,7 @@ def _gating_kernel(a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, N, HV, BLOC
     tl.store(beta_ptr + offs, em.sigmoid(b), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _l2norm_kernel(x_ptr, o_ptr, R, D, eps, ROWS: tl.constexpr, W: tl.constexpr, LOG: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, W)
@@ -89,7 +89,7 @@ def _conv1d_kernel(
     tl.store(o_ptr + t * D + ds, em.round_bf16(em.silu(acc)), mask=ds < D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _rms_kernel(
     x_ptr, z_ptr, w_ptr, o_ptr, R, H, h_f32, eps,
     GATED: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr, LOG: tl.constexpr,
@@ -113,7 +113,7 @@ def _rms_kernel(
     tl.store(o_ptr + at, em.round_bf16(out), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _gate_kernel(x_ptr, g_ptr, s_ptr, o_ptr, N, H, SHARED: tl.constexpr, BLOCK: tl.constexpr):
     """gate.sigmoid (SHARED false: x * sigmoid(gate)) or moe.shared_gate (x = routed,
     routed + sigmoid(logit of the row) * shared)."""

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .arith import BF16, EXACT, as_f32, next_pow2, require, require_cuda, round_bf16
+from .arith import BF16, EXACT, next_pow2, require, require_cuda
 
 _MAX_HIDDEN = 65536
 
@@ -57,10 +57,3 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             **EXACT,
         )
     return y.reshape(x.shape)
-
-
-def residual_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """bf16(fp32(a) + fp32(b)): one IEEE add and one RNE per element (torch, elementwise)."""
-    require_cuda(a, b)
-    require(a.dtype == BF16 and b.dtype == BF16, "residual_add: bf16 operands required")
-    return round_bf16(as_f32(a) + as_f32(b))

@@ -22,7 +22,7 @@ from .arith import next_pow2, require, require_cuda
 _BP = 64  # pairs per block of the placement loop (E <= 256; 32 above)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "NT"])
 def _plan_kernel(
     ids_ptr, order_ptr, src_ptr, bounds_ptr, tiles_ptr, P, K, E, NT,
     EP: tl.constexpr, BP: tl.constexpr, BT: tl.constexpr, TILE: tl.constexpr,

@@ -60,7 +60,9 @@ def _key_round(key, r: tl.constexpr):
     return _fmix32(key ^ k)
 
 
-@triton.jit
+# The seeds and positions are two halves of one device tensor: the second starts 16-byte
+# aligned or not with the row count's parity, which must not make two kernels.
+@triton.jit(do_not_specialize_on_alignment=["seed_ptr", "pos_ptr"])
 def _sample_kernel(
     lp_ptr,
     temp_ptr,
