@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lockstep_exact import programs as P
 from lockstep_exact.lanes import qwen3
 from lockstep_exact.lanes.config import FAMILIES, HYBRID_FAMILIES
 from lockstep_exact.lanes.ops import Ops
@@ -250,19 +251,22 @@ class LockstepQwen3ForCausalLM(nn.Module):
             )
         reqs = self._requests(fb)
         check_positions(positions, reqs)  # once per step (one host read), not per layer
+        bound = position_bound(reqs)
         h = torch.empty(input_ids.shape[0], self.geom.hidden, dtype=torch.bfloat16, device=dev)
         # Requests sharing an adapter run together (the base model is one more group); rows
-        # never mix, so each request's bytes are its solo run's.
-        for lora_id, group in self._adapter_groups(fb, reqs).items():
-            adapters = self.lora_manager.adapter(lora_id) if lora_id is not None else None
-            rows = torch.cat([torch.arange(start, end) for _, start, end, _ in group]).to(dev)
-            local, at = [], 0
-            for b, start, end, seq_len in group:
-                local.append((b, at, at + end - start, seq_len))
-                at += end - start
-            slots = PoolSlots(self, fb, local, adapters=adapters, loc=fb.out_cache_loc[rows])
-            hg = qwen3.embed(self.ops, slots, input_ids[rows])
-            h[rows] = qwen3.layers(self.ops, self.geom, slots, hg, positions[rows])
+        # never mix, so each request's bytes are its solo run's. Positions stay below the
+        # pool's width per request: promised to rope, which then reads none on the host.
+        with P.position_bound(bound):
+            for lora_id, group in self._adapter_groups(fb, reqs).items():
+                adapters = self.lora_manager.adapter(lora_id) if lora_id is not None else None
+                rows = torch.cat([torch.arange(start, end) for _, start, end, _ in group]).to(dev)
+                local, at = [], 0
+                for b, start, end, seq_len in group:
+                    local.append((b, at, at + end - start, seq_len))
+                    at += end - start
+                slots = PoolSlots(self, fb, local, adapters=adapters, loc=fb.out_cache_loc[rows])
+                hg = qwen3.embed(self.ops, slots, input_ids[rows])
+                h[rows] = qwen3.layers(self.ops, self.geom, slots, hg, positions[rows])
         last = torch.tensor([end - 1 for _, _, end, _ in reqs], dtype=torch.int64, device=dev)
         with paused():  # bisect's final sites come from every row, below
             logits = qwen3.final_logits(self.ops, self.geom, self.slots(), h[last])
@@ -420,6 +424,21 @@ def pool_buffers(pool, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch
                 "lane's K/V bytes"
             )
     return kb, vb
+
+
+def position_bound(reqs) -> int:
+    """The engine's fixed bound on positions: the width of SGLang's request-to-token table
+    (a request holds at most that many cache slots). A request longer than it is refused."""
+    from sglang.srt.model_executor.forward_context import get_req_to_token_pool
+
+    width = int(get_req_to_token_pool().req_to_token.shape[1])
+    longest = max((seq_len for *_, seq_len in reqs), default=0)
+    if longest > width:
+        raise LaneRefused(
+            f"a request of {longest} positions is longer than SGLang's request-to-token table "
+            f"({width} slots a request); the lane cannot place its queries in the cache"
+        )
+    return width
 
 
 def check_positions(positions, reqs) -> None:
