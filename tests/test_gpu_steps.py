@@ -64,3 +64,23 @@ def test_steps_runs_only_the_named_steps_and_refuses_a_missing_file(tmp_path):
         text=True,
     )
     assert missing.returncode == 2 and "no steps file" in missing.stderr
+
+
+def test_the_committed_steps_files_name_steps_and_files_that_exist():
+    """Every step of tools/gpu/*.steps and tools/bench/*.steps is NAME SECONDS COMMAND, its
+    name is unique, and every repository path it names exists (a renamed test file would
+    otherwise surface only on the GPU machine)."""
+    files = sorted(ROOT.glob("tools/gpu/*.steps")) + sorted(ROOT.glob("tools/bench/*.steps"))
+    assert files
+    for f in files:
+        names = []
+        for line in f.read_text().splitlines():
+            if not line.strip() or line.startswith("#"):
+                continue
+            name, secs, cmd = line.split(maxsplit=2)
+            assert secs.isdigit() and int(secs) <= 600, (f.name, line)
+            names.append(name)
+            for word in cmd.split():
+                if word.startswith(("tests/", "packages/", "tools/")):
+                    assert (ROOT / word.strip('"')).exists(), (f.name, word)
+        assert len(names) == len(set(names)), (f.name, names)

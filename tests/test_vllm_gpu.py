@@ -439,7 +439,7 @@ def test_once_started_the_lane_compiles_no_triton_kernel_while_it_serves(arch, g
     Control: the same hook sees the compile of a lane gemm on a shape nothing ran before."""
     from triton import knobs
 
-    from lockstep_exact import programs as P
+    from lockstep_exact.programs.cuda.gemm import gemm as cuda_gemm
 
     llm = _start(gpu_models[arch], cuda_graphs=True, max_model_len=1024)
     compiled: list[tuple[str, str, str]] = []
@@ -466,9 +466,11 @@ def test_once_started_the_lane_compiles_no_triton_kernel_while_it_serves(arch, g
             llm.generate([p], _params(1), use_tqdm=False)
         served = list(compiled)
         # control: K = 48 at bk 16 loads 16 columns a step (BLOCK_K = 16), which no lane site
-        # of these models takes (their K are multiples of 64)
+        # of these models takes (their K are multiples of 64); a tiling of its own per case,
+        # since a kernel compiled by an earlier case of this process is not compiled again
         x = torch.ones(3, 48, dtype=BF16, device="cuda")
-        P.gemm(x, torch.ones(24, 48, dtype=BF16, device="cuda"), bk=16)
+        w = torch.ones(24, 48, dtype=BF16, device="cuda")
+        cuda_gemm(x, w, bk=16, tiling={"qwen3": "m64n32s8", "qwen3-moe": "m64n64s6"}[arch])
         torch.cuda.synchronize()
     finally:
         knobs.runtime.jit_post_compile_hook = previous
