@@ -112,6 +112,43 @@ def test_a_profiled_call_names_its_kernels_by_time_with_shares_of_the_busy_time(
     assert "| `aten::mm` | 8 |" in text
 
 
+def test_the_gap_summary_finds_where_the_device_waited_between_kernels():
+    """Overlapping kernels are one busy interval; each idle interval is named by the kernels
+    around it and binned by length. Control: moving one kernel later by 2 ms shows up as a
+    gap over 1 ms named by its neighbours."""
+    bench = _bench()
+    spans = [
+        ("a", 0.0, 10.0),
+        ("b", 5.0, 20.0),  # overlaps a: no gap
+        ("c", 70.0, 80.0),  # 50 us after b
+        ("d", 80.0, 90.0),  # back to back
+        ("e", 590.0, 600.0),  # 500 us after d
+        ("tiny", 595.0, 596.0),  # inside e: the busy interval still ends with e
+        ("f", 2600.0, 2610.0),  # 2 ms after e
+    ]
+    got = bench.gap_summary(list(reversed(spans)), top=2)
+    assert got["span_us"] == 2610.0 and got["idle_us"] == 50.0 + 500.0 + 2000.0
+    assert got["bins"] == {
+        "under_100us": {"gaps": 1, "us": 50.0},
+        "100us_to_1ms": {"gaps": 1, "us": 500.0},
+        "over_1ms": {"gaps": 1, "us": 2000.0},
+    }
+    assert got["longest"] == [
+        {"us": 2000.0, "after": "e", "before": "f"},
+        {"us": 500.0, "after": "d", "before": "e"},
+    ]
+    moved = [(n, lo + 2000.0, hi + 2000.0) if n == "c" else (n, lo, hi) for n, lo, hi in spans]
+    shifted = bench.gap_summary(moved, top=1)
+    assert shifted["longest"][0]["after"] in ("b", "e") and shifted["bins"]["over_1ms"]["gaps"] >= 1
+    assert bench.gap_summary([]) == {"span_us": 0.0, "idle_us": 0.0, "bins": {}, "longest": []}
+    text = bench.profile_text(
+        "lane-graphs",
+        {"requests": 1, "tokens": 2, "wall_s": 0.01, "busy_s": 0.001, "busy_fraction": 0.1,
+         "kernels": [], "rest_us": 0, "distinct": 0, "gaps": got},
+    )  # fmt: skip
+    assert "GPU idle 2.55 ms of 2.61 ms" in text and "2.00 ms after `e`, before `f`" in text
+
+
 def test_bench_vllm_gpu_refuses_a_profile_longer_than_the_model():
     with pytest.raises(SystemExit) as exc:
         _bench().main(["--profile", "4", "--profile-tokens", "2000"])

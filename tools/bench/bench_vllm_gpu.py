@@ -273,8 +273,41 @@ def kernel_summary(averages, device: str, wall_s: float, top: int = 12) -> dict:
     }
 
 
+def gap_summary(spans: list[tuple[str, float, float]], top: int = 8) -> dict:
+    """Where the device sat idle between its kernels: ``spans`` = (kernel, start us, end us).
+
+    Overlapping kernels merge into one busy interval; each idle interval between two busy ones
+    is a gap, named by the kernel that ended before it and the one that started after it (the
+    host's work between them is what the gap waited for). Returns the span from the first
+    start to the last end, the idle microseconds in it, the gaps counted by length (under 100
+    us, 100 us to 1 ms, over 1 ms, with their totals) and the ``top`` longest."""
+    spans = sorted(spans, key=lambda s: (s[1], s[2]))
+    if not spans:
+        return {"span_us": 0.0, "idle_us": 0.0, "bins": {}, "longest": []}
+    gaps = []
+    end_name, end = spans[0][0], spans[0][2]
+    for name, lo, hi in spans[1:]:
+        if lo > end:
+            gaps.append({"us": round(lo - end, 1), "after": end_name[:60], "before": name[:60]})
+        if hi >= end:
+            end_name, end = name, hi
+    bins = {"under_100us": [0, 0.0], "100us_to_1ms": [0, 0.0], "over_1ms": [0, 0.0]}
+    for g in gaps:
+        key = "under_100us" if g["us"] < 100 else "100us_to_1ms" if g["us"] < 1000 else "over_1ms"
+        bins[key][0] += 1
+        bins[key][1] += g["us"]
+    return {
+        "span_us": round(end - spans[0][1], 1),
+        "idle_us": round(sum(g["us"] for g in gaps), 1),
+        "bins": {k: {"gaps": n, "us": round(t, 1)} for k, (n, t) in bins.items()},
+        "longest": sorted(gaps, key=lambda g: -g["us"])[:top],
+    }
+
+
 def profile_call(run: Callable[[], object], device: str, top: int = 12) -> dict:
-    """Run ``run()`` once under torch's profiler; ``kernel_summary`` of what it launched."""
+    """Run ``run()`` once under torch's profiler; ``kernel_summary`` of what it launched and,
+    on cuda, ``gap_summary`` of when the GPU waited between kernels."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
@@ -282,7 +315,15 @@ def profile_call(run: Callable[[], object], device: str, top: int = 12) -> dict:
         t0 = time.perf_counter()
         run()
         wall = time.perf_counter() - t0
-    return kernel_summary(prof.key_averages(), device, wall, top)
+    out = kernel_summary(prof.key_averages(), device, wall, top)
+    if device == "cuda":
+        spans = [
+            (e.name, float(e.time_range.start), float(e.time_range.end))
+            for e in prof.events()
+            if e.device_type == DeviceType.CUDA
+        ]
+        out["gaps"] = gap_summary(spans)
+    return out
 
 
 def profile_text(name: str, prof: dict) -> str:
@@ -298,6 +339,20 @@ def profile_text(name: str, prof: dict) -> str:
     if prof["rest_us"]:
         rest = prof["distinct"] - len(prof["kernels"])
         lines.append(f"| {rest} others | | {prof['rest_us'] / 1e3:.2f} | |")
+    gaps = prof.get("gaps")
+    if gaps and gaps["span_us"]:
+        b = gaps["bins"]
+        lines.append(
+            f"\nGPU idle {gaps['idle_us'] / 1e3:.2f} ms of {gaps['span_us'] / 1e3:.2f} ms from the "
+            f"first kernel to the last: {b['under_100us']['gaps']} gaps under 100 us "
+            f"({b['under_100us']['us'] / 1e3:.2f} ms), {b['100us_to_1ms']['gaps']} of 100 us to "
+            f"1 ms ({b['100us_to_1ms']['us'] / 1e3:.2f} ms), {b['over_1ms']['gaps']} over 1 ms "
+            f"({b['over_1ms']['us'] / 1e3:.2f} ms). Longest:"
+        )
+        lines += [
+            f"- {g['us'] / 1e3:.2f} ms after `{g['after']}`, before `{g['before']}`"
+            for g in gaps["longest"]
+        ]
     return "\n".join(lines)
 
 
