@@ -1193,6 +1193,19 @@ def test_grouped_experts_replay_from_a_cuda_graph_with_the_eager_bytes():
     assert_detects_one_ulp(out, replayed, index=11)
 
 
+def _kpart_against_its_partitions(m, n, k, parts, seed):
+    """The backend's kpart_partial (whichever form the rows give) and the dispatch point's,
+    both against one plain gemm per partition and the torch pair tree."""
+    cuda = backend()
+    x = cuda_rand(m, k, seed=seed)
+    w = cuda_rand(n, k, seed=seed + 1, scale=0.05)
+    got = cuda.kpart_partial(x, w, parts=parts, bk=KPART_BK)
+    want = _kpart_by_partitions(x, w, parts, F32)
+    assert_same_bytes(got, want, f"{m}x{n}x{k} in {parts}")
+    assert_same_bytes(P.kpart_partial(x, w, parts=parts, bk=KPART_BK), want, "through the dispatch")
+    return cuda, x, w, got, want
+
+
 @pytest.mark.parametrize(
     "m,n,k,parts",
     [(1, 4096, 12288, 8), (7, 2048, 768, 8), (64, 1000, 800, 8), (200, 4096, 4096, 4),
@@ -1201,13 +1214,7 @@ def test_grouped_experts_replay_from_a_cuda_graph_with_the_eager_bytes():
 def test_kpart_in_one_launch_gives_the_bytes_of_its_partitions(m, n, k, parts):
     """gemm.kpart's partitions and fold in one kernel (up to 256 rows) against one plain
     gemm per partition and the pair tree (ragged partitions included: K = 800 in 8)."""
-    cuda = backend()
-    x = cuda_rand(m, k, seed=95)
-    w = cuda_rand(n, k, seed=96, scale=0.05)
-    got = cuda.kpart_partial(x, w, parts=parts, bk=KPART_BK)
-    want = _kpart_by_partitions(x, w, parts, F32)
-    assert_same_bytes(got, want, f"{m}x{n}x{k} in {parts}")
-    assert_same_bytes(P.kpart_partial(x, w, parts=parts, bk=KPART_BK), want, "through the dispatch")
+    cuda, x, w, got, want = _kpart_against_its_partitions(m, n, k, parts, seed=95)
     assert_detects_one_ulp(want, got, index=2)
     # Control on an input: one element of row 0 moved by one ulp moves that row only.
     moved = x.clone()
@@ -1226,16 +1233,10 @@ def test_kpart_folded_above_the_one_launch_rows_gives_the_bytes_of_its_partition
     """gemm.kpart above the one-launch rows: each partition through the plain gemm into one
     stacked buffer (K-slices read in place), the pair tree in one fold launch, against one
     plain gemm per partition of contiguous copies and ``programs.fold_tree``'s torch adds."""
-    cuda = backend()
     from lockstep_exact.programs.cuda import grouped
 
     assert m > grouped.ONE_KERNEL_ROWS
-    x = cuda_rand(m, k, seed=97)
-    w = cuda_rand(n, k, seed=98, scale=0.05)
-    got = cuda.kpart_partial(x, w, parts=parts, bk=KPART_BK)
-    want = _kpart_by_partitions(x, w, parts, F32)
-    assert_same_bytes(got, want, f"{m}x{n}x{k} in {parts}")
-    assert_same_bytes(P.kpart_partial(x, w, parts=parts, bk=KPART_BK), want, "through the dispatch")
+    cuda, x, w, got, _ = _kpart_against_its_partitions(m, n, k, parts, seed=97)
     bf = P.gemm_kpart(x, w, parts=parts, bk=KPART_BK)
     assert_same_bytes(bf, _kpart_by_partitions(x, w, parts, BF16), "rounded to bf16")
     # Control on an input: the last partition's weight column of output 5 moved by one ulp
