@@ -772,6 +772,27 @@ def test_rows_without_slots_and_misplaced_queries_are_refused(fake_pool_module):
     )
 
 
+def test_the_position_bound_is_the_request_to_token_width_and_a_longer_request_is_refused(
+    monkeypatch,
+):
+    """Prefill runs under a fixed position bound, the width of SGLang's request-to-token table
+    (rope then reads no position on the host); a request longer than the table is refused."""
+    for name in ("sglang", "sglang.srt", "sglang.srt.model_executor"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    context = types.ModuleType("sglang.srt.model_executor.forward_context")
+    pool = SimpleNamespace(req_to_token=torch.zeros(4, 40, dtype=torch.int32))
+    context.get_req_to_token_pool = lambda: pool
+    monkeypatch.setitem(sys.modules, context.__name__, context)
+    assert sglang_model.position_bound([(0, 0, 3, 40), (1, 3, 4, 7)]) == 40
+    assert sglang_model.position_bound([]) == 40
+    with pytest.raises(LaneRefused) as err:
+        sglang_model.position_bound([(0, 0, 3, 41)])
+    assert str(err.value) == (
+        "a request of 41 positions is longer than SGLang's request-to-token table (40 slots a "
+        "request); the lane cannot place its queries in the cache"
+    )
+
+
 def test_weights_outside_the_lane_are_refused(tiny):
     from safetensors.torch import load_file
 
