@@ -167,11 +167,12 @@ def kpart_partial(x, w, *, bk: int, parts: int):
     size = k_dim // parts
     backend = backend_of(x, w)
     module = backend_module(backend)
-    rows = x.numel() // max(k_dim, 1)
-    if parts > 1 and rows <= getattr(module, "KPART_ONE_LAUNCH_ROWS", 0):
-        # The backend's one-launch form of the same partitions and fold (gated bitwise).
+    one_call = getattr(module, "kpart_partial", None)
+    if parts > 1 and one_call is not None:
+        # The backend's own form of the same partitions and fold, at every row count (gated
+        # bitwise; the cuda one picks its kernels by rows and records which).
         note(f"{backend}.kpart_partial")
-        return module.kpart_partial(x, w, bk=bk, parts=parts)
+        return one_call(x, w, bk=bk, parts=parts)
     # K-slices as views: the cuda gemm reads them in place (a row stride), the cpu gemm's
     # elementwise fp32 operations give the same bytes whatever the operands' layout.
     sums = [

@@ -12,7 +12,7 @@ from .gdn import (
     gdn_state,
     l2norm,
 )
-from .gemm import KPART_ONE_LAUNCH_ROWS, gemm, kpart_partial
+from .gemm import gemm, kpart_partial
 from .hybrid import rmsnorm_gated, rmsnorm_zero_centered, shared_expert_gate, sigmoid_gate
 from .lora import lora_expand, lora_shrink
 from .moe import moe_fold, moe_fold_fp32, router_topk
@@ -40,7 +40,6 @@ __all__ = [
     "fold_tree_nodes",
     "gemm",
     "kpart_partial",
-    "KPART_ONE_LAUNCH_ROWS",
     "log",
     "log_softmax",
     "log_softmax_from_sum",

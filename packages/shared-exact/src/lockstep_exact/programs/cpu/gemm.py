@@ -27,12 +27,10 @@ def gemm(x: torch.Tensor, w: torch.Tensor, *, bk: int, out_dtype=torch.bfloat16)
     return round_bf16(out) if out_dtype == torch.bfloat16 else out
 
 
-# gemm.kpart's partial in one call, for any row count (the dispatch point's one-launch form;
-# rows are chunked for memory, which moves no byte).
-KPART_ONE_LAUNCH_ROWS = 1 << 62
-# Its products hold every partition at once: chunks small enough to stay in cache (measured on
-# this 2-core EPYC, one thread: 512 x 128 x 128 took 43.6 ms in 48 MiB chunks, the partitions
-# one by one 15.3 ms).
+# gemm.kpart's partial in one call, for any row count (rows are chunked for memory, which
+# moves no byte). Its products hold every partition at once: chunks small enough to stay in
+# cache (measured on this 2-core EPYC, one thread: 512 x 128 x 128 took 43.6 ms in 48 MiB
+# chunks, the partitions one by one 15.3 ms).
 _KPART_CHUNK_BYTES = 2 << 20
 
 

@@ -18,7 +18,7 @@ from .arith import round_bf16
 from .attention import attention, attention_decode_paged, attention_varlen, write_pages
 from .elementwise import residual_add
 from .gemm import TILINGS, gemm, pick_tiling
-from .grouped import KPART_ONE_LAUNCH_ROWS, gemm_grouped, kpart_partial
+from .grouped import gemm_grouped, kpart_partial
 from .hybrid import (
     conv1d_causal,
     gdn_chunked,
@@ -55,7 +55,6 @@ def environment(device: torch.device | int | None = None) -> dict[str, str]:
 
 __all__ = [
     "expert_plan",
-    "KPART_ONE_LAUNCH_ROWS",
     "TILINGS",
     "attention",
     "attention_decode_paged",

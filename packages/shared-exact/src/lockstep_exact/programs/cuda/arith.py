@@ -49,6 +49,11 @@ def index_tensor(positions: torch.Tensor, device: torch.device, what: str) -> to
     return pos if pos.dtype in INDEX_DTYPES else pos.to(torch.int64)
 
 
+def bits16(x: torch.Tensor) -> torch.Tensor:
+    """A bf16 tensor's bits, contiguous (int16): what the elementwise kernels read and write."""
+    return x.contiguous().view(torch.int16)
+
+
 def require_cuda(*tensors: torch.Tensor) -> None:
     for t in tensors:
         require(t.is_cuda, f"cuda backend: tensor on {t.device}, expected a CUDA device")

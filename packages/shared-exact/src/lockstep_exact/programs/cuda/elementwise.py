@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .arith import BF16, EXACT, require, require_cuda
+from .arith import BF16, EXACT, bits16, require, require_cuda
 from .exactmath import round_bf16 as _round_bits
 from .exactmath import widen
 
@@ -31,10 +31,6 @@ def _residual_kernel(a_ptr, b_ptr, y_ptr, n, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, _round_bits(a + b), mask=ok)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int16)
-
-
 def _grid(n: int) -> tuple[int]:
     return (triton.cdiv(n, _BLOCK),)
 
@@ -49,7 +45,7 @@ def added(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``residual_add``'s launch on the operands' device."""
     require(a.dtype == BF16 and b.dtype == BF16, "residual_add: bf16 operands required")
     require(a.shape == b.shape, f"residual_add: shapes {tuple(a.shape)} and {tuple(b.shape)}")
-    ab, bb = _bits(a), _bits(b)
+    ab, bb = bits16(a), bits16(b)
     y = torch.empty(ab.shape, dtype=torch.int16, device=a.device)
     if ab.numel():
         _residual_kernel[_grid(ab.numel())](ab, bb, y, ab.numel(), BLOCK=_BLOCK,

@@ -288,13 +288,9 @@ def kpart_partial(x: torch.Tensor, w: torch.Tensor, *, bk: int, parts: int):
 
 # Up to this many rows ``kpart_partial`` runs its one-launch form, above it the folded form.
 ONE_KERNEL_ROWS = 256
-# ``programs.kpart_partial`` hands this backend's kpart_partial every row count (it picks
-# its form itself).
-KPART_ONE_LAUNCH_ROWS = 1 << 62
 
 
 __all__ = [
-    "KPART_ONE_LAUNCH_ROWS",
     "MAX_PARTS",
     "ONE_KERNEL_ROWS",
     "fold_stacked",

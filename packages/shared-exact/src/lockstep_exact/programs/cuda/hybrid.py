@@ -28,17 +28,12 @@ from ..cpu.arith import BF16, F32, as_f32, require
 from ..cpu.gdn import GdnState, state_tensors
 from ..cpu.rope import rotate_first
 from . import exactmath as em
-from .arith import EXACT, next_pow2, require_cuda
+from .arith import EXACT, bits16, next_pow2, require_cuda
 from .gdn import chunk as chunk_pass
 from .rope import rope
 
 _BLOCK = 1024  # elements per program of the elementwise kernels
 _MAX_ROW = 65536  # the widest row a row kernel holds
-
-
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    """A bf16 tensor's bits, contiguous (int16): what the kernels read and write."""
-    return x.contiguous().view(torch.int16)
 
 
 def _row_block(n: int) -> tuple[int, int]:
@@ -153,7 +148,7 @@ def gating(a, b, a_log, dt_bias):
     n = a.numel()
     if n:
         _gating_kernel[(triton.cdiv(n, _BLOCK),)](
-            _bits(a), _bits(b), as_f32(a_log).contiguous(), as_f32(dt_bias).contiguous(),
+            bits16(a), bits16(b), as_f32(a_log).contiguous(), as_f32(dt_bias).contiguous(),
             g, beta, n, a.shape[1], BLOCK=_BLOCK, **EXACT,
         )  # fmt: skip
     return g, beta
@@ -173,7 +168,7 @@ def l2norm_rows(x, eps: float = 1e-6):
     if rows:
         per, width = _row_block(d)
         _l2norm_kernel[(triton.cdiv(rows, per),)](
-            _bits(x), out, rows, d, float(eps), ROWS=per, W=width,
+            bits16(x), out, rows, d, float(eps), ROWS=per, W=width,
             LOG=width.bit_length() - 1, **EXACT,
         )  # fmt: skip
     return out
@@ -194,7 +189,7 @@ def conv1d(x, weight, window, *, kernel: int = 4):
         width = next_pow2(kernel)
         block = 128
         _conv1d_kernel[(n, triton.cdiv(d, block))](
-            _bits(full), _bits(weight), out, d, kernel, BD=block, WP=width,
+            bits16(full), bits16(weight), out, d, kernel, BD=block, WP=width,
             LOG=width.bit_length() - 1, **EXACT,
         )  # fmt: skip
     return out.view(BF16), full[full.shape[0] - (kernel - 1) :].clone()
@@ -207,7 +202,7 @@ def _rms(x, z, weight, eps: float, gated: bool):
     if rows:
         per, width = _row_block(h)
         _rms_kernel[(triton.cdiv(rows, per),)](
-            _bits(x), _bits(z), _bits(weight), out, rows, h, float(h), float(eps),
+            bits16(x), bits16(z), bits16(weight), out, rows, h, float(h), float(eps),
             GATED=gated, ROWS=per, W=width, LOG=width.bit_length() - 1, **EXACT,
         )  # fmt: skip
     return out.view(BF16)
@@ -240,7 +235,7 @@ def _gate(x, g, s, shared: bool):
     n = x.numel()
     if n:
         _gate_kernel[(triton.cdiv(n, _BLOCK),)](
-            _bits(x), _bits(g), _bits(s), out, n, x.shape[-1], SHARED=shared, BLOCK=_BLOCK,
+            bits16(x), bits16(g), bits16(s), out, n, x.shape[-1], SHARED=shared, BLOCK=_BLOCK,
             **EXACT,
         )  # fmt: skip
     return out.view(BF16)
