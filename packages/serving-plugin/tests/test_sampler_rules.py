@@ -9,6 +9,7 @@ import pytest
 import serving_support  # noqa: F401  (the environment, before vLLM is imported)
 import torch
 
+from lockstep_serving.vllm import sampler as lane_sampler
 from lockstep_serving.vllm.patches import LaneRefused
 from lockstep_serving.vllm.sampler import prepare, refusal, rows_of
 
@@ -95,3 +96,68 @@ def test_a_random_row_without_a_seed_stops_the_lane():
 def test_a_row_whose_parameters_slipped_past_admission_stops_the_lane():
     with pytest.raises(LaneRefused, match="request r0: Lockstep exact lane: min_p=0.2"):
         rows_of(_runner(params(temperature=1.0, min_p=0.2, seed=1)), 1)
+
+
+def test_a_requests_rule_is_read_once_and_a_new_request_under_its_id_is_read_again(monkeypatch):
+    calls = []
+    real = lane_sampler.rule_of
+
+    def counted(rid, sp):
+        calls.append(rid)
+        return real(rid, sp)
+
+    monkeypatch.setattr(lane_sampler, "rule_of", counted)
+    runner = _runner(params(temperature=0.0), params(temperature=0.7, seed=11))
+    for _ in range(3):
+        assert rows_of(runner, 2)[2] == [0, 11]
+    assert calls == ["r0", "r1"]
+    # the same id, a new request (new SamplingParams): read again, and its seed is used
+    runner.requests["r1"] = SimpleNamespace(sampling_params=params(temperature=0.7, seed=12))
+    assert rows_of(runner, 2)[2] == [0, 12] and calls == ["r0", "r1", "r1"]
+    # a request that slipped past admission is refused on its first step, not cached
+    runner.requests["r1"] = SimpleNamespace(sampling_params=params(temperature=1.0, min_p=0.2))
+    with pytest.raises(LaneRefused, match="request r1: Lockstep exact lane: min_p=0.2"):
+        rows_of(runner, 2)
+
+
+def test_the_rule_cache_forgets_requests_that_left_the_batch():
+    many = [params(temperature=0.5, seed=i) for i in range(80)]
+    runner = _runner(*many, lens=range(80))
+    rows_of(runner, 80)
+    runner.input_batch.req_ids = ["r0"]
+    rows_of(runner, 1)
+    assert set(runner._lockstep_rule_rows._by_id) == {"r0"}
+
+
+def test_a_token_the_rule_could_not_draw_is_refused_by_request_when_it_reaches_the_host():
+    lane_sampler.refuse_undrawn(torch.tensor([[3], [0], [7]], dtype=torch.int32), ["a", "b", "c"])
+    with pytest.raises(LaneRefused, match="request b: sample.gumbel_topp drew no token"):
+        lane_sampler.refuse_undrawn(torch.tensor([[3], [-1], [-1]], dtype=torch.int32), "abc")
+
+
+class _AsyncOutput:
+    """What AsyncGPUModelRunnerOutput holds before get_output: the device tokens (here a cpu
+    tensor) and, once the original ran, their host copy."""
+
+    def __init__(self, tokens):
+        self._sampled_token_ids = tokens
+        self.sampled_token_ids_cpu = tokens.clone()
+
+
+def test_the_async_output_check_refuses_only_a_lane_steps_undrawn_token(monkeypatch):
+    from lockstep_serving.vllm import patches
+
+    def original(self):
+        del self._sampled_token_ids  # as vLLM's get_output releases the device tensor
+        return "output"
+
+    monkeypatch.setattr(patches.TABLE, "original", lambda name: original)
+    lane = torch.tensor([[5], [-1]], dtype=torch.int32)
+    setattr(lane, lane_sampler.UNCHECKED, ["r0", "r1"])
+    with pytest.raises(LaneRefused, match="request r1: sample.gumbel_topp drew no token"):
+        lane_sampler.checked_output(_AsyncOutput(lane))
+    good = torch.tensor([[5], [6]], dtype=torch.int32)
+    setattr(good, lane_sampler.UNCHECKED, ["r0", "r1"])
+    assert lane_sampler.checked_output(_AsyncOutput(good)) == "output"
+    # another engine's output (no mark) is handed on untouched, whatever it holds
+    assert lane_sampler.checked_output(_AsyncOutput(torch.tensor([[-1]]))) == "output"

@@ -1345,6 +1345,28 @@ def test_sample_takes_the_definition_for_a_nucleus_and_refuses_a_nan_row_in_its_
         kernel.sample(lp, **{**args, "top_p": 1.0})
 
 
+def test_sample_without_the_check_marks_an_undrawable_row_and_waits_for_nothing():
+    """check=False (vLLM's async scheduling): the rows drawn are the checked call's, a row the
+    rule cannot draw from is -1 instead of an exception. Control on an input: a NaN put in a
+    logit row moves that row, and only it, to -1; all -inf likewise."""
+    from lockstep_exact.programs.cuda import sampling as kernel
+
+    lp = torch.log_softmax(cuda_rand(6, 700, seed=11, dtype=F32) * 2, dim=-1)
+    args = dict(temperature=[0.0, 1.0, 0.7, 1.0, 0.0, 1.3], top_p=1.0, seeds=[9, 8, 7, 6, 5, 4],
+                positions=[3, 1, 4, 1, 5, 9])  # fmt: skip
+    want = kernel.sample(lp, **args)
+    assert torch.equal(kernel.sample(lp, **args, check=False), want)
+    bad = lp.clone()
+    bad[2, 100] = float("nan")
+    bad[4] = float("-inf")
+    got = kernel.sample(bad, **args, check=False)
+    assert got[2] == -1 and got[4] == -1
+    keep = torch.tensor([0, 1, 3, 5], device=got.device)
+    assert torch.equal(got[keep], want[keep])
+    with pytest.raises(ValueError, match="NaN log-probability"):
+        kernel.sample(bad, **args)
+
+
 def test_the_kernel_record_names_the_form_each_call_ran():
     """``programs.kernels``: a one-row gemm runs the pointer kernel, a 1024-row one the TMA-fed
     persistent kernel, and each call's record says so (the forms' bytes are gated above); the

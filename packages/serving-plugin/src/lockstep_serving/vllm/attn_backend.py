@@ -68,6 +68,18 @@ class LaneAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_actual_tokens], cache slot of each row
 
 
+def host_seq_lens(cm) -> torch.Tensor:
+    """The batch's sequence lengths on the host: the runner's own host copy where vLLM hands
+    it over (0.26: ``_seq_lens_cpu``, the values ``seq_lens`` was copied from; equal without
+    speculative decoding, which the lane refuses), else a copy from the device. Reading the
+    device tensor every step would wait for the previous step to finish, and under async
+    scheduling the host could no longer prepare a step while the GPU runs one."""
+    host = getattr(cm, "_seq_lens_cpu", None)
+    if isinstance(host, torch.Tensor) and host.shape == cm.seq_lens.shape:
+        return host.clone()  # a view of the runner's buffer, which the next step rewrites
+    return cm.seq_lens.to("cpu")
+
+
 class LaneAttentionMetadataBuilder(AttentionMetadataBuilder[LaneAttentionMetadata]):
     """Copies the batch's common metadata into ``LaneAttentionMetadata``; plans nothing.
 
@@ -104,7 +116,7 @@ class LaneAttentionMetadataBuilder(AttentionMetadataBuilder[LaneAttentionMetadat
             query_start_loc=cm.query_start_loc,
             query_start_loc_cpu=cm.query_start_loc_cpu,
             seq_lens=cm.seq_lens,
-            seq_lens_cpu=cm.seq_lens.to("cpu"),
+            seq_lens_cpu=host_seq_lens(cm),
             block_table=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping,
         )

@@ -299,10 +299,11 @@ class LockstepQwen3ForCausalLM(nn.Module):
         if self._one_token_decodes(md, positions):
             return self._decode_step(input_ids, positions, md)
         # Requests sharing an adapter run together; rows never mix, so each equals its solo run.
-        qsl = md.query_start_loc.tolist()
+        # The host copies of the batch's offsets and lengths: no wait for the device here.
+        qsl = md.query_start_loc_cpu.tolist()
         ids = self._token_adapters
         groups: dict[int, list[tuple[int, int, int, int]]] = {}
-        for r, seq_len in enumerate(md.seq_lens.tolist()):
+        for r, seq_len in enumerate(md.seq_lens_cpu.tolist()):
             start, end = qsl[r], qsl[r + 1]
             if end > start:
                 lid = ids[start] if start < len(ids) else 0

@@ -35,7 +35,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ..common.errors import LaneRefused
-from .attn_backend import claim_custom
+from .attn_backend import claim_custom, host_seq_lens
 
 BACKEND_PATH = f"{__name__}.LaneStateBackend"
 # vLLM 0.32 adds an enum member for a new mamba backend name; 0.26 only lets an out-of-tree
@@ -84,7 +84,7 @@ class LaneStateMetadataBuilder(AttentionMetadataBuilder[LaneStateMetadata]):
             num_reqs=n,
             num_actual_tokens=cm.num_actual_tokens,
             query_start_loc_cpu=cm.query_start_loc_cpu[: n + 1].clone(),
-            seq_lens_cpu=cm.seq_lens[:n].to("cpu"),
+            seq_lens_cpu=host_seq_lens(cm)[:n],
             # Mode "none": one page per request, the first (only) entry of its block table.
             state_slots=cm.block_table_tensor[:n, 0].to("cpu", torch.int64),
         )

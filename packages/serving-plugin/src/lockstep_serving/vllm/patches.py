@@ -107,6 +107,16 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target(
         "vllm.v1.worker.gpu_model_runner",
+        "AsyncGPUModelRunnerOutput.get_output",
+        "patch",
+        "under async scheduling a lane step's tokens are checked once they reach the host: a "
+        "row the rule could not draw from (-1: a NaN or no finite log-probability) is refused "
+        "by name before vLLM hands out any token of the step (reads sampled_token_ids_cpu)",
+        params=("self",),
+        replacement=_bound("AsyncGPUModelRunnerOutput.get_output"),
+    ),
+    Target(
+        "vllm.v1.worker.gpu_model_runner",
         "GPUModelRunner.get_model",
         "read",
         "the lane's sampler finds the lane model through it: with CUDA graphs the runner's "
@@ -488,6 +498,7 @@ SHARED_0_26 = (
     "vllm.plugins.endpoint_plugins.interface.EndpointPlugin",
     "vllm.v1.sample.sampler.Sampler.compute_logprobs",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._sample",
+    "vllm.v1.worker.gpu_model_runner.AsyncGPUModelRunnerOutput.get_output",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.get_model",
     "vllm.v1.engine.input_processor.InputProcessor.process_inputs",
     "vllm.v1.worker.gpu_input_batch.CachedRequestState",

@@ -27,7 +27,7 @@ from . import patches
 from .architectures import ARCHITECTURES, LANE_OF_HF  # noqa: F401 (read here by tests and tools)
 from .lora import load_lora_model
 from .model import LIVE
-from .sampler import lane_sample, process_inputs
+from .sampler import checked_output, lane_sample, process_inputs
 
 _state = {"registered": False}
 
@@ -53,6 +53,10 @@ def _lane_load_lora_model():
 
 def _lane_sample():
     return lane_sample
+
+
+def _checked_output():
+    return checked_output
 
 
 def _lane_process_inputs():
@@ -83,6 +87,7 @@ def _lane_kernel_warmup():
 REPLACEMENTS = {
     "Sampler.compute_logprobs": _exact_compute_logprobs,
     "GPUModelRunner._sample": _lane_sample,
+    "AsyncGPUModelRunnerOutput.get_output": _checked_output,
     "InputProcessor.process_inputs": _lane_process_inputs,
     "LoRAModelRunnerMixin.load_lora_model": _lane_load_lora_model,
     "kernel_warmup": _lane_kernel_warmup,

@@ -19,7 +19,14 @@ Two patches (rows of ``patches.TABLE``), both inert for stock models:
   torch generators are never used, and the runner's copy of them is emptied each step, so
   vLLM's rewind of a discarded partial-prefill draw (which crashes on CPU generators) has
   nothing to rewind: seeded requests and chunked prefill mix. Reported logprobs are the raw
-  rows, gathered exactly as vLLM's own sampler gathers them.
+  rows, gathered exactly as vLLM's own sampler gathers them. Under vLLM's async scheduling
+  (its default on the GPU) the step does not wait for the device: a row the rule cannot draw
+  from (a NaN, no finite log-probability) comes back as -1 and is refused by name when the
+  tokens reach the host (``AsyncGPUModelRunnerOutput.get_output``, the third row), before
+  vLLM hands any token of that step out. Each request's rule parameters are read and checked
+  once, when the sampler first sees it (``RuleRows``), not every step.
+- ``AsyncGPUModelRunnerOutput.get_output``: the original, then that refusal for a lane
+  step's tokens (other engines' outputs are not touched).
 """
 
 from __future__ import annotations
@@ -144,31 +151,87 @@ def _is_lane_runner(runner) -> bool:
     return model is not None and model in LIVE
 
 
+def rule_of(rid, sp) -> tuple[float, float, int]:
+    """(temperature, top_p, seed) of one request for the rule, or LaneRefused naming what
+    keeps it out (a parameter that slipped past admission, a random request with no seed)."""
+    message = refusal(sp)
+    if message is not None:  # admission refuses these; a request that slipped by stops here
+        raise LaneRefused(f"request {rid}: {message}")
+    if sp.temperature < GREEDY_BELOW:
+        return 0.0, 1.0, 0
+    if sp.seed is None:
+        raise LaneRefused(
+            f"request {rid} reached the lane's sampler without a seed (admission gives every "
+            "random request one; was the plugin's InputProcessor patch bypassed?)"
+        )
+    return float(sp.temperature), float(sp.top_p), int(sp.seed)
+
+
+class RuleRows:
+    """Each live request's rule parameters, worked out the first step the sampler sees it
+    (a request's SamplingParams do not change over its life) and dropped once it leaves the
+    batch: the step's host work is a lookup per row, not the parameter checks."""
+
+    def __init__(self):
+        self._by_id: dict[str, tuple[object, tuple[float, float, int]]] = {}
+
+    def rows(self, runner, n: int):
+        temps, tops, seeds = [], [], []
+        req_ids = runner.input_batch.req_ids[:n]
+        for rid in req_ids:
+            sp = runner.requests[rid].sampling_params
+            got = self._by_id.get(rid)
+            if got is None or got[0] is not sp:  # a new request (or an id used again)
+                got = (sp, rule_of(rid, sp))
+                self._by_id[rid] = got
+            t, p, seed = got[1]
+            temps.append(t)
+            tops.append(p)
+            seeds.append(seed)
+        if len(self._by_id) > 2 * n + 64:  # forget the requests that left
+            keep = set(req_ids)
+            self._by_id = {k: v for k, v in self._by_id.items() if k in keep}
+        return temps, tops, seeds
+
+
 def rows_of(runner, n: int):
     """(temperature, top_p, seed, position) per row of the runner's batch, for the rule."""
-    temps, tops, seeds = [], [], []
-    for rid in runner.input_batch.req_ids[:n]:
-        sp = runner.requests[rid].sampling_params
-        message = refusal(sp)
-        if message is not None:  # admission refuses these; a request that slipped by stops here
-            raise LaneRefused(f"request {rid}: {message}")
-        if sp.temperature < GREEDY_BELOW:
-            temps.append(0.0)
-            tops.append(1.0)
-            seeds.append(0)
-            continue
-        if sp.seed is None:
-            raise LaneRefused(
-                f"request {rid} reached the lane's sampler without a seed (admission gives every "
-                "random request one; was the plugin's InputProcessor patch bypassed?)"
-            )
-        temps.append(float(sp.temperature))
-        tops.append(float(sp.top_p))
-        seeds.append(int(sp.seed))
+    cache = runner.__dict__.get("_lockstep_rule_rows")
+    if cache is None:
+        cache = runner.__dict__["_lockstep_rule_rows"] = RuleRows()
+    temps, tops, seeds = cache.rows(runner, n)
     # The token being chosen sits right after this step's tokens: its absolute position is the
     # sequence length once they are computed.
     positions = runner.optimistic_seq_lens_cpu[:n].to(torch.int64)
     return temps, tops, seeds, positions
+
+
+# The attribute a lane step's sampled-token tensor carries when its -1 rows (rows the rule
+# could not draw from) are left for ``checked_output`` to refuse: the step's request ids.
+UNCHECKED = "_lockstep_unchecked_rows"
+
+
+def refuse_undrawn(tokens_cpu: torch.Tensor, req_ids) -> None:
+    """LaneRefused naming the first request whose token is -1 (its row held a NaN or no
+    finite log-probability, so the rule drew nothing), if any."""
+    flat = tokens_cpu.reshape(-1)
+    if flat.numel() and int(flat.min()) < 0:
+        i = int((flat < 0).nonzero()[0, 0])
+        rid = req_ids[i] if i < len(req_ids) else f"row {i}"
+        raise LaneRefused(
+            f"request {rid}: sample.gumbel_topp drew no token: its log-probability row holds "
+            "a NaN or no finite value (the logits of this step are not usable)"
+        )
+
+
+def checked_output(self):
+    """AsyncGPUModelRunnerOutput.get_output: the original (it waits for the copy of the
+    tokens), then a lane step's deferred refusal of a row the rule could not draw from."""
+    rows = getattr(getattr(self, "_sampled_token_ids", None), UNCHECKED, None)
+    out = patches.TABLE.original("AsyncGPUModelRunnerOutput.get_output")(self)
+    if rows is not None:
+        refuse_undrawn(self.sampled_token_ids_cpu, rows)
+    return out
 
 
 def lane_sample(self, logits, spec_decode_metadata):
@@ -190,9 +253,13 @@ def lane_sample(self, logits, spec_decode_metadata):
     with paused():  # bisect records the logprobs site from the model's forward, every row
         raw = ops.log_softmax("logprobs", logits.to(torch.float32))
     temps, tops, seeds, positions = rows_of(self, n)
+    # vLLM's async scheduling prepares the next step while this one runs: the check of the
+    # tokens waits for them on the host (checked_output), not here.
+    deferred = bool(getattr(self, "use_async_scheduling", False)) and raw.is_cuda
     tokens = ops.sample(
-        "sample", raw, temperature=temps, top_p=tops, seeds=seeds, positions=positions
-    )
+        "sample", raw, temperature=temps, top_p=tops, seeds=seeds, positions=positions,
+        check=not deferred,
+    )  # fmt: skip
 
     num_logprobs = md.max_num_logprobs
     specific = None
@@ -206,7 +273,10 @@ def lane_sample(self, logits, spec_decode_metadata):
         logprobs_tensors = self.sampler.gather_logprobs(raw, num_logprobs, token_ids=tokens)
     if specific is not None and num_logprobs is not None:
         logprobs_tensors = specific
+    sampled = tokens.to(torch.int32).unsqueeze(-1)
+    if deferred:
+        setattr(sampled, UNCHECKED, list(self.input_batch.req_ids[:n]))
     return SamplerOutput(
-        sampled_token_ids=tokens.to(torch.int32).unsqueeze(-1),
+        sampled_token_ids=sampled,
         logprobs_tensors=logprobs_tensors,
     )

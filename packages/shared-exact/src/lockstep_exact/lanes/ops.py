@@ -298,8 +298,9 @@ class Ops:
         return self._call(path, prog, fn, _sharded_log_softmax_ideal(start, vocab, gather), logits)
 
     @site
-    def sample(self, path: str, logprobs, *, temperature, top_p, seeds, positions):
-        """int64 [T]: each fp32 log-probability row's token under the contract's sampling rule.
+    def sample(self, path: str, logprobs, *, temperature, top_p, seeds, positions, check=True):
+        """int64 [T]: each fp32 log-probability row's token under the contract's sampling rule
+        (``check=False``: ``programs.sample``'s deferred refusal, -1 for a row it cannot draw).
 
         A decision, not a tensor site: logged in ``invoked`` but not recorded for bisect."""
         prog = self.program(path, "sample.gumbel_topp")
@@ -311,6 +312,7 @@ class Ops:
             seeds=seeds,
             positions=positions,
             rounds=prog.param("rounds"),
+            check=check,
         )
 
 

@@ -508,11 +508,17 @@ def round_bf16(x):
     return _impl("round_bf16", x)(x)
 
 
-def sample(logprobs, *, temperature, top_p, seeds, positions, rounds: int = 3):
+def sample(logprobs, *, temperature, top_p, seeds, positions, rounds: int = 3, check=True):
     """int64 [T]: the token each fp32 log-probability row draws (sample.gumbel_topp).
 
     ``temperature``/``top_p``: a number or one per row; ``seeds``/``positions``: one per row
     (the request's seed, the absolute position of the token being chosen).
+
+    A row with a NaN or no finite entry draws nothing: the call raises, naming the problem.
+    With ``check=False`` a backend whose check would read the device (cuda) returns -1 for
+    such a row instead, without waiting for the device; the caller then must refuse any -1
+    before a token is used (vLLM's lane does when the tokens reach the host). Other backends
+    raise as with ``check=True``.
     """
     return _impl("sample", logprobs)(
         logprobs,
@@ -521,6 +527,7 @@ def sample(logprobs, *, temperature, top_p, seeds, positions, rounds: int = 3):
         seeds=seeds,
         positions=positions,
         rounds=rounds,
+        check=check,
     )
 
 

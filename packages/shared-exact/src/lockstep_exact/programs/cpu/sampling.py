@@ -137,14 +137,17 @@ def sample(
     seeds,
     positions,
     rounds: int = 3,
+    check: bool = True,
 ) -> torch.Tensor:
     """int64 [T]: the token each row of ``logprobs`` (fp32 [T, V]) draws.
 
     ``temperature`` and ``top_p`` (a number, or one per row) are taken as fp32 (rounded to
     nearest from the value given); ``seeds`` and ``positions`` are int64, one per row (a
     number is used for every row). Temperature 0 is the argmax (ties to the lowest id);
-    otherwise temperature must be at least 1e-2 and top-p in (0, 1].
+    otherwise temperature must be at least 1e-2 and top-p in (0, 1]. A row with a NaN or
+    no finite entry is refused whatever ``check`` says (here the check reads no device).
     """
+    del check
     require(logprobs.dtype == F32, f"sample.gumbel_topp takes float32, got {logprobs.dtype}")
     require(logprobs.dim() == 2, f"sample.gumbel_topp takes [T, V], got {tuple(logprobs.shape)}")
     t, v = logprobs.shape

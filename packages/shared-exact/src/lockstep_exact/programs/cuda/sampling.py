@@ -160,8 +160,19 @@ def _one_kernel_rows(temperature, top_p, seeds, positions, t: int, rounds: int):
 
 
 def sample(
-    logprobs: torch.Tensor, *, temperature, top_p, seeds, positions, rounds: int = 3
+    logprobs: torch.Tensor,
+    *,
+    temperature,
+    top_p,
+    seeds,
+    positions,
+    rounds: int = 3,
+    check: bool = True,
 ) -> torch.Tensor:
+    """The one kernel where the step allows it, else the definition. The kernel marks a row
+    it cannot draw (a NaN, no finite entry) with -1; with ``check`` the step then reads that
+    on the host (a wait for the device) and asks the definition for the refusal's words,
+    without it the -1 is returned for the caller to refuse once the tokens are on the host."""
     require_cuda(logprobs)
     args = dict(temperature=temperature, top_p=top_p, seeds=seeds, positions=positions)
     t = logprobs.shape[0] if logprobs.dim() == 2 else -1
@@ -191,7 +202,7 @@ def sample(
         num_warps=8,
         **EXACT,
     )
-    if bool((out < 0).any()):  # the definition says what is wrong with the row
+    if check and bool((out < 0).any()):  # the definition says what is wrong with the row
         note("cuda.sample:definition")
         return _cpu.sample(logprobs, rounds=rounds, **args)
     return out
