@@ -51,6 +51,7 @@ def _bench():
             ["--tokens", "0"],
             "--prompt-len (32) and --tokens (0) must both be at least 1",
         ),
+        (["--repeat", "0"], "--repeat: 0 timed calls; give 1 or more"),
     ],
 )
 def test_bench_vllm_gpu_refuses(argv, message, capsys):
