@@ -1,9 +1,8 @@
 """The qwen3-next (hybrid, Gated DeltaNet) lane inside real vLLM 0.26 on a GPU, byte for byte.
 
 Run on the GPU machine with ``pytest -m gpu`` (skipped elsewhere by the repository conftest;
-the engine tests also skip where vLLM is not importable). Not yet run on a GPU: the vLLM side
-was checked against the 0.26.0 source only (docs/vllm-0.26.md, section 5). What is asserted,
-each on raw bytes with a one-ulp negative control:
+the engine tests also skip where vLLM is not importable); docs/gpu.md records its runs. What is
+asserted, each on raw bytes with a one-ulp negative control:
 
 - the 0.26.0 patch table, hybrid rows included, holds on the installed vLLM (the dense
   suite's ``test_the_0_26_patch_table_holds_on_the_installed_vllm`` checks the whole table;
@@ -13,10 +12,6 @@ each on raw bytes with a one-ulp negative control:
   by real megatron-core on cuda byte for byte, and a one-ulp move of one GDN ``in_proj``
   weight in the trainer is caught;
 - CUDA graphs are refused for this lane by name.
-
-The Megatron half still refuses hybrid replay on cuda by name (``lockstep_megatron/gdn/
-refusals.py``: "runs in Megatron on cpu only so far"); the replay test lifts that one check
-for itself, so everything else replay does (admission, the invoked contract) runs.
 """
 
 from __future__ import annotations
@@ -70,14 +65,11 @@ def test_the_hybrid_rows_of_the_0_26_table_hold_on_the_installed_vllm():
     assert "MambaBase.bind_kv_cache" in problem and "missing" in problem
 
 
-def test_megatron_on_cuda_replays_a_hybrid_trace_captured_from_vllm_026(
-    next_dir, tmp_path, monkeypatch
-):
+def test_megatron_on_cuda_replays_a_hybrid_trace_captured_from_vllm_026(next_dir, tmp_path):
     from lockstep_exact.app.tiny import default_prompts
     from lockstep_exact.k3 import compare
     from lockstep_exact.lanes import qwen3_next as N
     from lockstep_exact.requests import CaptureRequest
-    from lockstep_megatron import scoring
     from lockstep_megatron.convert import build
     from lockstep_megatron.replay import replay, score
     from lockstep_serving.vllm.capture import capture
@@ -97,8 +89,6 @@ def test_megatron_on_cuda_replays_a_hybrid_trace_captured_from_vllm_026(
     assert trace.num_decisions == 64
     assert trace.engine["version"] == "0.26.0"
     assert trace.contract["backend"] == "cuda"
-    # Megatron's hybrid replay on cuda is refused by name (gdn/refusals.py); lift that check.
-    monkeypatch.setattr(scoring, "check_hybrid_replay", lambda *a, **k: None)
     got, seconds = replay(next_dir, tmp_path / "trace", backend="cuda")
     cmp = compare(torch.as_tensor(trace.logprobs), got)
     print(f"qwen3-next (eager): vLLM 0.26 cuda -> Megatron cuda: {cmp} ({seconds:.1f} s)")

@@ -320,11 +320,21 @@ def test_the_trainer_session_opens_on_cpu_and_training_off_cpu_is_refused_by_nam
     gdn.refuse_training(default_dir, "cpu")
 
 
-def test_replay_refuses_another_layout_and_another_backend(default_dir, tmp_path):
+def test_replay_refuses_another_layout_and_another_backend(default_dir, tmp_path, monkeypatch):
     with pytest.raises(LayoutRefused, match="qwen3-next lane runs on one device so far"):
         replay(default_dir, tmp_path / "t", tp=2)
-    with pytest.raises(gdn.HybridRefused, match="runs in Megatron on cpu only so far, not 'cuda'"):
-        gdn.check_replay(default_dir, None, "cuda", 1, 1)
+    with pytest.raises(LayoutRefused, match="qwen3-next lane runs on one device so far"):
+        gdn.check_replay(default_dir, None, "cuda", 2, 1)
+    with pytest.raises(gdn.HybridRefused, match="replays in Megatron on cpu or cuda, not 'tpu'"):
+        gdn.check_replay(default_dir, None, "tpu", 1, 1)
+    # cuda on one GPU passes on to the contract's layout check (its bytes: test_next_gpu.py);
+    # the cuda contract imports Triton, which this machine may lack, so the check is watched
+    from lockstep_megatron.gdn import refusals
+
+    seen = []
+    monkeypatch.setattr(refusals, "geometry_contract", lambda g, **kw: seen.append(kw))
+    gdn.check_replay(default_dir, None, "cuda", 1, 1)
+    assert seen == [{"backend": "cuda", "tp": 1, "ep": 1}]
 
 
 def test_the_trainer_contract_hook_answers_for_the_hybrid_lane(default_dir, tmp_path):

@@ -1,6 +1,8 @@
 """What the Megatron half of the hybrid lane (qwen3-next) refuses, by name, before it reads
-anything else: training (the trainer session: the ladder's
-training gate and ``lockstep train``) and replay on another backend than cpu, other layouts."""
+anything else: training (the trainer session: the ladder's training gate and ``lockstep
+train``) on another backend than cpu; replay on another backend than cpu or cuda (cuda: one
+GPU, shown byte-equal to vLLM 0.26's cuda capture by ``tests/test_next_gpu.py``); other
+layouts."""
 
 from __future__ import annotations
 
@@ -40,13 +42,18 @@ def refuse_training(model_dir: str | Path, backend: str) -> None:
         raise HybridRefused(f"training: {BACKEND_REFUSED.format(backend)}")
 
 
+REPLAY_BACKENDS = ("cpu", "cuda")
+
+
 def check_replay(model_dir, adapter_dir, backend: str, tp: int, ep: int) -> None:
     """What replay of a hybrid model refuses before reading anything else: a backend other
-    than cpu, a layout other than tp 1 ep 1 (the contract's ``LayoutRefused``). An adapter is
-    checked by replay's admission (``export.read_adapter``)."""
+    than cpu or cuda, a layout other than tp 1 ep 1 (the contract's ``LayoutRefused``). An
+    adapter is checked by replay's admission (``export.read_adapter``)."""
     if not is_hybrid(model_dir):
         return
-    if backend != "cpu":
-        raise HybridRefused(BACKEND_REFUSED.format(backend))
+    if backend not in REPLAY_BACKENDS:
+        raise HybridRefused(
+            f"the hybrid lane (qwen3-next) replays in Megatron on cpu or cuda, not {backend!r}"
+        )
     geom = N.Geometry.from_model_dir(model_dir)
     geometry_contract(geom, backend=backend, tp=tp, ep=ep)  # refuses tp / ep > 1, naming both
