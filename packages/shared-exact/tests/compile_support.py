@@ -151,6 +151,7 @@ def main() -> dict:
             {"x_ptr": i16 if bf16 else f32, "ids_ptr": "*i64", "w_ptr": i16},
             {"BF16_IN": bf16, "EP": ep, "LOGE": ep.bit_length() - 1, "KP": kp,
              "LOGK": kp.bit_length() - 1, "NORMALIZE": True},
+            num_warps=moe.router_warps(ep),
         )  # fmt: skip
     for acc_bf16, k in ((True, 8), (False, 8), (True, 3)):
         kp = 1 << (k - 1).bit_length()
@@ -159,12 +160,15 @@ def main() -> dict:
             {"y_ptr": i16, "w_ptr": i16, "o_ptr": i16},
             {"KP": kp, "LOGK": kp.bit_length() - 1, "BH": moe._BLOCK_H, "ACC_BF16": acc_bf16},
         )
+    out["expert plan counts E<=128"] = _case(
+        plan._count_kernel, {"ids_ptr": "*i64", "hist_ptr": "*i32"}, {"EP": 128, "BP": 64}
+    )
     for ep, bp in ((128, 64), (512, 32)):
-        out[f"expert plan E<={ep}"] = _case(
-            plan._plan_kernel,
-            {"ids_ptr": "*i64", "order_ptr": "*i64", "src_ptr": "*i64", "bounds_ptr": "*i64",
-             "tiles_ptr": "*i32"},
-            {"EP": ep, "BP": bp, "BT": 64, "TILE": 64},
+        out[f"expert plan places E<={ep}"] = _case(
+            plan._place_kernel,
+            {"ids_ptr": "*i64", "hist_ptr": "*i32", "order_ptr": "*i64", "src_ptr": "*i64",
+             "bounds_ptr": "*i64", "tiles_ptr": "*i32"},
+            {"EP": ep, "BP": bp, "BH": plan._BH, "BT": plan._BT, "TILE": 64},
             num_warps=8,
         )  # fmt: skip
     out["sample.gumbel_topp one-kernel rounds=3"] = _case(

@@ -269,7 +269,7 @@ def check_plans(out: dict) -> None:
     """The expert plan's kernel against the torch form: every field, element for element."""
     gen = torch.Generator().manual_seed(5)
     for t, k, e in ((1, 8, 128), (64, 8, 128), (37, 4, 60), (300, 8, 128), (5, 1, 3),
-                    (0, 8, 16), (100, 10, 512)):  # fmt: skip
+                    (0, 8, 16), (100, 10, 512), (1024, 8, 128), (2, 64, 256)):  # fmt: skip
         rows = [torch.randperm(e, generator=gen)[:k] for _ in range(t)]
         ids = torch.stack(rows) if t else torch.zeros(0, k, dtype=torch.int64)
         if t > 3:

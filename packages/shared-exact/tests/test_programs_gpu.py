@@ -494,9 +494,13 @@ def test_the_fold_kernel_has_the_definitions_bytes(k):
     assert not same_bytes(P.moe_fold(y, moved)[1], P.moe_fold(y, w)[1])
 
 
-@pytest.mark.parametrize(("t", "k", "e"), [(1, 8, 128), (64, 8, 128), (37, 4, 60), (1000, 8, 512)])
+@pytest.mark.parametrize(
+    ("t", "k", "e"),
+    [(1, 8, 128), (64, 8, 128), (37, 4, 60), (1000, 8, 512), (4096, 8, 128), (2, 64, 256)],
+)
 def test_the_plan_kernel_is_the_torch_plan(t, k, e):
-    """The one-launch expert plan against the torch form on the same device: every field."""
+    """The two-launch expert plan against the torch form on the same device, every field: one
+    block of pairs to 512 blocks (4096 x 8), and more tile programs than blocks (2 x 64)."""
     from lockstep_exact.programs import grouping
 
     ids = _routing(t, k, e, seed=t + e)

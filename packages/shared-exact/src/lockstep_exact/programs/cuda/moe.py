@@ -23,6 +23,14 @@ from .arith import EXACT, next_pow2, require_cuda
 _BLOCK_H = 256  # hidden columns per fold program
 
 
+def router_warps(ep: int) -> int:
+    """Warps per router program (one row of ``ep`` padded experts): one warp up to 128 experts,
+    so the row's max, top-k picks and sums stay inside a warp (no barrier between them; each
+    is exact in any order, so the bytes do not depend on it); four above, where one warp's
+    registers would not hold the row (sm_90: 182 registers and no spill at 128 experts)."""
+    return 1 if ep <= 128 else 4
+
+
 @triton.jit
 def _router_kernel(
     x_ptr, ids_ptr, w_ptr, E, K, stride_x,
@@ -116,7 +124,7 @@ def route(logits: torch.Tensor, k: int, normalize: bool = True):
         _router_kernel[(t,)](
             x.view(torch.int16) if bf16 else x, ids, w, e, k, e, BF16_IN=bf16, EP=ep,
             LOGE=ep.bit_length() - 1, KP=kp, LOGK=kp.bit_length() - 1, NORMALIZE=normalize,
-            **EXACT,
+            num_warps=router_warps(ep), **EXACT,
         )  # fmt: skip
     return ids, w.view(BF16)
 
