@@ -11,7 +11,12 @@ asserted, each on raw bytes with a one-ulp negative control:
   decisions, batched, so prefills and decode steps cross the 64-token gdn chunk) is replayed
   by real megatron-core on cuda byte for byte, and a one-ulp move of one GDN ``in_proj``
   weight in the trainer is caught;
-- CUDA graphs are refused for this lane by name.
+- CUDA graphs are refused for this lane by name;
+- on cuda a request's decisions are the same bytes alone and inside a batch of 64, equal the
+  cpu composition run directly (the hybrid programs' cuda bytes are their cpu bytes), decode
+  across the 64-token chunk equals one prefill of prompt + decisions, and a prefill chunked by
+  a 24-token budget equals one prefill (controls: another seed, a weight one ulp off, a
+  prompt's last token changed). These four have not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -132,3 +137,152 @@ def test_cuda_graphs_are_refused_for_the_hybrid_lane_by_name(next_dir):
     assert "STARTED" not in child.stdout, out[-3000:]
     refusal = "CUDA graphs (cudagraph_mode FULL_DECODE_ONLY) on the qwen3-next lane"
     assert refusal in out, out[-3000:]
+
+
+# --- the lane's bytes on cuda: alone = in a batch of 64 = the cpu composition, chunked, decode ---
+LENGTHS = (5, 61, 64, 100, 200)  # prompts around the gdn chunk boundaries (64, 128, 192)
+ACROSS = 1  # the 61-token prompt: its decisions sit at positions 61..68, across 64
+LONG = 4
+BATCH = 64
+BUDGET = 24  # the chunked engine's token budget: every long prefill is chunked
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(16)
+    more = torch.randint(3, 120, (BATCH - len(LENGTHS),), generator=gen).tolist()
+    return [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (*LENGTHS, *more)]
+
+
+def _params(greedy: bool = False, seed: int = 7):
+    from vllm import SamplingParams
+
+    if greedy:
+        return SamplingParams(temperature=0.0, max_tokens=DECISIONS, logprobs=0, ignore_eos=True)
+    return SamplingParams(
+        temperature=1.0, top_p=1.0, max_tokens=DECISIONS, logprobs=0, seed=seed, ignore_eos=True
+    )
+
+
+def _decisions(out):
+    from lockstep_serving.vllm.offline import sampled_logprobs
+
+    c = out.outputs[0]
+    return list(c.token_ids), sampled_logprobs(c)
+
+
+def _same_and_comparator(a, b, what: str) -> None:
+    from lockstep_exact.parity import same_bytes
+    from lockstep_exact.testing import assert_same_bytes, nudge_ulp
+
+    assert_same_bytes(a, b, what)
+    assert not same_bytes(a, nudge_ulp(b)), f"{what}: the check misses a one-ulp change"
+
+
+@pytest.fixture(scope="module")
+def cuda_runs(next_dir):
+    from serving_support import start_engine, stop_engine
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from lockstep_serving.vllm.offline import prompt_logprobs
+
+    prompts = _prompts()
+    asked = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    first = asked[: len(LENGTHS)]
+    r = {"prompts": prompts}
+    llm = start_engine(next_dir, gpu_memory_utilization=GPU_MEMORY)
+    try:
+        r["batch"] = llm.generate(asked, _params(), use_tqdm=False)
+        r["alone"] = {
+            i: llm.generate([asked[i]], _params(), use_tqdm=False)[0] for i in (ACROSS, LONG)
+        }
+        (r["alone_seed_8"],) = llm.generate([asked[LONG]], _params(seed=8), use_tqdm=False)
+        r["greedy"] = llm.generate(first, _params(greedy=True), use_tqdm=False)
+        tokens, _ = _decisions(r["batch"][ACROSS])
+        one = SamplingParams(max_tokens=1, prompt_logprobs=0, seed=7)
+        whole = TokensPrompt(prompt_token_ids=prompts[ACROSS] + tokens)
+        r["prompt_logprobs"] = prompt_logprobs(llm.generate([whole], one, use_tqdm=False)[0])
+        moved = prompts[ACROSS][:-1] + [3 + (prompts[ACROSS][-1] - 2) % 997] + tokens
+        out = llm.generate([TokensPrompt(prompt_token_ids=moved)], one, use_tqdm=False)[0]
+        r["prompt_logprobs_moved"] = prompt_logprobs(out)
+    finally:
+        stop_engine(llm)
+    torch.cuda.empty_cache()
+    llm = start_engine(
+        next_dir, gpu_memory_utilization=GPU_MEMORY, max_num_batched_tokens=BUDGET, max_num_seqs=8
+    )
+    try:
+        r["chunked"] = llm.generate(first, _params(greedy=True), use_tqdm=False)
+        moved = prompts[LONG][:-1] + [3 + (prompts[LONG][-1] - 2) % 997]
+        (r["chunked_moved"],) = llm.generate(
+            [TokensPrompt(prompt_token_ids=moved)], _params(greedy=True), use_tqdm=False
+        )
+    finally:
+        stop_engine(llm)
+    torch.cuda.empty_cache()
+    return r
+
+
+def test_on_cuda_a_request_alone_equals_it_in_a_batch_of_64_and_the_cpu_composition(
+    cuda_runs, next_dir
+):
+    from safetensors.torch import load_file
+
+    from lockstep_exact.lanes import qwen3_next as N
+    from lockstep_exact.parity import same_bytes
+    from lockstep_exact.testing import nudge_ulp
+
+    for i in (ACROSS, LONG):
+        alone_tokens, alone = _decisions(cuda_runs["alone"][i])
+        batch_tokens, batch = _decisions(cuda_runs["batch"][i])
+        assert alone_tokens == batch_tokens, f"prompt {i}: alone vs a batch of {BATCH}"
+        _same_and_comparator(alone, batch, f"prompt {i}: alone vs a batch of {BATCH} (cuda)")
+    # control: the same request alone with another seed parts from the batched one
+    seed_tokens, seed_8 = _decisions(cuda_runs["alone_seed_8"])
+    batch_tokens, batch = _decisions(cuda_runs["batch"][LONG])
+    assert seed_tokens != batch_tokens or not same_bytes(seed_8, batch)
+    # the cpu composition, prompt + decisions in one pass (its log_softmax included)
+    weights = load_file(str(next_dir / "model.safetensors"))
+    geom = N.Geometry.from_model_dir(next_dir)
+
+    def composition(w, prompt, tokens):
+        ref = N.forward_logprobs(w, geom, torch.tensor(prompt + tokens))
+        return torch.stack([ref[len(prompt) - 1 + j, t] for j, t in enumerate(tokens)])
+
+    for i in range(len(LENGTHS)):
+        tokens, got = _decisions(cuda_runs["batch"][i])
+        want = composition(weights, cuda_runs["prompts"][i], tokens)
+        _same_and_comparator(want, got, f"prompt {i}: vLLM cuda vs the cpu composition")
+    # control: element 0 of the first prompt token's embedding row one ulp off
+    tokens, got = _decisions(cuda_runs["batch"][0])
+    key, row = "model.embed_tokens.weight", cuda_runs["prompts"][0][0]
+    moved = {**weights, key: nudge_ulp(weights[key], row * weights[key].shape[1])}
+    assert not same_bytes(composition(moved, cuda_runs["prompts"][0], tokens), got)
+
+
+def test_on_cuda_decode_across_the_gdn_chunk_equals_one_prefill(cuda_runs):
+    from lockstep_exact.parity import same_bytes
+
+    n = LENGTHS[ACROSS]
+    assert n < 64 < n + DECISIONS
+    _, decode = _decisions(cuda_runs["batch"][ACROSS])
+    # prompt_logprobs(...)[j] is the logprob of token j+1; decision i sits at position n+i
+    prefill = cuda_runs["prompt_logprobs"][n - 1 : n - 1 + DECISIONS]
+    _same_and_comparator(decode, prefill, "decode vs one prefill (cuda)")
+    # control: the prefill of the prompt with its last token changed parts from the decode
+    assert not same_bytes(decode, cuda_runs["prompt_logprobs_moved"][n - 1 : n - 1 + DECISIONS])
+
+
+def test_on_cuda_a_chunked_prefill_equals_one_prefill(cuda_runs):
+    from lockstep_exact.parity import same_bytes
+
+    for i, (whole, chunked) in enumerate(
+        zip(cuda_runs["greedy"], cuda_runs["chunked"], strict=True)
+    ):
+        want_tokens, want = _decisions(whole)
+        tokens, got = _decisions(chunked)
+        assert tokens == want_tokens, f"prompt {i} chunked"
+        _same_and_comparator(want, got, f"prompt {i}: one prefill vs chunks of {BUDGET} (cuda)")
+    # control: the long prompt with its last token changed, chunked, parts from one prefill
+    _, long = _decisions(cuda_runs["greedy"][LONG])
+    assert not same_bytes(long, _decisions(cuda_runs["chunked_moved"])[1])
