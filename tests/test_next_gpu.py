@@ -16,7 +16,9 @@ asserted, each on raw bytes with a one-ulp negative control:
   cpu composition run directly (the hybrid programs' cuda bytes are their cpu bytes), decode
   across the 64-token chunk equals one prefill of prompt + decisions, and a prefill chunked by
   a 24-token budget equals one prefill (controls: another seed, a weight one ulp off, a
-  prompt's last token changed). These four have not run on a GPU yet.
+  prompt's last token changed); with a LoRA adapter on the GDN, attention and expert
+  projections, vLLM's cuda decisions replay byte for byte in Megatron on cuda, and the replay
+  with one GDN factor moved by 2^-9 does not. These four have not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -137,6 +139,43 @@ def test_cuda_graphs_are_refused_for_the_hybrid_lane_by_name(next_dir):
     assert "STARTED" not in child.stdout, out[-3000:]
     refusal = "CUDA graphs (cudagraph_mode FULL_DECODE_ONLY) on the qwen3-next lane"
     assert refusal in out, out[-3000:]
+
+
+def test_megatron_on_cuda_replays_vllm_cuda_lora_decisions_on_the_hybrid_lane(next_dir, tmp_path):
+    from lockstep_exact.adapters import make_adapter
+    from lockstep_exact.app.tiny import default_prompts
+    from lockstep_exact.k3 import compare
+    from lockstep_exact.requests import CaptureRequest
+    from lockstep_exact.testing import perturb_adapter
+    from lockstep_megatron.replay import replay
+    from lockstep_serving.vllm.capture import capture
+
+    ad = make_adapter(next_dir, tmp_path / "A", rank=8, seed=5)
+    trace = capture(
+        CaptureRequest(
+            model_dir=next_dir,
+            prompts=tuple(default_prompts(4)),
+            decisions=DECISIONS,
+            out_dir=tmp_path / "A-trace",
+            seed=3,
+            adapter_dir=ad,
+            backend="cuda",
+            options={"gpu_memory_utilization": GPU_MEMORY},
+        )
+    )
+    torch.cuda.empty_cache()
+    assert trace.adapter_hash is not None and trace.num_decisions == 4 * DECISIONS
+    assert any("linear_attn.in_proj_qkvz.lora_shrink" in k for k in trace.contract["sites"])
+    got, _ = replay(next_dir, tmp_path / "A-trace", ad, backend="cuda", micro_batch=2)
+    cmp = compare(torch.as_tensor(trace.logprobs), got)
+    assert cmp.exact and cmp.k3_max == 0.0, str(cmp)
+    # control: the trainer on an adapter one GDN factor 2^-9 away sees different bytes
+    key = "base_model.model.model.layers.0.linear_attn.in_proj_qkvz.lora_B.weight"
+    pert = perturb_adapter(ad, tmp_path / "A-pert", key)
+    moved, _ = replay(
+        next_dir, tmp_path / "A-trace", pert, backend="cuda", micro_batch=2, control=True
+    )
+    assert not compare(torch.as_tensor(trace.logprobs), moved).exact
 
 
 # --- the lane's bytes on cuda: alone = in a batch of 64 = the cpu composition, chunked, decode ---
