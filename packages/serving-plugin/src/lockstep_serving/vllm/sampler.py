@@ -1,6 +1,6 @@
 """The lane's sampler in vLLM: every token of a lane model is drawn by ``sample.gumbel_topp``.
 
-Two patches (rows of ``patches.TABLE``), both inert for stock models:
+Three patches (rows of ``patches.TABLE``), all inert for stock models:
 
 - ``InputProcessor.process_inputs`` (the front end, where a request is admitted): a request to
   a lane engine whose sampling parameters would change the rule (top_k, min_p, penalties,
@@ -22,9 +22,10 @@ Two patches (rows of ``patches.TABLE``), both inert for stock models:
   rows, gathered exactly as vLLM's own sampler gathers them. Under vLLM's async scheduling
   (its default on the GPU) the step does not wait for the device: a row the rule cannot draw
   from (a NaN, no finite log-probability) comes back as -1 and is refused by name when the
-  tokens reach the host (``AsyncGPUModelRunnerOutput.get_output``, the third row), before
-  vLLM hands any token of that step out. Each request's rule parameters are read and checked
-  once, when the sampler first sees it (``RuleRows``), not every step.
+  tokens reach the host (``AsyncGPUModelRunnerOutput.get_output``, the third patch), before
+  vLLM hands any token of that step out (the step's logprob gathers read token 0 for such a
+  row, so no out-of-range index reaches the device). Each request's rule parameters are
+  read and checked once, when the sampler first sees it (``RuleRows``), not every step.
 - ``AsyncGPUModelRunnerOutput.get_output``: the original, then that refusal for a lane
   step's tokens (other engines' outputs are not touched).
 """
@@ -261,16 +262,20 @@ def lane_sample(self, logits, spec_decode_metadata):
         check=not deferred,
     )  # fmt: skip
 
+    # The logprob gathers index the rows by token: a -1 left for the host check would be an
+    # out-of-range index on the device (a CUDA assert, not the refusal's words), so they read
+    # token 0 there; that step is refused before its tokens or logprobs are handed out.
+    drawn = tokens.clamp_min(0) if deferred else tokens
     num_logprobs = md.max_num_logprobs
     specific = None
     if md.logprob_token_ids:
-        specific = self.sampler.gather_specific_token_logprobs(raw, md.logprob_token_ids, tokens)
+        specific = self.sampler.gather_specific_token_logprobs(raw, md.logprob_token_ids, drawn)
     if num_logprobs is None:
         logprobs_tensors = specific
     elif num_logprobs == -1:
         logprobs_tensors = LogprobsTensors(torch.empty(0), raw, torch.empty(0))
     else:
-        logprobs_tensors = self.sampler.gather_logprobs(raw, num_logprobs, token_ids=tokens)
+        logprobs_tensors = self.sampler.gather_logprobs(raw, num_logprobs, token_ids=drawn)
     if specific is not None and num_logprobs is not None:
         logprobs_tensors = specific
     sampled = tokens.to(torch.int32).unsqueeze(-1)
