@@ -193,28 +193,21 @@ def _prompts() -> list[list[int]]:
 
 
 def _params(greedy: bool = False, seed: int = 7):
-    from vllm import SamplingParams
+    from serving_support import rule_params
 
-    if greedy:
-        return SamplingParams(temperature=0.0, max_tokens=DECISIONS, logprobs=0, ignore_eos=True)
-    return SamplingParams(
-        temperature=1.0, top_p=1.0, max_tokens=DECISIONS, logprobs=0, seed=seed, ignore_eos=True
-    )
+    return rule_params(DECISIONS, greedy=greedy, seed=seed)
 
 
 def _decisions(out):
-    from lockstep_serving.vllm.offline import sampled_logprobs
+    from serving_support import decisions_of
 
-    c = out.outputs[0]
-    return list(c.token_ids), sampled_logprobs(c)
+    return decisions_of(out)
 
 
 def _same_and_comparator(a, b, what: str) -> None:
-    from lockstep_exact.parity import same_bytes
-    from lockstep_exact.testing import assert_same_bytes, nudge_ulp
+    from serving_support import assert_same_bytes_and_comparator
 
-    assert_same_bytes(a, b, what)
-    assert not same_bytes(a, nudge_ulp(b)), f"{what}: the check misses a one-ulp change"
+    assert_same_bytes_and_comparator(a, b, what)
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,26 @@ def stop_engine(llm) -> None:
     cleanup_dist_env_and_memory()
 
 
+def rule_params(max_tokens: int, *, greedy: bool = False, seed: int = 7):
+    """SamplingParams inside the lane's rule: greedy, or temperature 1 and top_p 1 with a seed;
+    the sampled token's logprob returned, EOS ignored."""
+    from vllm import SamplingParams
+
+    if greedy:
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+    return SamplingParams(
+        temperature=1.0, top_p=1.0, max_tokens=max_tokens, logprobs=0, seed=seed, ignore_eos=True
+    )
+
+
+def decisions_of(out):
+    """(token ids, fp32 logprob of each) of a request output's first completion."""
+    from lockstep_serving.vllm.offline import sampled_logprobs
+
+    c = out.outputs[0]
+    return list(c.token_ids), sampled_logprobs(c)
+
+
 def flip_lowest_bit(t):
     """A copy of the float32 tensor ``t`` whose element 0 is one ulp away."""
     out = t.clone()

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
-from serving_support import _ROOT, start_engine, stop_engine
+from serving_support import _ROOT, decisions_of, rule_params, start_engine, stop_engine
 
 from lockstep_exact import programs as P
 from lockstep_exact.app.tiny import default_prompts, make_tiny
@@ -59,22 +59,12 @@ def _prompts() -> list[list[int]]:
 
 
 def _params(greedy: bool = False, seed: int = 7):
-    from vllm import SamplingParams
-
-    if greedy:
-        # vLLM 0.32 on CPU and a seeded request whose prefill is chunked do not mix
-        # (ENVIRONMENT.md), so the chunked engine is compared on greedy decisions.
-        return SamplingParams(temperature=0.0, max_tokens=DECISIONS, logprobs=0, ignore_eos=True)
-    return SamplingParams(
-        temperature=1.0, top_p=1.0, max_tokens=DECISIONS, logprobs=0, seed=seed, ignore_eos=True
-    )
+    # vLLM 0.32 on CPU and a seeded request whose prefill is chunked do not mix
+    # (ENVIRONMENT.md), so the chunked engine is compared on greedy decisions.
+    return rule_params(DECISIONS, greedy=greedy, seed=seed)
 
 
-def _decisions(out):
-    from lockstep_serving.vllm.offline import sampled_logprobs
-
-    c = out.outputs[0]
-    return list(c.token_ids), sampled_logprobs(c)
+_decisions = decisions_of
 
 
 @contextlib.contextmanager
