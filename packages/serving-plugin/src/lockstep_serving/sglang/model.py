@@ -496,7 +496,10 @@ def architecture_for(model_dir) -> str:
     if arch in HYBRID_FAMILIES:
         _refuse(
             f"architecture {arch!r}: its exact lane is served by the vLLM plugin "
-            f"(lockstep_serving.vllm.next), not SGLang; SGLang serves {sorted(LANE_OF_HF)}"
+            "(lockstep_serving.vllm.next), not SGLang: SGLang keeps a hybrid model's recurrent "
+            "state in its MambaPool through HybridLinearAttnBackend's own Gated DeltaNet "
+            "kernels, and the lane has no state backend there to run the exact gdn.chunked at "
+            f"absolute chunk positions; SGLang serves {sorted(LANE_OF_HF)}"
         )
     if arch not in LANE_OF_HF:
         _refuse(f"architecture {arch!r} has no exact lane; supported: {sorted(LANE_OF_HF)}")
