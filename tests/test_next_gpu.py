@@ -259,10 +259,10 @@ def test_on_cuda_a_request_alone_equals_it_in_a_batch_of_64_and_the_cpu_composit
     cuda_runs, next_dir
 ):
     from safetensors.torch import load_file
+    from serving_support import embedding_nudged, next_composition
 
     from lockstep_exact.lanes import qwen3_next as N
     from lockstep_exact.parity import same_bytes
-    from lockstep_exact.testing import nudge_ulp
 
     for i in (ACROSS, LONG):
         alone_tokens, alone = _decisions(cuda_runs["alone"][i])
@@ -276,20 +276,15 @@ def test_on_cuda_a_request_alone_equals_it_in_a_batch_of_64_and_the_cpu_composit
     # the cpu composition, prompt + decisions in one pass (its log_softmax included)
     weights = load_file(str(next_dir / "model.safetensors"))
     geom = N.Geometry.from_model_dir(next_dir)
-
-    def composition(w, prompt, tokens):
-        ref = N.forward_logprobs(w, geom, torch.tensor(prompt + tokens))
-        return torch.stack([ref[len(prompt) - 1 + j, t] for j, t in enumerate(tokens)])
-
     for i in range(len(LENGTHS)):
         tokens, got = _decisions(cuda_runs["batch"][i])
-        want = composition(weights, cuda_runs["prompts"][i], tokens)
+        want = next_composition(weights, geom, cuda_runs["prompts"][i], tokens)
         _same_and_comparator(want, got, f"prompt {i}: vLLM cuda vs the cpu composition")
     # control: element 0 of the first prompt token's embedding row one ulp off
     tokens, got = _decisions(cuda_runs["batch"][0])
-    key, row = "model.embed_tokens.weight", cuda_runs["prompts"][0][0]
-    moved = {**weights, key: nudge_ulp(weights[key], row * weights[key].shape[1])}
-    assert not same_bytes(composition(moved, cuda_runs["prompts"][0], tokens), got)
+    prompt = cuda_runs["prompts"][0]
+    moved = embedding_nudged(weights, prompt[0])
+    assert not same_bytes(next_composition(moved, geom, prompt, tokens), got)
 
 
 def test_on_cuda_decode_across_the_gdn_chunk_equals_one_prefill(cuda_runs):

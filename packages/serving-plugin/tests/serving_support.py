@@ -86,6 +86,24 @@ def nudged_weights(weights: dict, key: str, index: int = 0) -> dict:
     return {**weights, key: nudge_ulp(weights[key], index)}
 
 
+def embedding_nudged(weights: dict, token: int) -> dict:
+    """``weights`` with element 0 of ``token``'s embedding row one bf16 ulp away (the hybrid
+    lane's norms scale by 1 + w: one ulp of a norm weight near 0 is absorbed)."""
+    key = "model.embed_tokens.weight"
+    return nudged_weights(weights, key, token * weights[key].shape[1])
+
+
+def next_composition(weights: dict, geom, prompt: list, tokens: list, adapters=None):
+    """fp32 [len(tokens)]: the qwen3-next composition's logprob of each of ``tokens`` after
+    ``prompt``, run as one forward over prompt + tokens (its log_softmax included)."""
+    import torch
+
+    from lockstep_exact.lanes import qwen3_next as N
+
+    ref = N.forward_logprobs(weights, geom, torch.tensor(prompt + tokens), adapters=adapters)
+    return torch.stack([ref[len(prompt) - 1 + j, t] for j, t in enumerate(tokens)])
+
+
 def nudge_engine_weight(name: str = "model.norm.weight", index: int = 0):
     """For ``llm.apply_model``: in the running lane model, element ``index`` of weight ``name``
     one bf16 ulp up, in place (an input control without a second engine start: every later

@@ -16,7 +16,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
-from serving_support import _ROOT, decisions_of, rule_params, start_engine, stop_engine
+from serving_support import (
+    _ROOT,
+    decisions_of,
+    embedding_nudged,
+    next_composition,
+    rule_params,
+    start_engine,
+    stop_engine,
+)
 
 from lockstep_exact import programs as P
 from lockstep_exact.app.tiny import default_prompts, make_tiny
@@ -134,18 +142,6 @@ def _other(token: int) -> int:
     return 3 + (token - 3 + 1) % 997
 
 
-def _composition(weights, geom, prompt, tokens):
-    ref = N.forward_logprobs(weights, geom, torch.tensor(prompt + tokens))
-    return torch.stack([ref[len(prompt) - 1 + j, t] for j, t in enumerate(tokens)])
-
-
-def _nudged(weights, token: int):
-    """The model's weights with element 0 of ``token``'s embedding row one bf16 ulp away (the
-    lane's norms scale by 1 + w: one ulp of a norm weight near 0 is absorbed)."""
-    key = "model.embed_tokens.weight"
-    return {**weights, key: nudge_ulp(weights[key], token * weights[key].shape[1])}
-
-
 @pytest.fixture(scope="module")
 def runs(model_dir):
     from vllm import SamplingParams
@@ -215,11 +211,12 @@ def test_sampled_logprobs_equal_the_composition_run_directly(runs, model_dir):
         tokens, got = _decisions(out)
         prompt = runs["prompts"][i]
         assert list(out.prompt_token_ids) == prompt
-        want = _composition(weights, geom, prompt, tokens)
+        want = next_composition(weights, geom, prompt, tokens)
         _same_and_comparator(want, got, f"prompt of {len(prompt)} tokens: vLLM vs composition")
     # control: the composition on the model with one weight one ulp off parts from vLLM's bytes
     tokens, got = _decisions(runs["batch"][0])
-    moved = _composition(_nudged(weights, runs["prompts"][0][0]), geom, runs["prompts"][0], tokens)
+    prompt = runs["prompts"][0]
+    moved = next_composition(embedding_nudged(weights, prompt[0]), geom, prompt, tokens)
     assert not same_bytes(moved, got), "the check misses a one-ulp model change"
 
 
@@ -318,7 +315,7 @@ def test_lockstep_capture_records_the_lanes_logprobs(model_dir, tmp_path):
     _same_and_comparator(torch.stack(want), trace.logprobs, "captured vs composition")
     # control: the composition on the model with one weight one ulp off parts from the capture
     prompt, sampled = trace.prompt(0).tolist(), trace.sampled(0).tolist()
-    moved = _composition(_nudged(weights, prompt[0]), geom, prompt, sampled)
+    moved = next_composition(embedding_nudged(weights, prompt[0]), geom, prompt, sampled)
     assert not same_bytes(moved, trace.sequence_logprobs(0))
 
 
