@@ -4,6 +4,7 @@ starts and nothing is timed here)."""
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 
 import pytest
@@ -170,6 +171,52 @@ def test_lane_rows_are_set_beside_stock_and_vllms_batch_invariant_mode():
         "lane-graphs / stock-graphs": {1: 0.5, 16: 0.8},
         "lane-graphs / bi-graphs": {1: 2.0},
     }
+
+
+def test_a_ratio_pairs_the_rounds_that_ran_back_to_back():
+    """The host slowed in round 2 for both engines alike: the paired ratio stays 0.5, while
+    the ratio of the two medians would mix rounds (lane's median is round 3's, stock's round
+    1's)."""
+    bench = _bench()
+    lane = {"tok_s": 60.0, "runs_tok_s": [50.0, 30.0, 60.0]}
+    stock = {"tok_s": 100.0, "runs_tok_s": [100.0, 60.0, 120.0]}
+    assert bench.paired_ratio(lane, stock) == 0.5
+    assert bench.paired_ratio({"tok_s": 60.0}, stock) == 0.6  # unpaired: the medians
+
+
+def test_the_host_side_of_a_call_counts_each_threads_cpu_time():
+    import hashlib
+    import os
+    import threading
+
+    bench = _bench()
+    before = bench._thread_ticks()
+    assert os.getpid() in before  # the main thread's id is the process's
+    done = threading.Event()
+
+    def hash_away():  # sha256 of a large buffer runs without the GIL: a second busy thread
+        data = b"x" * (1 << 22)
+        while not done.is_set():
+            hashlib.sha256(data).digest()
+
+    t0 = time.perf_counter()
+    worker = threading.Thread(target=hash_away)
+    worker.start()
+    while time.perf_counter() < t0 + 0.5:  # the main thread busy too
+        pass
+    after = bench._thread_ticks()  # while the worker lives (an ended thread's time is gone)
+    wall = time.perf_counter() - t0
+    done.set()
+    worker.join()
+    use = bench.cpu_use(before, after, wall)
+    assert use["threads"] >= 2 and 0.3 < use["main"] <= 1.1
+    assert use["process"] >= use["main"] + 0.1  # the worker's time counted beside it
+    assert bench.probe_ms(1000) > 0
+    row = {"concurrency": 4, "tok_s": 10.0, "runs": [
+        {"tok_s": 10.0, "probe_ms": 12.5, "cpu": use},
+    ]}  # fmt: skip
+    text = bench.host_text({"lane-eager": {"rows": [row]}}, [4])
+    assert "| lane-eager | 4 | 12.5 |" in text
 
 
 def test_a_host_profile_names_the_python_functions_that_took_the_time():

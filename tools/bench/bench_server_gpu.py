@@ -6,13 +6,17 @@ and graph settings), same model, same requests, one run.
     python3 tools/bench/bench_server_gpu.py --arch qwen3 --burst 64 [--tokens 128]
         [--servers lane,stock] [--json FILE] [--max-model-len 1024]
 
-Per server: start it on 127.0.0.1 (its output to a log file), wait for ``/health``, send one
-warm-up request, then ``--burst`` concurrent ``/v1/completions`` requests (token-id prompts of
-``--prompt-len`` random ids, fresh per request; ``--tokens`` tokens each, temperature 1,
-``ignore_eos``, request i seeded 1000 + i, ``logprobs=0``); tokens/s = completion tokens of the
-burst / its wall seconds. The log's lines after start-up that mention JIT compilation are
-counted: vLLM's JIT monitor warns when a kernel compiles while serving. Timing only; the
-server's bytes are checked by the tests.
+Both servers are started (one after the other, each on 127.0.0.1 with its output in a log
+file, ``--gpu-memory-utilization`` of the GPU each, default 0.4) and stay up; each gets one
+warm-up request; then ``--rounds`` rounds (default 3), each a burst of ``--burst`` concurrent
+``/v1/completions`` requests to every server in turn, the order rotated by round (token-id
+prompts of ``--prompt-len`` random ids, fresh per request and round; ``--tokens`` tokens each,
+temperature 1, ``ignore_eos``, request i seeded 1000 + i, ``logprobs=0``). tokens/s of a burst
+= its completion tokens / its wall seconds; each server's figure is its median burst, and lane
+/ stock is the median over rounds of the two bursts of a round (run back to back, so a change
+in the host's speed falls on both). The log's lines after start-up that mention JIT
+compilation are counted: vLLM's JIT monitor warns when a kernel compiles while serving.
+Timing only; the server's bytes are checked by the tests.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -52,8 +57,9 @@ def _post(url: str, body: dict, timeout: float) -> dict:
         return json.loads(r.read())
 
 
-def server_cmd(name: str, model: Path, port: int, max_model_len: int) -> list[str]:
-    common = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len)]
+def server_cmd(name: str, model: Path, port: int, max_model_len: int, memory: float) -> list[str]:
+    common = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
+              "--gpu-memory-utilization", str(memory)]  # fmt: skip
     if name == "lane":
         # `lockstep serve` (the CLI's module: tools/gpu/env.sh installs no console script);
         # --verbose sends vLLM's output to this process's log, --log /dev/null keeps the CLI
@@ -83,53 +89,87 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(n)]
 
 
-def run_server(name: str, args, model: Path, vocab: int, log: Path) -> dict:
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    cmd = server_cmd(name, model, port, args.max_model_len)
-    out: dict = {"command": " ".join(cmd)}
-    t0 = time.monotonic()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        _wait_ready(proc, base, t0 + args.start_timeout)
-        out["startup_s"] = round(time.monotonic() - t0, 1)
-        ready_at = log.read_text(errors="replace").count("\n")
-        with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
-            served = json.loads(r.read())["data"][0]["id"]
+class Server:
+    """One server process: started, warmed up, then bursts on demand."""
 
-        def one(i: int, prompt: list[int], tokens: int) -> int:
-            body = {
-                "model": served,
-                "prompt": prompt,
-                "max_tokens": tokens,
-                "temperature": 1.0,
-                "seed": SEED_BASE + i,
-                "ignore_eos": True,
-                "logprobs": 0,
-            }
-            return _post(base + "/v1/completions", body, 600)["usage"]["completion_tokens"]
+    def __init__(self, name: str, args, model: Path, log: Path):
+        self.name, self.args, self.log = name, args, log
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        cmd = server_cmd(name, model, self.port, args.max_model_len, args.gpu_memory_utilization)
+        self.out: dict = {"command": " ".join(cmd), "bursts": []}
+        self.t0 = time.monotonic()
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.served = None
+        self.ready_at = 0
 
-        one(0, _prompts(1, args.prompt_len, vocab, 1)[0], 8)  # warm-up
-        prompts = _prompts(args.burst, args.prompt_len, vocab, 2)
-        t1 = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=args.burst) as pool:
-            done = list(pool.map(lambda ip: one(ip[0], ip[1], args.tokens), enumerate(prompts)))
-        wall = time.perf_counter() - t1
-        out["tokens"] = sum(done)
-        out["wall_s"] = round(wall, 3)
-        out["tok_s"] = round(sum(done) / wall, 1)
-        after = log.read_text(errors="replace").splitlines()[ready_at:]
-        out["jit_lines_after_start"] = [ln for ln in after if "JIT" in ln][:20]
-    except Exception as err:  # noqa: BLE001 - reported in the table, the next server runs
-        out["error"] = f"{type(err).__name__}: {err}"
-    finally:
+    def start(self, vocab: int) -> bool:
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
+            _wait_ready(self.proc, self.base, self.t0 + self.args.start_timeout)
+            self.out["startup_s"] = round(time.monotonic() - self.t0, 1)
+            self.ready_at = self.log.read_text(errors="replace").count("\n")
+            with urllib.request.urlopen(self.base + "/v1/models", timeout=10) as r:
+                self.served = json.loads(r.read())["data"][0]["id"]
+            self._one(0, _prompts(1, self.args.prompt_len, vocab, 1)[0], 8)  # warm-up
+            return True
+        except Exception as err:  # noqa: BLE001 - reported in the table, the other server runs
+            self.out["error"] = f"{type(err).__name__}: {err}"
+            return False
+
+    def _one(self, i: int, prompt: list[int], tokens: int) -> int:
+        body = {
+            "model": self.served,
+            "prompt": prompt,
+            "max_tokens": tokens,
+            "temperature": 1.0,
+            "seed": SEED_BASE + i,
+            "ignore_eos": True,
+            "logprobs": 0,
+        }
+        return _post(self.base + "/v1/completions", body, 600)["usage"]["completion_tokens"]
+
+    def burst(self, prompts: list[list[int]]) -> dict | None:
+        if "error" in self.out:
+            return None
+        try:
+            t1 = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+                done = list(
+                    pool.map(
+                        lambda ip: self._one(ip[0], ip[1], self.args.tokens), enumerate(prompts)
+                    )
+                )
+            wall = time.perf_counter() - t1
+        except Exception as err:  # noqa: BLE001
+            self.out["error"] = f"{type(err).__name__}: {err}"
+            return None
+        b = {"tokens": sum(done), "wall_s": round(wall, 3), "tok_s": round(sum(done) / wall, 1)}
+        self.out["bursts"].append(b)
+        return b
+
+    def finish(self) -> dict:
+        out = self.out
+        if out["bursts"]:
+            mid = sorted(out["bursts"], key=lambda b: b["tok_s"])[(len(out["bursts"]) - 1) // 2]
+            out.update(mid)
+        after = self.log.read_text(errors="replace").splitlines()[self.ready_at :]
+        out["jit_lines_after_start"] = [ln for ln in after if "JIT" in ln][:20]
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
         except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
-    return out
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        return out
+
+
+def paired(lane: list[dict], stock: list[dict]) -> float | None:
+    """lane / stock: the median over rounds of each round's two bursts."""
+    if not lane or len(lane) != len(stock):
+        return None
+    return statistics.median(a["tok_s"] / b["tok_s"] for a, b in zip(lane, stock, strict=True))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,6 +180,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=3, help="bursts per server, taking turns")
+    ap.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.4, help="each server's share of the GPU"
+    )
     ap.add_argument("--start-timeout", type=float, default=240.0)
     ap.add_argument("--model-dir", default="/tmp/lockstep-bench")
     ap.add_argument("--json", default=None)
@@ -147,26 +191,51 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     args.device = "cuda"
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    if args.rounds < 1:
+        ap.error(f"--rounds: {args.rounds}; give 1 or more")
+    if not 0 < args.gpu_memory_utilization * len(servers) <= 0.95:
+        ap.error(
+            f"--gpu-memory-utilization: {len(servers)} servers at {args.gpu_memory_utilization} "
+            "each is more than 0.95 of the GPU"
+        )
     unknown = sorted(set(servers) - set(SERVERS))
     if unknown:
         ap.error(f"--servers: unknown {unknown}; known: {list(SERVERS)}")
     model, kwargs = model_for(args)
     logs = Path(args.logs or model.parent / "server-logs")
     logs.mkdir(parents=True, exist_ok=True)
-    results = {}
+    servers_up = []
     for name in servers:
-        r = run_server(name, args, model, kwargs["vocab"], logs / f"{name}.log")
-        results[name] = r
+        srv = Server(name, args, model, logs / f"{name}.log")
+        ok = srv.start(kwargs["vocab"])
+        shown = f"start-up {srv.out['startup_s']} s" if ok else srv.out["error"]
+        print(f"{name}: {shown}", flush=True)
+        servers_up.append(srv)
+    for r in range(args.rounds):
+        prompts = _prompts(args.burst, args.prompt_len, kwargs["vocab"], 2 + r)
+        k = r % len(servers_up)
+        cells = []
+        for srv in servers_up[k:] + servers_up[:k]:
+            b = srv.burst(prompts)
+            cells.append(f"{srv.name} {b['tok_s']:,} tok/s" if b else f"{srv.name} -")
+        print(
+            f"round {r + 1}/{args.rounds}, burst of {args.burst}: " + ", ".join(cells), flush=True
+        )
+    results = {srv.name: srv.finish() for srv in servers_up}
+    for name, r in results.items():
         shown = r.get("error") or (
-            f"start-up {r['startup_s']} s, {r['tok_s']:,} tok/s "
+            f"start-up {r['startup_s']} s, median burst {r['tok_s']:,} tok/s "
             f"({r['tokens']} tokens in {r['wall_s']} s), "
             f"{len(r['jit_lines_after_start'])} JIT line(s) after start-up"
         )
         print(f"{name}: {shown}", flush=True)
-    if all("tok_s" in results.get(s, {}) for s in SERVERS):
-        ratio = results["lane"]["tok_s"] / results["stock"]["tok_s"]
-        results["lane_over_stock"] = round(ratio, 3)
-        print(f"lane / stock, burst of {args.burst}: {ratio:.3f}")
+    if all(results.get(s, {}).get("bursts") for s in SERVERS):
+        ratio = paired(results["lane"]["bursts"], results["stock"]["bursts"])
+        if ratio is not None:
+            results["lane_over_stock"] = round(ratio, 3)
+            print(
+                f"lane / stock, burst of {args.burst} (median of {args.rounds} rounds): {ratio:.3f}"
+            )
     if args.json:
         settings = {k: v for k, v in vars(args).items() if k != "json"}
         Path(args.json).write_text(json.dumps({"settings": settings, **results}, indent=1))

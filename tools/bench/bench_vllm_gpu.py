@@ -13,20 +13,32 @@ Engines are {lane, stock, bi} x {eager, graphs}. ``lane`` serves the model throu
 ``lockstep_serving.vllm.offline.engine_args(cuda_graphs=...)``; ``stock`` is vLLM's own model class
 (graphs: vLLM's default compile + capture; eager: ``enforce_eager``); ``bi`` is stock run in
 vLLM's own batch-invariant mode (``VLLM_BATCH_INVARIANT=1``), the exactness vLLM offers.
-Each engine runs in a child process of its own (a second engine in one process finds the GPU
-memory taken), whose output goes to the log file; both sides get the same ``max_model_len``,
-``gpu_memory_utilization`` and the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``).
+Each engine runs in a child process of its own, whose output goes to the log file; all get the
+same ``max_model_len`` and ``gpu_memory_utilization`` (default: 0.8 of the GPU shared by the
+engines, at most 0.5 each) and the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``).
+
+The engines are started one after another and all stay up; the timed calls then take turns
+(for each concurrency, round r runs every engine once, the order rotated by r), so a change in
+the host's speed during the run (another tenant, the clock) falls on every engine alike. The
+ratios are the median over rounds of each round's pair (lane and the other engine, back to
+back). On a cloud host the same engine measured 1.6x apart in two runs 20 minutes apart, while
+calls of one run agreed within 5%: compare within a run only.
 
 Requests: token-id prompts of ``--prompt-len`` random ids (seeded, fresh ids for every call, so
 no prefix-cache hits), ``--tokens`` sampled tokens each (temperature 1, ``ignore_eos``, request
 ``i`` seeded ``1000 + i``, ``logprobs=0``). Per engine: start-up, one warm-up call per
 concurrency with 8 tokens (kernels compiled for a batch size are compiled before it is
-timed), then per concurrency ``c`` one timed ``generate`` of ``c`` requests; tokens/s =
-generated tokens / wall seconds of that call. ``--engine-timeout`` bounds each child (start-up
-included): an engine still starting is reported as "not measured: start-up passed N s", the
-concurrencies it did not reach as "not measured: time limit". Ratios lane / stock (eager to
-eager, graphs to graphs) are printed only where both were measured in this run. Timing only:
-bytes are checked by the tests.
+timed), then per concurrency ``c`` and round, one timed ``generate`` of ``c`` requests;
+tokens/s = generated tokens / wall seconds of that call, the table shows the median round.
+``--engine-timeout`` bounds each engine's start-up and warm-up, and each of its calls: an
+engine still starting is reported as "not measured: start-up passed N s", the concurrencies it
+did not reach as "not measured: time limit". Ratios are printed only where both engines were
+measured in this run. Timing only: bytes are checked by the tests.
+
+Each timed call also records the host's side (Linux): the engine process's CPU seconds per
+wall second, its busiest threads by name, and ``probe_ms``, a fixed pure-Python loop timed just
+before the call (the same work in every engine: a slower probe means a slower host, not a
+slower engine).
 
 ``--profile C``: after its timed calls, each engine serves one more call of ``C`` requests
 (``--profile-tokens`` each) under torch's profiler (CUDA activity only, so the host is not
@@ -48,6 +60,8 @@ import json
 import os
 import platform
 import signal
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -410,12 +424,80 @@ def _write(path: Path, result: dict) -> None:
     tmp.replace(path)  # the parent may read it after a kill: never half written
 
 
+def _thread_ticks() -> dict[int, tuple[str, int]]:
+    """{thread id: (name, user + system clock ticks)} of this process (Linux; else {})."""
+    out = {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[int(tid)] = (name, int(fields[11]) + int(fields[12]))  # utime, stime
+    return out
+
+
+def cpu_use(before: dict, after: dict, wall: float, top: int = 4) -> dict:
+    """The process's CPU seconds per wall second between two ``_thread_ticks`` readings, the
+    main thread's, and the ``top`` busiest threads (name, CPU seconds per wall second)."""
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    used = {}
+    for tid, (name, ticks) in after.items():
+        used[tid] = (name, (ticks - before.get(tid, (name, 0))[1]) / hz)
+    if not used or wall <= 0:
+        return {}
+    main = used.get(os.getpid(), ("main", 0.0))[1]
+    busiest = sorted(used.values(), key=lambda nt: -nt[1])[:top]
+    return {
+        "process": round(sum(t for _, t in used.values()) / wall, 3),
+        "main": round(main / wall, 3),
+        "threads": len(used),
+        "busiest": [[n, round(t / wall, 3)] for n, t in busiest if t > 0],
+    }
+
+
+def probe_ms(loops: int = 200_000) -> float:
+    """Milliseconds of a fixed pure-Python loop: the host's speed just now."""
+    t0 = time.perf_counter()
+    total = 0
+    for i in range(loops):
+        total += i * i
+    return round((time.perf_counter() - t0) * 1e3, 3)
+
+
+def _send(conn: socket.socket, message: dict) -> None:
+    conn.sendall((json.dumps(message) + "\n").encode())
+
+
+def _receive(conn: socket.socket, buffer: bytearray, timeout: float | None) -> dict | None:
+    """The next message on ``conn`` (None: the other side closed it); socket.timeout when
+    ``timeout`` seconds pass first."""
+    conn.settimeout(timeout)
+    while b"\n" not in buffer:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None
+        buffer += chunk
+    line, _, rest = bytes(buffer).partition(b"\n")
+    buffer[:] = rest
+    return json.loads(line)
+
+
 def child(args) -> None:
-    """Run one engine; after each phase, write what it has so far to ``args.out``."""
+    """Run one engine: start it and warm it up, then serve the parent's calls over the socket
+    ``args.serve_fd`` (a timed call of c requests in round r; then finish: the profiles and
+    the shut-down). After each phase, write what it has so far to ``args.out``."""
     import faulthandler
 
     faulthandler.enable()
     out = Path(args.out)
+    conn = socket.socket(fileno=args.serve_fd)
+    buffer = bytearray()
     result: dict = {"engine": args.child, "rows": []}
     _write(out, result)
     try:
@@ -479,27 +561,43 @@ def child(args) -> None:
             # Counted from here: start-up's graph captures and the warm-up run the lane's
             # Python forward too.
             steps_before = llm.apply_model(python_decode_steps)[0]
-        for c in concs:
-            runs = []  # each repeat its own prompts: no prefix-cache hit between them
-            for todo in timed[c]:
-                sync()
-                t0 = time.perf_counter()
-                outs = llm.generate(todo, params(c, args.tokens), use_tqdm=False)
-                sync()
-                dt = time.perf_counter() - t0
-                runs.append((sum(len(o.outputs[0].token_ids) for o in outs), dt))
-            n, dt = sorted(runs, key=lambda r: r[0] / r[1])[len(runs) // 2]  # the median call
-            result["rows"].append(
-                {
-                    "engine": args.child,
-                    "concurrency": c,
-                    "tokens": n,
-                    "seconds": round(dt, 4),
-                    "tok_s": round(n / dt, 2),
-                    "runs_tok_s": [round(k / t, 2) for k, t in runs],
-                }
-            )
+        _send(conn, {"ready": True})
+        runs: dict[int, list[dict]] = {}
+        while True:
+            msg = _receive(conn, buffer, None)
+            if msg is None or msg.get("finish"):
+                break
+            c, r = msg["run"], msg["round"]
+            probe = probe_ms()
+            sync()
+            ticks = _thread_ticks()
+            t0 = time.perf_counter()
+            outs = llm.generate(timed[c][r], params(c, args.tokens), use_tqdm=False)
+            sync()
+            dt = time.perf_counter() - t0
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
+            run = {
+                "round": r,
+                "tokens": n,
+                "seconds": round(dt, 4),
+                "tok_s": round(n / dt, 2),
+                "probe_ms": probe,
+                "cpu": cpu_use(ticks, _thread_ticks(), dt),
+            }
+            runs.setdefault(c, []).append(run)
+            mid = sorted(runs[c], key=lambda x: x["tok_s"])[(len(runs[c]) - 1) // 2]
+            row = {
+                "engine": args.child,
+                "concurrency": c,
+                "tokens": mid["tokens"],
+                "seconds": mid["seconds"],
+                "tok_s": mid["tok_s"],
+                "runs_tok_s": [x["tok_s"] for x in runs[c]],
+                "runs": runs[c],
+            }
+            result["rows"] = [x for x in result["rows"] if x["concurrency"] != c] + [row]
             _write(out, result)
+            _send(conn, run)
         if args.child.startswith("lane"):
             # Batched decode steps of the timed calls that the lane's Python forward ran
             # (cuda only; with graphs 0: every decode step was a graph replay).
@@ -526,6 +624,8 @@ def child(args) -> None:
         _write(out, result)
         raise
     _write(out, result)
+    with contextlib.suppress(OSError):
+        _send(conn, {"done": True})
 
 
 # --------------------------------------------------------------------------------- parent side
@@ -562,52 +662,150 @@ def _end_children(signum, _frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def _run_engine(name: str, args, root: Path, model: Path, log: Path) -> dict:
-    out = root / f"{name}.json"
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--root", str(root)]
-    cmd += ["--model", str(model), "--out", str(out), "--device", args.device]
-    cmd += ["--arch", args.arch, "--concurrency", args.concurrency]
-    cmd += ["--tokens", str(args.tokens), "--prompt-len", str(args.prompt_len)]
-    cmd += ["--repeat", str(args.repeat)]
-    cmd += ["--max-model-len", str(args.max_model_len)]
-    cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    if args.capture_sizes:
-        cmd += ["--capture-sizes", args.capture_sizes]
-    if args.profile:
-        cmd += ["--profile", str(args.profile), "--profile-tokens", str(args.profile_tokens)]
-    if args.host_profile:
-        cmd += ["--host-profile"]
-    env = dict(os.environ, **(BATCH_INVARIANT_ENV if name.startswith("bi-") else {}))
-    timed_out = False
-    with log.open("a") as fh:
-        fh.write(f"\n===== engine {name} =====\n")
-        fh.flush()
-        t0 = time.perf_counter()
-        # A session of its own: a timeout ends the child and anything it started.
-        proc = subprocess.Popen(
-            cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=env
-        )
-        _CHILDREN.append(proc)
+class Engine:
+    """One engine child, started, then driven call by call over a socket pair."""
+
+    def __init__(self, name: str, args, root: Path, model: Path, log: Path):
+        self.name, self.args, self.log = name, args, log
+        self.out = root / f"{name}.json"
+        self.proc: subprocess.Popen | None = None
+        self.conn: socket.socket | None = None
+        self.buffer = bytearray()
+        self.t0 = time.perf_counter()
+        self.problem: str | None = None  # why it stopped serving, when it did
+        self._start(root, model)
+
+    def _start(self, root: Path, model: Path) -> None:
+        args = self.args
+        ours, theirs = socket.socketpair()
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", self.name]
+        cmd += ["--root", str(root), "--serve-fd", str(theirs.fileno())]
+        cmd += ["--model", str(model), "--out", str(self.out), "--device", args.device]
+        cmd += ["--arch", args.arch, "--concurrency", args.concurrency]
+        cmd += ["--tokens", str(args.tokens), "--prompt-len", str(args.prompt_len)]
+        cmd += ["--repeat", str(args.repeat)]
+        cmd += ["--max-model-len", str(args.max_model_len)]
+        cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        if args.capture_sizes:
+            cmd += ["--capture-sizes", args.capture_sizes]
+        if args.profile:
+            cmd += ["--profile", str(args.profile), "--profile-tokens", str(args.profile_tokens)]
+        if args.host_profile:
+            cmd += ["--host-profile"]
+        env = dict(os.environ, **(BATCH_INVARIANT_ENV if self.name.startswith("bi-") else {}))
+        with self.log.open("a") as fh:
+            fh.write(f"\n===== engine {self.name} =====\n")
+            fh.flush()
+            # A session of its own: ending it ends anything it started.
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+                pass_fds=(theirs.fileno(),),
+            )
+        theirs.close()
+        self.conn = ours
+        _CHILDREN.append(self.proc)
+
+    @property
+    def live(self) -> bool:
+        return self.problem is None
+
+    def _ask(self, message: dict | None, timeout: float, what: str) -> dict | None:
+        """Send ``message`` (if any), wait for the answer; on a time limit or a child that
+        ended, stop it and note why (the answer is then None)."""
         try:
-            rc = proc.wait(timeout=args.engine_timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
-        finally:
-            _CHILDREN.remove(proc)
-        wall = time.perf_counter() - t0
-    result = json.loads(out.read_text()) if out.exists() else {"engine": name, "rows": []}
-    result["wall_s"] = round(wall, 2)
-    result["rc"] = rc
-    limit = args.engine_timeout
-    if timed_out and "startup_s" not in result:
-        result["not_measured"] = f"not measured: start-up passed {limit:g} s"
-    elif timed_out:
-        result["not_measured"] = f"not measured: time limit {limit:g} s passed"
-    elif rc != 0 and "error" not in result:
-        result["error"] = {"where": "?", "message": f"exit status {rc}, no Python error"}
-    return result
+            if message is not None:
+                _send(self.conn, message)
+            answer = _receive(self.conn, self.buffer, timeout)
+        except TimeoutError:
+            self.stop(f"not measured: {what} passed {timeout:g} s")
+            return None
+        except OSError:
+            answer = None
+        if answer is None:
+            self.stop("ended")
+        return answer
+
+    def ready(self) -> bool:
+        return self._ask(None, self.args.engine_timeout, "start-up") is not None
+
+    def run(self, c: int, r: int) -> dict | None:
+        return self._ask({"run": c, "round": r}, self.args.engine_timeout, "time limit")
+
+    def finish(self) -> None:
+        if self.live and self._ask({"finish": True}, self.args.engine_timeout, "time limit"):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=60)
+        self.stop(None)
+
+    def stop(self, why: str | None) -> None:
+        if self.problem is None:
+            self.problem = why or "done"
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait()
+            if self.proc in _CHILDREN:
+                _CHILDREN.remove(self.proc)
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def result(self) -> dict:
+        """What the child wrote, with how it ended."""
+        out = self.out
+        result = json.loads(out.read_text()) if out.exists() else {"engine": self.name, "rows": []}
+        result["wall_s"] = round(time.perf_counter() - self.t0, 2)
+        rc = self.proc.returncode if self.proc is not None else None
+        result["rc"] = rc
+        why = self.problem or ""
+        if why.startswith("not measured: start-up") or (
+            why.startswith("not measured") and "startup_s" not in result
+        ):
+            limit = self.args.engine_timeout
+            result["not_measured"] = f"not measured: start-up passed {limit:g} s"
+        elif why.startswith("not measured"):
+            result["not_measured"] = why
+        elif why == "ended" and "error" not in result:
+            result["error"] = {"where": "?", "message": f"exit status {rc}, no Python error"}
+        return result
+
+
+def run_engines(args, engines: list[str], root: Path, model: Path, log: Path) -> dict:
+    """Start every engine (one after another), take the timed calls in turns, then let each
+    finish (profiles, shut-down). Returns each engine's result, in ``engines``' order."""
+    concs = parse_concurrency(args.concurrency)
+    started: list[Engine] = []
+    for i, name in enumerate(engines, 1):
+        eng = Engine(name, args, root, model, log)
+        started.append(eng)
+        if eng.ready():
+            r = json.loads(eng.out.read_text())
+            print(
+                f"[{i}/{len(engines)}] {name}: up (start-up {r.get('startup_s', 0):.1f} s, "
+                f"warm-up {r.get('warmup_s', 0):.1f} s)",
+                flush=True,
+            )
+        else:
+            print(f"[{i}/{len(engines)}] {name}: {_progress(eng.result())}", flush=True)
+    for c in concs:
+        for r in range(args.repeat):
+            live = [e for e in started if e.live]
+            if not live:
+                break
+            k = r % len(live)
+            cells = []
+            for eng in live[k:] + live[:k]:  # each round starts with another engine
+                got = eng.run(c, r)
+                cells.append(f"{eng.name} {_fmt(got['tok_s'])}" if got else f"{eng.name} -")
+            print(f"  {c} requests, round {r + 1}/{args.repeat}: " + ", ".join(cells), flush=True)
+    for eng in started:
+        eng.finish()
+    return {eng.name: eng.result() for eng in started}
 
 
 def _fmt(value: float) -> str:
@@ -630,21 +828,54 @@ def _progress(r: dict) -> str:
     return "; ".join(parts) + f" (wall {r['wall_s']:.1f} s)"
 
 
+def paired_ratio(lane_row: dict, base_row: dict) -> float:
+    """lane / other tokens/s of one cell: the median over rounds of each round's pair (the two
+    calls ran back to back), or the ratio of the medians where the rounds do not pair up."""
+    a, b = lane_row.get("runs_tok_s"), base_row.get("runs_tok_s")
+    if a and b and len(a) == len(b):
+        return statistics.median(x / y for x, y in zip(a, b, strict=True))
+    return lane_row["tok_s"] / base_row["tok_s"]
+
+
 def ratios(results: dict, concs: list[int]) -> dict:
     """lane / stock and lane / bi tokens/s per mode and concurrency, where both were measured
-    in this run."""
+    in this run (``paired_ratio``)."""
     out = {}
     for mode in ("eager", "graphs"):
         for other in ("stock", "bi"):
             lane, base = results.get(f"lane-{mode}"), results.get(f"{other}-{mode}")
             if not lane or not base:
                 continue
-            lrow = {x["concurrency"]: x["tok_s"] for x in lane["rows"]}
-            brow = {x["concurrency"]: x["tok_s"] for x in base["rows"]}
-            both = {c: round(lrow[c] / brow[c], 4) for c in concs if c in lrow and c in brow}
+            lrow = {x["concurrency"]: x for x in lane["rows"]}
+            brow = {x["concurrency"]: x for x in base["rows"]}
+            both = {
+                c: round(paired_ratio(lrow[c], brow[c]), 4)
+                for c in concs
+                if c in lrow and c in brow
+            }
             if both:
                 out[f"lane-{mode} / {other}-{mode}"] = both
     return out
+
+
+def host_text(results: dict, concs: list[int]) -> str:
+    """Per engine and concurrency, the median round's host side: probe ms, the process's CPU
+    seconds per wall second (main thread's), and its busiest threads."""
+    lines = ["| engine | requests | probe ms | CPU s/s (main) | busiest threads (CPU s/s) |"]
+    lines.append("| --- | --- | --- | --- | --- |")
+    for name, r in results.items():
+        for row in sorted(r["rows"], key=lambda x: x["concurrency"]):
+            runs = row.get("runs") or []
+            mid = next((x for x in runs if x["tok_s"] == row["tok_s"]), None)
+            if not mid or not mid.get("cpu"):
+                continue
+            cpu = mid["cpu"]
+            busy = ", ".join(f"{n} {t:.2f}" for n, t in cpu["busiest"])
+            lines.append(
+                f"| {name} | {row['concurrency']} | {mid['probe_ms']:.1f} | "
+                f"{cpu['process']:.2f} ({cpu['main']:.2f}) | {busy} |"
+            )
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def table(results: dict, concs: list[int], ratio: dict) -> str:
@@ -682,8 +913,18 @@ def main(argv: list[str] | None = None) -> None:
         help="timed calls per cell, each with fresh prompts; the table shows the median call",
     )
     ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    ap.add_argument("--engine-timeout", type=float, default=300.0, help="seconds per engine")
+    ap.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="each engine's share of the GPU (default: 0.8 / engines, at most 0.5)",
+    )
+    ap.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=300.0,
+        help="seconds for an engine's start-up and warm-up, and for each of its calls",
+    )
     ap.add_argument(
         "--capture-sizes",
         default=None,
@@ -710,6 +951,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--root", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--serve-fd", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         child(args)
@@ -720,6 +962,13 @@ def main(argv: list[str] | None = None) -> None:
         args.engines = ",".join(n for n in ENGINES if args.device == "cuda" or "graphs" not in n)
     try:
         engines = parse_engines(args.engines, args.device)
+        if args.gpu_memory_utilization is None:
+            args.gpu_memory_utilization = round(min(0.5, 0.8 / len(engines)), 3)
+        elif not 0 < (share := args.gpu_memory_utilization * len(engines)) <= 0.95:
+            raise BenchArgumentError(
+                f"--gpu-memory-utilization: {len(engines)} engines share the GPU at once; "
+                f"{args.gpu_memory_utilization} each is {share:.2f} of it (at most 0.95 in all)"
+            )
         concs = parse_concurrency(args.concurrency)
         if args.capture_sizes:
             parse_concurrency(args.capture_sizes, "--capture-sizes")
@@ -743,14 +992,14 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"{args.arch} on {args.device}: {make_kwargs}; {args.prompt_len}-token prompts, "
         f"{args.tokens} sampled tokens per request, concurrency {concs} (median of "
-        f"{args.repeat} timed calls), max_model_len "
+        f"{args.repeat} rounds, the engines taking turns), max_model_len "
         f"{args.max_model_len}, V1 runner (VLLM_USE_V2_MODEL_RUNNER=0), "
-        f"{args.engine_timeout:g} s per engine; log {log}",
+        f"{args.gpu_memory_utilization} of the GPU per engine, "
+        f"{args.engine_timeout:g} s limit on each start-up and call; log {log}",
         flush=True,
     )
-    results: dict[str, dict] = {}
-    for i, name in enumerate(engines, 1):
-        results[name] = r = _run_engine(name, args, root, model, log)
+    results = run_engines(args, engines, root, model, log)
+    for i, (name, r) in enumerate(results.items(), 1):
         print(f"[{i}/{len(engines)}] {name}: {_progress(r)}", flush=True)
 
     ratio = ratios(results, concs)
@@ -760,6 +1009,10 @@ def main(argv: list[str] | None = None) -> None:
     where += [f"{k} {versions[k]}" for k in ("vllm", "torch") if versions.get(k)]
     print(f"\ntokens/s, {', '.join(where)}, V1 runner (VLLM_USE_V2_MODEL_RUNNER=0):\n")
     print(table(results, concs, ratio))
+    host = host_text(results, concs)
+    if host:
+        print("\nThe host during the median round (probe: the same Python loop in each engine):\n")
+        print(host)
     for name, r in results.items():
         if "profile" in r:
             print("\nWhere the time goes, " + profile_text(name, r["profile"]))
