@@ -13,12 +13,12 @@ asserted, each on raw bytes with a one-ulp negative control:
   weight in the trainer is caught;
 - CUDA graphs are refused for this lane by name;
 - on cuda a request's decisions are the same bytes alone and inside a batch of 64, equal the
-  cpu composition run directly (the hybrid programs' cuda bytes are their cpu bytes), decode
-  across the 64-token chunk equals one prefill of prompt + decisions, and a prefill chunked by
-  a 24-token budget equals one prefill (controls: another seed, a weight one ulp off, a
-  prompt's last token changed); with a LoRA adapter on the GDN, attention and expert
-  projections, vLLM's cuda decisions replay byte for byte in Megatron on cuda, and the replay
-  with one GDN factor moved by 2^-9 does not. These four have not run on a GPU yet.
+  composition run directly with the cuda programs (the cuda lane's contract; its bytes are not the
+  cpu lane's), decode across the 64-token chunk equals one prefill of prompt + decisions, and a
+  prefill chunked by a 24-token budget equals one prefill (controls: another seed, a weight one
+  ulp off, a prompt's last token changed); with a LoRA adapter on the GDN, attention and expert
+  projections (the adapter made for the cuda lane's contract), vLLM's cuda decisions replay byte
+  for byte in Megatron on cuda, and the replay with one GDN factor moved by 2^-9 does not.
 """
 
 from __future__ import annotations
@@ -145,12 +145,15 @@ def test_megatron_on_cuda_replays_vllm_cuda_lora_decisions_on_the_hybrid_lane(ne
     from lockstep_exact.adapters import make_adapter
     from lockstep_exact.app.tiny import default_prompts
     from lockstep_exact.k3 import compare
+    from lockstep_exact.model import ModelDir
     from lockstep_exact.requests import CaptureRequest
     from lockstep_exact.testing import perturb_adapter
     from lockstep_megatron.replay import replay
     from lockstep_serving.vllm.capture import capture
 
-    ad = make_adapter(next_dir, tmp_path / "A", rank=8, seed=5)
+    # The adapter names the cuda lane (the cuda programs' contract is not the cpu one's)
+    cuda = ModelDir(next_dir, hybrid=True).contract("cuda").fingerprint
+    ad = make_adapter(next_dir, tmp_path / "A", rank=8, seed=5, contract=cuda)
     trace = capture(
         CaptureRequest(
             model_dir=next_dir,
@@ -178,7 +181,7 @@ def test_megatron_on_cuda_replays_vllm_cuda_lora_decisions_on_the_hybrid_lane(ne
     assert not compare(torch.as_tensor(trace.logprobs), moved).exact
 
 
-# --- the lane's bytes on cuda: alone = in a batch of 64 = the cpu composition, chunked, decode ---
+# --- on cuda: alone = in a batch of 64 = the composition on cuda; chunked; decode ---
 LENGTHS = (5, 61, 64, 100, 200)  # prompts around the gdn chunk boundaries (64, 128, 192)
 ACROSS = 1  # the 61-token prompt: its decisions sit at positions 61..68, across 64
 LONG = 4
@@ -255,7 +258,7 @@ def cuda_runs(next_dir):
     return r
 
 
-def test_on_cuda_a_request_alone_equals_it_in_a_batch_of_64_and_the_cpu_composition(
+def test_on_cuda_a_request_alone_equals_it_in_a_batch_of_64_and_the_cuda_composition(
     cuda_runs, next_dir
 ):
     from safetensors.torch import load_file
@@ -273,18 +276,19 @@ def test_on_cuda_a_request_alone_equals_it_in_a_batch_of_64_and_the_cpu_composit
     seed_tokens, seed_8 = _decisions(cuda_runs["alone_seed_8"])
     batch_tokens, batch = _decisions(cuda_runs["batch"][LONG])
     assert seed_tokens != batch_tokens or not same_bytes(seed_8, batch)
-    # the cpu composition, prompt + decisions in one pass (its log_softmax included)
+    # the composition on the cuda backend (the lane's contract there), prompt + decisions in
+    # one pass (its log_softmax included): no engine, no cache, no batch
     weights = load_file(str(next_dir / "model.safetensors"))
     geom = N.Geometry.from_model_dir(next_dir)
     for i in range(len(LENGTHS)):
         tokens, got = _decisions(cuda_runs["batch"][i])
-        want = next_composition(weights, geom, cuda_runs["prompts"][i], tokens)
-        _same_and_comparator(want, got, f"prompt {i}: vLLM cuda vs the cpu composition")
+        want = next_composition(weights, geom, cuda_runs["prompts"][i], tokens, backend="cuda")
+        _same_and_comparator(want, got, f"prompt {i}: vLLM cuda vs the cuda composition")
     # control: element 0 of the first prompt token's embedding row one ulp off
     tokens, got = _decisions(cuda_runs["batch"][0])
     prompt = cuda_runs["prompts"][0]
     moved = embedding_nudged(weights, prompt[0])
-    assert not same_bytes(next_composition(moved, geom, prompt, tokens), got)
+    assert not same_bytes(next_composition(moved, geom, prompt, tokens, backend="cuda"), got)
 
 
 def test_on_cuda_decode_across_the_gdn_chunk_equals_one_prefill(cuda_runs):

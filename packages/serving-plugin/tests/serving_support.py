@@ -93,14 +93,23 @@ def embedding_nudged(weights: dict, token: int) -> dict:
     return nudged_weights(weights, key, token * weights[key].shape[1])
 
 
-def next_composition(weights: dict, geom, prompt: list, tokens: list, adapters=None):
-    """fp32 [len(tokens)]: the qwen3-next composition's logprob of each of ``tokens`` after
-    ``prompt``, run as one forward over prompt + tokens (its log_softmax included)."""
+def next_composition(
+    weights: dict, geom, prompt: list, tokens: list, adapters=None, backend: str = "cpu"
+):
+    """fp32 [len(tokens)] on the host: the qwen3-next composition's logprob of each of
+    ``tokens`` after ``prompt``, run as one forward over prompt + tokens (its log_softmax
+    included) with ``backend``'s programs (the lane's contract on that backend; cuda moves
+    the weights and tokens there)."""
     import torch
 
     from lockstep_exact.lanes import qwen3_next as N
 
-    ref = N.forward_logprobs(weights, geom, torch.tensor(prompt + tokens), adapters=adapters)
+    ids = torch.tensor(prompt + tokens)
+    if backend != "cpu":
+        weights = {k: v.to(backend) for k, v in weights.items()}
+        ids = ids.to(backend)
+    ops = N.default_ops(geom, backend)
+    ref = N.forward_logprobs(weights, geom, ids, ops=ops, adapters=adapters).cpu()
     return torch.stack([ref[len(prompt) - 1 + j, t] for j, t in enumerate(tokens)])
 
 
