@@ -185,6 +185,12 @@ def main(argv: list[str] | None = None) -> None:
         "--gpu-memory-utilization", type=float, default=0.4, help="each server's share of the GPU"
     )
     ap.add_argument("--start-timeout", type=float, default=240.0)
+    ap.add_argument(
+        "--start-together",
+        action="store_true",
+        help="launch both servers at once (a shorter run; each profiles its memory beside the "
+        "other's start-up, so leave it off where the KV cache's size matters)",
+    )
     ap.add_argument("--model-dir", default="/tmp/lockstep-bench")
     ap.add_argument("--json", default=None)
     ap.add_argument("--logs", default=None, help="folder for the servers' logs")
@@ -205,12 +211,15 @@ def main(argv: list[str] | None = None) -> None:
     logs = Path(args.logs or model.parent / "server-logs")
     logs.mkdir(parents=True, exist_ok=True)
     servers_up = []
-    for name in servers:
-        srv = Server(name, args, model, logs / f"{name}.log")
+    if args.start_together:  # every process launched before the first is waited for
+        servers_up = [Server(name, args, model, logs / f"{name}.log") for name in servers]
+    for i, name in enumerate(servers):
+        if not args.start_together:
+            servers_up.append(Server(name, args, model, logs / f"{name}.log"))
+        srv = servers_up[i]
         ok = srv.start(kwargs["vocab"])
         shown = f"start-up {srv.out['startup_s']} s" if ok else srv.out["error"]
         print(f"{name}: {shown}", flush=True)
-        servers_up.append(srv)
     for r in range(args.rounds):
         prompts = _prompts(args.burst, args.prompt_len, kwargs["vocab"], 2 + r)
         k = r % len(servers_up)
