@@ -17,7 +17,13 @@ as inside an engine's decode step, where every layer's attention shares one repl
 rows are also timed as twenty calls a replay, each on its own weight, as a model's layers run.
 
     PYTHONPATH=packages/shared-exact/src python3 tools/bench/bench_gpu.py [--sweep] [--json F]
-        [--only gemm|attention|norms] [--block 32]
+        [--only gemm|attention|norms|moe] [--block 32]
+
+The MoE rows (``--only moe``) time a decode step's expert kernels at 1 to 256 requests of
+Qwen3-30B-A3B layer shape: the router and the expert plan against their torch forms, and each
+grouped expert site against reading the touched experts' weights once (the floor of a
+bandwidth-bound kernel); ``--sweep`` adds the grouped kernel's other forms (columns a program,
+pipeline stages), each timed only where its bytes equal the default form's.
 
 Targets: gemm >= 0.9x cuBLAS at M >= 1024 and M <= 128; attention >= 0.8x SDPA;
 rmsnorm and log_softmax >= 1.0x torch.
@@ -45,6 +51,13 @@ BF16 = torch.bfloat16
 F32 = torch.float32
 # Qwen3-8B-like shapes: hidden 4096, 32 query heads and 8 kv heads of 128.
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 4096, 32, 8, 128
+# Qwen3-30B-A3B layer shapes: hidden 2048, 128 experts, top 8, expert intermediate 768; the
+# expert sites' programs as the qwen3-moe lane's contract names them.
+MOE_HIDDEN, MOE_EXPERTS, MOE_TOPK, MOE_INTER = 2048, 128, 8, 768
+MOE_SITES = {  # site: (N, K, gemm.kpart partitions; 1 is gemm.kblock), bk 32
+    "gate_proj": (MOE_INTER, MOE_HIDDEN, 1),
+    "down_proj": (MOE_HIDDEN, MOE_INTER, 8),
+}
 
 
 def bench(fn: Callable[[], object]) -> float:
@@ -324,12 +337,83 @@ def norm_rows(table):
                 1.0, graph=graph)  # fmt: skip
 
 
+def grouped_forms(x, w, plan, parts, sweep):
+    """(label, callable) of the grouped kernel's forms to time: the default, and with
+    ``sweep`` every (columns a program, pipeline stages) pair whose bytes equal the default's
+    on this input (a form that parts from them is reported, never timed)."""
+    from lockstep_exact.programs.cuda import grouped as G
+
+    size = x.shape[1] // parts
+    n_dim = w.shape[1]
+
+    def launch(block_n=None, stages=G._STAGES):
+        y = torch.empty(plan.pairs, n_dim, dtype=BF16 if parts == 1 else F32, device="cuda")
+        G._launch(x, w, y, plan.tiles, plan.pairs, plan.tiles.shape[0], size, 32, parts, 1,
+                  block_n=block_n, stages=stages)  # fmt: skip
+        return y
+
+    forms = [("default", launch)]
+    if sweep:
+        want = launch()
+        for block_n, stages in itertools.product((32, 64, 128), (2, 3, 4, 5)):
+            label = f"BN={block_n} stages={stages}"
+            fn = lambda b=block_n, st=stages: launch(b, st)  # noqa: E731
+            try:
+                same = torch.equal(fn(), want)
+            except Exception as err:  # noqa: BLE001 -- a form Triton cannot build here
+                print(f"grouped form {label}: not built ({type(err).__name__})", flush=True)
+                continue
+            if not same:
+                print(f"grouped form {label}: BYTES DIFFER from the default; not timed")
+                continue
+            forms.append((label, fn))
+    return forms
+
+
+def moe_rows(table, sweep):
+    """The MoE decode step's own kernels at 1 to 256 requests: the router against torch's
+    softmax + topk, the expert plan against the torch plan (argsort), and each grouped expert
+    site against reading the touched experts' weights once (``w[:touched].sum()``: the bytes a
+    bandwidth-bound kernel must read, so speed is the fraction of that floor it reaches).
+    Graph x20: twenty calls in one replay, as inside the engine's decode graph."""
+    from lockstep_exact.programs import grouping
+
+    for t in (1, 16, 64, 256):
+        logits = rand(t, MOE_EXPERTS, scale=2.0)
+
+        def base_router(lg=logits):
+            w, ids = torch.topk(torch.softmax(lg.float(), -1), MOE_TOPK)
+            return ids, (w / w.sum(-1, keepdim=True)).to(BF16)
+
+        for graph in (0, 20):
+            row(table, "router", f"T={t} E={MOE_EXPERTS} k={MOE_TOPK}" + mode_label(graph),
+                lambda lg=logits: P.router_topk(lg, MOE_TOPK), base_router,
+                "torch softmax+topk", graph=graph)  # fmt: skip
+        ids, _ = P.router_topk(logits, MOE_TOPK)
+        row(table, "expert_plan", f"T={t} E={MOE_EXPERTS} k={MOE_TOPK}" + mode_label(20),
+            lambda i=ids: P.expert_plan(i, MOE_EXPERTS),
+            lambda i=ids: grouping.expert_plan(i, MOE_EXPERTS), "torch plan", graph=20)  # fmt: skip
+        plan = P.expert_plan(ids, MOE_EXPERTS)
+        touched = int(torch.unique(ids).numel())
+        for site, (n_dim, k_dim, parts) in MOE_SITES.items():
+            w = rand(MOE_EXPERTS, n_dim, k_dim, scale=0.02)
+            x = rand(plan.pairs, k_dim)
+            floor = w[:touched]
+            for label, fn in grouped_forms(x, w, plan, parts, sweep):
+                row(table, f"grouped {site}",
+                    f"T={t} pairs={plan.pairs} experts={touched} {label}" + mode_label(20),
+                    fn, lambda f=floor: f.sum(), "read W once", graph=20,
+                    extra=f"{floor.numel() * 2 / 1e6:.0f} MB")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--sweep", action="store_true", help="also time every gemm tiling and attention segment"
+        "--sweep",
+        action="store_true",
+        help="also time every gemm tiling, attention segment and grouped-expert form",
     )
-    ap.add_argument("--only", default="", help="gemm, attention or norms")
+    ap.add_argument("--only", default="", help="gemm, attention, norms or moe")
     ap.add_argument(
         "--block", type=int, action="append", help="attention key blocks to time (default: all)"
     )
@@ -355,6 +439,8 @@ def main() -> None:
                 paged_decode_rows(table, block, batch)
     if args.only in ("", "norms"):
         norm_rows(table)
+    if args.only in ("", "moe"):
+        moe_rows(table, args.sweep)
     print("\n| op | shape | exact (us) | torch op | torch (us) | speed | target | |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in table:

@@ -192,9 +192,14 @@ def _check(x, w, bk: int, parts: int, what: str) -> int:
     return k_dim // parts
 
 
-def _launch(x, w3, y, tiles, m_dim, n_tiles_m, size, bk, parts, mode):
+def _launch(
+    x, w3, y, tiles, m_dim, n_tiles_m, size, bk, parts, mode, *, block_n=None, stages=_STAGES
+):
+    """One launch of ``_grouped_kernel``. ``block_n`` (default: ``_block_n``) and ``stages``
+    are forms: an element's K order does not depend on them (tools/bench/bench_gpu.py times
+    them and checks the bytes)."""
     block_k = k_step(bk, size)
-    block_n = _block_n(n_tiles_m, y.shape[1])
+    block_n = block_n or _block_n(n_tiles_m, y.shape[1])
     grid = (n_tiles_m, triton.cdiv(y.shape[1], block_n))
     _grouped_kernel[grid](
         x,
@@ -215,7 +220,7 @@ def _launch(x, w3, y, tiles, m_dim, n_tiles_m, size, bk, parts, mode):
         EVEN_K=size % block_k == 0,
         MODE=mode,
         num_warps=_WARPS,
-        num_stages=_STAGES,
+        num_stages=stages,
     )
 
 
