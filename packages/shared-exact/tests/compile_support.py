@@ -148,7 +148,7 @@ def main() -> dict:
         ep, kp = 1 << (e - 1).bit_length(), 1 << (k - 1).bit_length()
         out[f"router.softmax_topk E={e} k={k} bf16={bf16}"] = _case(
             moe._router_kernel,
-            {"x_ptr": i16 if bf16 else f32, "ids_ptr": "*i64", "w_ptr": i16},
+            {"x_ptr": i16 if bf16 else f32, "ids_ptr": "*i64", "w_ptr": i16, "s_ptr": f32},
             {"BF16_IN": bf16, "EP": ep, "LOGE": ep.bit_length() - 1, "KP": kp,
              "LOGK": kp.bit_length() - 1, "NORMALIZE": True},
             num_warps=moe.router_warps(ep),

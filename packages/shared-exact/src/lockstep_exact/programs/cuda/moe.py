@@ -33,7 +33,7 @@ def router_warps(ep: int) -> int:
 
 @triton.jit
 def _router_kernel(
-    x_ptr, ids_ptr, w_ptr, E, K, stride_x,
+    x_ptr, ids_ptr, w_ptr, s_ptr, E, K, stride_x,
     BF16_IN: tl.constexpr, EP: tl.constexpr, LOGE: tl.constexpr, KP: tl.constexpr,
     LOGK: tl.constexpr, NORMALIZE: tl.constexpr,
 ):  # fmt: skip
@@ -52,19 +52,30 @@ def _router_kernel(
     m = tl.max(tl.where(real, x, -em.INF), 0)
     m = tl.where(nan_in > 0, em.nan_like(m), m)
     e = tl.where(real, em.exp(x - m), 0.0)  # +0 past E: tree_sum's padding
-    total = em.tree_cols(tl.reshape(e, (1, EP)), 1, EP, LOGE)
+    # The pair tree reads e back from this row's scratch: its reshapes want every value in
+    # each lane, and without the round trip the compiler recomputes the whole exp chain in
+    # that layout (the row's 128 exps in every lane) instead of moving the values once.
+    tl.store(s_ptr + row * EP + es, e)
+    tl.debug_barrier()
+    total = em.tree_cols(tl.reshape(tl.load(s_ptr + row * EP + es), (1, EP)), 1, EP, LOGE)
     p = tl.math.div_rn(e, tl.broadcast_to(total, (EP,)))
     key = tl.where(real, tl.where(p != p, -1.0, p), -2.0)  # p >= +0 or NaN
     chosen = es < 0
     for _ in range(K):
         best = tl.argmax(tl.where(chosen, -3.0, key), 0, tie_break_left=True)
         chosen = chosen | (es == best)
-    # ascending ids: the j-th chosen id goes to slot j; its p comes along (a sum of it and +0s)
-    slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    # ascending ids: slot j takes the j-th smallest chosen id, and its p comes along (a sum of
+    # it and +0s); every reduction here is over the row's own layout, one value a lane
     ks = tl.arange(0, KP)
-    hit = chosen[None, :] & (slot[None, :] == ks[:, None])
-    ids = tl.max(tl.where(hit, es[None, :], -1), 1)
-    w = tl.sum(tl.where(hit, p[None, :], 0.0), 1)  # +0 past K
+    ids = tl.full((KP,), -1, tl.int32)
+    w = tl.zeros((KP,), tl.float32)  # +0 past K
+    last = -1
+    for j in range(K):
+        nxt = tl.min(tl.where(chosen & (es > last), es, EP), 0)
+        pj = tl.sum(tl.where(es == nxt, p, 0.0), 0)
+        ids = tl.where(ks == j, nxt, ids)
+        w = tl.where(ks == j, pj, w)
+        last = nxt
     if NORMALIZE:
         norm = em.tree_cols(tl.reshape(w, (1, KP)), 1, KP, LOGK)
         w = tl.math.div_rn(w, tl.broadcast_to(norm, (KP,)))
@@ -121,8 +132,9 @@ def route(logits: torch.Tensor, k: int, normalize: bool = True):
     w = torch.empty(t, k, dtype=torch.int16, device=x.device)
     if t:
         ep, kp = next_pow2(e), next_pow2(k)
+        scratch = torch.empty(t, ep, dtype=F32, device=x.device)
         _router_kernel[(t,)](
-            x.view(torch.int16) if bf16 else x, ids, w, e, k, e, BF16_IN=bf16, EP=ep,
+            x.view(torch.int16) if bf16 else x, ids, w, scratch, e, k, e, BF16_IN=bf16, EP=ep,
             LOGE=ep.bit_length() - 1, KP=kp, LOGK=kp.bit_length() - 1, NORMALIZE=normalize,
             num_warps=router_warps(ep), **EXACT,
         )  # fmt: skip
