@@ -122,9 +122,10 @@ def main() -> dict:
         per = max(1, min(16, 4096 // width))
         out[f"gdn.l2norm D={width}"] = _case(
             hybrid._l2norm_kernel,
-            {"x_ptr": i16, "o_ptr": f32, "eps": "fp32"},
-            {"ROWS": per, "W": width, "LOG": width.bit_length() - 1},
-        )
+            {"x_ptr": i16, "o_ptr": f32, "s_ptr": f32, "eps": "fp32"},
+            {"ROWS": per, "W": width, "LOG": width.bit_length() - 1,
+             "LEAF": hybrid._leaf(width)},
+        )  # fmt: skip
     out["conv1d.causal kernel 4"] = _case(
         hybrid._conv1d_kernel,
         {"f_ptr": i16, "w_ptr": i16, "o_ptr": i16},
@@ -134,9 +135,10 @@ def main() -> dict:
         per = max(1, min(16, 4096 // width))
         out[f"rmsnorm gated={gated} H={width}"] = _case(
             hybrid._rms_kernel,
-            {"x_ptr": i16, "z_ptr": i16, "w_ptr": i16, "o_ptr": i16, "h_f32": "fp32",
-             "eps": "fp32"},
-            {"GATED": gated, "ROWS": per, "W": width, "LOG": width.bit_length() - 1},
+            {"x_ptr": i16, "z_ptr": i16, "w_ptr": i16, "o_ptr": i16, "s_ptr": f32,
+             "h_f32": "fp32", "eps": "fp32"},
+            {"GATED": gated, "ROWS": per, "W": width, "LOG": width.bit_length() - 1,
+             "LEAF": hybrid._leaf(width)},
         )  # fmt: skip
     for shared in (False, True):
         out[f"gate shared={shared}"] = _case(
@@ -211,9 +213,9 @@ def main() -> dict:
     # The control: the same kernel with contraction on shows what the checks look for.
     out["control: rmsnorm gated=True H=128, contraction on"] = _case(
         hybrid._rms_kernel,
-        {"x_ptr": i16, "z_ptr": i16, "w_ptr": i16, "o_ptr": i16, "h_f32": "fp32",
-         "eps": "fp32"},
-        {"GATED": True, "ROWS": 16, "W": 128, "LOG": 7},
+        {"x_ptr": i16, "z_ptr": i16, "w_ptr": i16, "o_ptr": i16, "s_ptr": f32,
+         "h_f32": "fp32", "eps": "fp32"},
+        {"GATED": True, "ROWS": 16, "W": 128, "LOG": 7, "LEAF": 5},
         fusion=True,
     )  # fmt: skip
     return out

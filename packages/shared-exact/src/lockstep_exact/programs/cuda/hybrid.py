@@ -44,6 +44,11 @@ def _row_block(n: int) -> tuple[int, int]:
     return max(1, min(16, 4096 // width)), width
 
 
+def _leaf(width: int) -> int:
+    """log2 of the squares one lane sums in ``_sum_squares``'s first stage: up to 32."""
+    return min(5, width.bit_length() - 1)
+
+
 # --- the kernels ----------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["N"])
 def _gating_kernel(a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, N, HV, BLOCK: tl.constexpr):
@@ -58,14 +63,35 @@ def _gating_kernel(a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, N, HV, BLOC
     tl.store(beta_ptr + offs, em.sigmoid(b), mask=ok)
 
 
+@triton.jit
+def _sum_squares(xf, s_ptr, rows, R, ROWS: tl.constexpr, W: tl.constexpr, LOG: tl.constexpr,
+                 LEAF: tl.constexpr):  # fmt: skip
+    """[ROWS] tree_sum of each row's squares (the pair tree over W, padded with +0), in two
+    stages of the same tree: the aligned subtrees of ``2**LEAF`` contiguous squares (the tree's
+    own lower levels) one to a lane, their sums written to the scratch rows ``s_ptr``
+    [rows, W >> LEAF] and read back for the upper levels. Without the round trip Triton's
+    compiler lays every row out whole in every lane and computes it there."""
+    G: tl.constexpr = W >> LEAF
+    leaves = em.tree_cols(tl.reshape(xf * xf, (ROWS * G, 1 << LEAF)), ROWS * G, 1 << LEAF, LEAF)
+    gs = tl.arange(0, G)
+    spot = s_ptr + rows[:, None].to(tl.int64) * G + gs[None, :]
+    live = rows[:, None] < R
+    tl.store(spot, tl.reshape(leaves, (ROWS, G)), mask=live)
+    tl.debug_barrier()
+    return em.tree_cols(tl.load(spot, mask=live, other=0.0), ROWS, G, LOG - LEAF)
+
+
 @triton.jit(do_not_specialize=["R"])
-def _l2norm_kernel(x_ptr, o_ptr, R, D, eps, ROWS: tl.constexpr, W: tl.constexpr, LOG: tl.constexpr):
+def _l2norm_kernel(
+    x_ptr, o_ptr, s_ptr, R, D, eps,
+    ROWS: tl.constexpr, W: tl.constexpr, LOG: tl.constexpr, LEAF: tl.constexpr,
+):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, W)
     ok = (rows[:, None] < R) & (cols[None, :] < D)
     at = rows[:, None] * D + cols[None, :]
     xf = em.widen(tl.load(x_ptr + at, mask=ok, other=0))
-    ss = em.tree_cols(xf * xf, ROWS, W, LOG)
+    ss = _sum_squares(xf, s_ptr, rows, R, ROWS, W, LOG, LEAF)
     inv = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), tl.math.sqrt_rn(ss + eps))
     tl.store(o_ptr + at, xf * inv[:, None], mask=ok)
 
@@ -86,16 +112,19 @@ def _conv1d_kernel(
 
 @triton.jit(do_not_specialize=["R"])
 def _rms_kernel(
-    x_ptr, z_ptr, w_ptr, o_ptr, R, H, h_f32, eps,
+    x_ptr, z_ptr, w_ptr, o_ptr, s_ptr, R, H, h_f32, eps,
     GATED: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr, LOG: tl.constexpr,
+    LEAF: tl.constexpr,
 ):  # fmt: skip
-    """rmsnorm.zero_centered (GATED false) or rmsnorm.gated over rows of H."""
+    """rmsnorm.zero_centered (GATED false) or rmsnorm.gated over rows of H (the squares' tree:
+    ``_sum_squares``)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, W)
     ok = (rows[:, None] < R) & (cols[None, :] < H)
     at = rows[:, None] * H + cols[None, :]
     xf = em.widen(tl.load(x_ptr + at, mask=ok, other=0))
-    var = tl.math.div_rn(em.tree_cols(xf * xf, ROWS, W, LOG), tl.full([ROWS], h_f32, tl.float32))
+    total = _sum_squares(xf, s_ptr, rows, R, ROWS, W, LOG, LEAF)
+    var = tl.math.div_rn(total, tl.full([ROWS], h_f32, tl.float32))
     inv = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), tl.math.sqrt_rn(var + eps))
     wf = em.widen(tl.load(w_ptr + cols, mask=cols < H, other=0))
     if GATED:
@@ -167,9 +196,11 @@ def l2norm_rows(x, eps: float = 1e-6):
     rows = x.numel() // d if d else 0
     if rows:
         per, width = _row_block(d)
+        leaf = _leaf(width)
+        scratch = torch.empty(rows, width >> leaf, dtype=F32, device=x.device)
         _l2norm_kernel[(triton.cdiv(rows, per),)](
-            bits16(x), out, rows, d, float(eps), ROWS=per, W=width,
-            LOG=width.bit_length() - 1, **EXACT,
+            bits16(x), out, scratch, rows, d, float(eps), ROWS=per, W=width,
+            LOG=width.bit_length() - 1, LEAF=leaf, **EXACT,
         )  # fmt: skip
     return out
 
@@ -201,9 +232,11 @@ def _rms(x, z, weight, eps: float, gated: bool):
     rows = x.numel() // h if h else 0
     if rows:
         per, width = _row_block(h)
+        leaf = _leaf(width)
+        scratch = torch.empty(rows, width >> leaf, dtype=F32, device=x.device)
         _rms_kernel[(triton.cdiv(rows, per),)](
-            bits16(x), bits16(z), bits16(weight), out, rows, h, float(h), float(eps),
-            GATED=gated, ROWS=per, W=width, LOG=width.bit_length() - 1, **EXACT,
+            bits16(x), bits16(z), bits16(weight), out, scratch, rows, h, float(h), float(eps),
+            GATED=gated, ROWS=per, W=width, LOG=width.bit_length() - 1, LEAF=leaf, **EXACT,
         )  # fmt: skip
     return out.view(BF16)
 
