@@ -309,6 +309,29 @@ def test_the_cache_places_are_checked_once_a_step_and_kept_to_their_step():
         paged_attention(q, k, k, positions, other, cache, places, core=CORE)
 
 
+def test_the_last_positions_check_on_the_device_form_catches_what_the_host_form_refuses():
+    """cuda checks the last query positions on the device (no host read, no wait); its
+    comparison, run here on cpu tensors (``torch._assert_async`` raises on cpu), passes the
+    step the host form passes and stops the one the host form refuses."""
+    from lockstep_serving.vllm.model import check_last_positions
+
+    _md, positions, reqs = _metadata(*STEPS[0])
+    spans, local = [], 0
+    for _r, start, end, _seq_len in reqs:
+        spans.append(local + (end - start) - 1)
+        local += end - start
+    last = torch.tensor(spans, dtype=torch.int64)
+    want = torch.tensor([seq_len - 1 for *_, seq_len in reqs], dtype=torch.int64)
+    check_last_positions(positions, last, want, reqs)  # host form
+    check_last_positions(positions, last, want, reqs, on_device=True)  # device form
+    moved = positions.clone()
+    moved[5] += 1  # request 0's last query at position 6 of a 6-token sequence
+    with pytest.raises(LaneRefused, match="request 0: last query position 6 is not seq_len-1"):
+        check_last_positions(moved, last, want, reqs)
+    with pytest.raises(RuntimeError):
+        check_last_positions(moved, last, want, reqs, on_device=True)
+
+
 def test_the_builder_copies_the_batch_and_refuses_non_causal_metadata():
     md, _, _ = _metadata(*STEPS[1])
     assert md.query_start_loc.tolist() == [0, 1, 6] and md.seq_lens_cpu.tolist() == [7, 8]

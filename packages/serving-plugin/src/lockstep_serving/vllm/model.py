@@ -315,7 +315,7 @@ class LockstepQwen3ForCausalLM(nn.Module):
                 adapters = self._adapters.get(lid) if lid else None
                 if lid and adapters is None:
                     _refuse(f"tokens of adapter id {lid} arrived before the adapter was loaded")
-                rows = torch.cat([torch.arange(s, e) for _, s, e, _ in reqs]).to(positions.device)
+                rows = up(torch.cat([torch.arange(s, e) for _, s, e, _ in reqs]), positions.device)
                 slots = PagedSlots(self, adapters, reqs, rows)
                 h = qwen3.embed(self.ops, slots, input_ids[rows])
                 out[rows] = qwen3.layers(self.ops, self.geom, slots, h, positions[rows])
@@ -472,9 +472,14 @@ class CachePlaces:
     (``key_pages``/``key_offsets``, one gather reads them all); per request its local rows
     [lo, hi) (``spans``) and keys (``key_spans``), and the same as offsets on the device
     (``q_starts``/``k_starts`` [R + 1], ``max_rows`` the most rows of one request) for the
-    one-launch attention; for the rows: the page and offset their K/V are written to. One host
-    read checks every request's last query position (the only place the lane reads the device
-    here)."""
+    one-launch attention; for the rows: the page and offset their K/V are written to.
+
+    Every request's last query position must be its sequence length - 1 (vLLM's invariant: the
+    lane places its queries by it). On cpu one host read checks it and refuses the request by
+    name; on cuda the check runs on the device (``torch._assert_async``, as the decode step's)
+    and the index tensors go up from pinned memory without a wait: a host read, or a blocking
+    copy, would make the host wait for the GPU to finish the previous step, and under vLLM's
+    async scheduling the host prepares the next step meanwhile."""
 
     def __init__(self, md, slots, reqs, positions, block_size: int, device):
         from .attn_backend import LaneAttentionMetadata  # imports vLLM: engine only
@@ -491,25 +496,20 @@ class CachePlaces:
             spans.append((local, local + (end - start)))
             local += end - start
         last = torch.tensor([hi - 1 for _, hi in spans], dtype=torch.int64)
-        got = positions[last.to(positions.device)].tolist()  # the one host read
-        for (r, _s, _e, seq_len), p in zip(reqs, got, strict=True):
-            if int(p) != seq_len - 1:
-                raise LaneRefused(
-                    f"request {r}: last query position {int(p)} is not seq_len-1 "
-                    f"({seq_len - 1}); the lane cannot place its queries in the cache"
-                )
+        want = torch.tensor([seq_len - 1 for *_, seq_len in reqs], dtype=torch.int64)
+        check_last_positions(positions, last, want, reqs)
         table = md.block_table.to(device=device, dtype=torch.int64)
         self.spans = spans
         lens = torch.tensor([seq_len for *_, seq_len in reqs], dtype=torch.int64)
         k_starts = starts(lens.tolist(), "cpu")
         self.key_spans = list(itertools.pairwise(k_starts.tolist()))
         # every request's key positions 0..seq_len-1 in order, and the batch row of its table
-        at = (torch.arange(int(k_starts[-1])) - k_starts[:-1].repeat_interleave(lens)).to(device)
+        at = up(torch.arange(int(k_starts[-1])) - k_starts[:-1].repeat_interleave(lens), device)
         table_rows = torch.tensor([r for r, *_ in reqs], dtype=torch.int64).repeat_interleave(lens)
-        self.key_pages = table[table_rows.to(device), at // bs]
+        self.key_pages = table[up(table_rows, device), at // bs]
         self.key_offsets = at % bs
-        self.q_starts = starts([hi - lo for lo, hi in spans], device)
-        self.k_starts = k_starts.to(device)
+        self.q_starts = up(starts([hi - lo for lo, hi in spans], "cpu"), device)
+        self.k_starts = up(k_starts, device)
         self.max_rows = max((hi - lo for lo, hi in spans), default=0)
         # Every request's rows are all its keys (a whole prompt, no cached prefix): the keys
         # and values to attend are the step's own rows, in this order.
@@ -522,6 +522,32 @@ class CachePlaces:
 
     def fits(self, md, block_size: int, device) -> bool:
         return self.key == (id(md), id(md.block_table), block_size, device)
+
+
+def up(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device``: on cuda from pinned memory without a wait (a copy from
+    pageable memory makes the host wait for the stream), elsewhere a plain copy."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def check_last_positions(positions, last, want, reqs, on_device: bool | None = None) -> None:
+    """Each request's last query position (``positions[last]``) is its sequence length - 1
+    (``want``): on cpu read on the host and refused by name, on cuda (``on_device``, by
+    default where ``positions`` lie) asserted on the device (no host read; a failure stops
+    the engine with a device-side assert, as in the decode step)."""
+    if positions.is_cuda if on_device is None else on_device:
+        dev = positions.device
+        torch._assert_async((positions[up(last, dev)] == up(want, dev)).all())
+        return
+    got = positions[last].tolist()
+    for (r, *_), p, w in zip(reqs, got, want.tolist(), strict=True):
+        if int(p) != w:
+            raise LaneRefused(
+                f"request {r}: last query position {int(p)} is not seq_len-1 "
+                f"({w}); the lane cannot place its queries in the cache"
+            )
 
 
 def starts(counts, device) -> torch.Tensor:
