@@ -15,6 +15,10 @@ import torch
 
 _PATH = Path(__file__).resolve().parents[1] / "tools" / "bench" / "bench_stock_step.py"
 
+# A bench's own check, two Megatron models a case: CI's tier (`tools/check --all`), not the
+# fast one.
+pytestmark = pytest.mark.slow
+
 
 def _bench():
     sys.path.insert(0, str(_PATH.parent))
