@@ -4,14 +4,10 @@ figures the bench reports come from real servers on the GPU machine (docs/cost.m
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
-
-_PATH = Path(__file__).resolve().parents[1] / "tools" / "bench" / "bench_server_gpu.py"
 
 # Answers /health, /v1/models and /v1/completions as vLLM's server does, the completion's
 # tokens being the request's max_tokens.
@@ -39,13 +35,9 @@ ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 
 @pytest.fixture()
 def bench(monkeypatch, tmp_path):
-    sys.path.insert(0, str(_PATH.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_server_gpu", _PATH)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(_PATH.parent))
+    from tool_support import load_tool
+
+    mod = load_tool("tools/bench/bench_server_gpu.py")
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
     seen = []

@@ -6,14 +6,8 @@ layout (a projection moved between layers)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-_PATH = Path(__file__).resolve().parents[1] / "tools" / "bench" / "bench_stock_step.py"
 
 # A bench's own check, two Megatron models a case: CI's tier (`tools/check --all`), not the
 # fast one.
@@ -21,14 +15,9 @@ pytestmark = pytest.mark.slow
 
 
 def _bench():
-    sys.path.insert(0, str(_PATH.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_stock_step", _PATH)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(_PATH.parent))
-    return mod
+    from tool_support import load_tool
+
+    return load_tool("tools/bench/bench_stock_step.py")
 
 
 def _k3_mean(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -3,20 +3,15 @@ starts and nothing is timed here)."""
 
 from __future__ import annotations
 
-import importlib.util
 import time
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "tools" / "bench" / "bench_vllm_gpu.py"
-
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_vllm_gpu", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from tool_support import load_tool
+
+    return load_tool("tools/bench/bench_vllm_gpu.py")
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,6 @@ summaries written by hand; no GPU needed)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -15,10 +14,9 @@ VERSIONS = {"torch": "2.11.0", "triton": "3.6.0", "vllm": "0.26.0", "megatron-co
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("summarize", ROOT / "tools/gpu/summarize.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from tool_support import load_tool
+
+    return load_tool("tools/gpu/summarize.py")
 
 
 def _chunk(folder: Path, name: str, passed=3, failed=0, skipped=0, exit=0, versions=None, bad=()):

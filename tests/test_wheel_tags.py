@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 from importlib import metadata
 from pathlib import Path
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "wheel_tags.py"
-
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("wheel_tags", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tool_support import load_tool
+
+    return load_tool("tools/wheel_tags.py")
 
 
 def _dist(root: Path, tag: str) -> Path:
