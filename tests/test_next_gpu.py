@@ -262,46 +262,36 @@ def test_on_cuda_a_request_alone_equals_it_in_a_batch_of_64_and_the_cuda_composi
     cuda_runs, next_dir
 ):
     from safetensors.torch import load_file
-    from serving_support import embedding_nudged, next_composition
+    from serving_support import assert_alone_equals_batched, assert_equals_composition
 
     from lockstep_exact.lanes import qwen3_next as N
-    from lockstep_exact.parity import same_bytes
 
-    for i in (ACROSS, LONG):
-        alone_tokens, alone = _decisions(cuda_runs["alone"][i])
-        batch_tokens, batch = _decisions(cuda_runs["batch"][i])
-        assert alone_tokens == batch_tokens, f"prompt {i}: alone vs a batch of {BATCH}"
-        _same_and_comparator(alone, batch, f"prompt {i}: alone vs a batch of {BATCH} (cuda)")
-    # control: the same request alone with another seed parts from the batched one
-    seed_tokens, seed_8 = _decisions(cuda_runs["alone_seed_8"])
-    batch_tokens, batch = _decisions(cuda_runs["batch"][LONG])
-    assert seed_tokens != batch_tokens or not same_bytes(seed_8, batch)
+    for i in (ACROSS, LONG):  # control (another seed) for the long one
+        seed = cuda_runs["alone_seed_8"] if i == LONG else None
+        assert_alone_equals_batched(
+            cuda_runs["alone"][i], cuda_runs["batch"][i], seed,
+            f"prompt {i}: alone vs a batch of {BATCH} (cuda)",
+        )  # fmt: skip
     # the composition on the cuda backend (the lane's contract there), prompt + decisions in
     # one pass (its log_softmax included): no engine, no cache, no batch
     weights = load_file(str(next_dir / "model.safetensors"))
     geom = N.Geometry.from_model_dir(next_dir)
-    for i in range(len(LENGTHS)):
-        tokens, got = _decisions(cuda_runs["batch"][i])
-        want = next_composition(weights, geom, cuda_runs["prompts"][i], tokens, backend="cuda")
-        _same_and_comparator(want, got, f"prompt {i}: vLLM cuda vs the cuda composition")
-    # control: element 0 of the first prompt token's embedding row one ulp off
-    tokens, got = _decisions(cuda_runs["batch"][0])
-    prompt = cuda_runs["prompts"][0]
-    moved = embedding_nudged(weights, prompt[0])
-    assert not same_bytes(next_composition(moved, geom, prompt, tokens, backend="cuda"), got)
+    n = len(LENGTHS)
+    assert_equals_composition(
+        cuda_runs["batch"][:n], cuda_runs["prompts"][:n], weights, geom,
+        "vLLM cuda vs the cuda composition", backend="cuda",
+    )  # fmt: skip
 
 
 def test_on_cuda_decode_across_the_gdn_chunk_equals_one_prefill(cuda_runs):
-    from lockstep_exact.parity import same_bytes
+    from serving_support import assert_decode_equals_prefill
 
     n = LENGTHS[ACROSS]
     assert n < 64 < n + DECISIONS
-    _, decode = _decisions(cuda_runs["batch"][ACROSS])
-    # prompt_logprobs(...)[j] is the logprob of token j+1; decision i sits at position n+i
-    prefill = cuda_runs["prompt_logprobs"][n - 1 : n - 1 + DECISIONS]
-    _same_and_comparator(decode, prefill, "decode vs one prefill (cuda)")
-    # control: the prefill of the prompt with its last token changed parts from the decode
-    assert not same_bytes(decode, cuda_runs["prompt_logprobs_moved"][n - 1 : n - 1 + DECISIONS])
+    assert_decode_equals_prefill(
+        cuda_runs["batch"][ACROSS], cuda_runs["prompt_logprobs"],
+        cuda_runs["prompt_logprobs_moved"], n, DECISIONS, "decode vs one prefill (cuda)",
+    )  # fmt: skip
 
 
 def test_on_cuda_a_chunked_prefill_equals_one_prefill(cuda_runs):

@@ -113,6 +113,50 @@ def next_composition(
     return torch.stack([ref[len(prompt) - 1 + j, t] for j, t in enumerate(tokens)])
 
 
+def assert_equals_composition(outs, prompts, weights: dict, geom, what: str, backend="cpu"):
+    """Each completion of ``outs`` (prompts ``prompts``) carries the qwen3-next composition's
+    bytes on ``backend`` for its decisions; control: the composition on the model with the
+    first prompt token's embedding one ulp off parts from the first completion's bytes."""
+    from lockstep_exact.parity import same_bytes
+
+    for out, prompt in zip(outs, prompts, strict=True):
+        tokens, got = decisions_of(out)
+        want = next_composition(weights, geom, prompt, tokens, backend=backend)
+        assert_same_bytes_and_comparator(want, got, f"prompt of {len(prompt)} tokens: {what}")
+    tokens, got = decisions_of(outs[0])
+    moved = embedding_nudged(weights, prompts[0][0])
+    want_moved = next_composition(moved, geom, prompts[0], tokens, backend=backend)
+    assert not same_bytes(want_moved, got), f"{what}: the check misses a one-ulp model change"
+
+
+def assert_decode_equals_prefill(decoded, prompt_lps, moved_lps, n: int, decisions: int, what):
+    """The decisions of an ``n``-token prompt's completion ``decoded`` are the bytes of one
+    prefill of prompt + decisions (``prompt_lps``: its prompt logprobs, entry j the logprob of
+    token j + 1, so decision i at position n + i is entry n - 1 + i); control: the prefill of
+    the prompt with its last token changed (``moved_lps``) parts from the decode."""
+    from lockstep_exact.parity import same_bytes
+
+    _, decode = decisions_of(decoded)
+    prefill = prompt_lps[n - 1 : n - 1 + decisions]
+    assert_same_bytes_and_comparator(decode, prefill, what)
+    assert not same_bytes(decode, moved_lps[n - 1 : n - 1 + decisions])
+
+
+def assert_alone_equals_batched(alone, batched, other_seed, what: str) -> None:
+    """A request served alone has the tokens and bytes it has inside a batch; control (where
+    ``other_seed`` is given; a test checking several requests gives it for one): the same
+    request alone with another seed parts from the batched one."""
+    from lockstep_exact.parity import same_bytes
+
+    alone_tokens, alone_lps = decisions_of(alone)
+    batch_tokens, batch_lps = decisions_of(batched)
+    assert alone_tokens == batch_tokens, what
+    assert_same_bytes_and_comparator(alone_lps, batch_lps, what)
+    if other_seed is not None:
+        seed_tokens, seed_lps = decisions_of(other_seed)
+        assert seed_tokens != batch_tokens or not same_bytes(seed_lps, batch_lps)
+
+
 def nudge_engine_weight(name: str = "model.norm.weight", index: int = 0):
     """For ``llm.apply_model``: in the running lane model, element ``index`` of weight ``name``
     one bf16 ulp up, in place (an input control without a second engine start: every later

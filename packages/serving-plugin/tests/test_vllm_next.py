@@ -18,6 +18,9 @@ import torch
 from safetensors.torch import load_file
 from serving_support import (
     _ROOT,
+    assert_alone_equals_batched,
+    assert_decode_equals_prefill,
+    assert_equals_composition,
     decisions_of,
     embedding_nudged,
     next_composition,
@@ -207,41 +210,28 @@ def test_sampled_logprobs_equal_the_composition_run_directly(runs, model_dir):
     weights = load_file(str(model_dir / "model.safetensors"))
     geom = N.Geometry.from_model_dir(model_dir)
     assert [(0, n) for n in LENGTHS] in runs["spans"]  # one prefill per prompt, one step
-    for i, out in enumerate(runs["batch"]):
-        tokens, got = _decisions(out)
-        prompt = runs["prompts"][i]
+    for out, prompt in zip(runs["batch"], runs["prompts"], strict=True):
         assert list(out.prompt_token_ids) == prompt
-        want = next_composition(weights, geom, prompt, tokens)
-        _same_and_comparator(want, got, f"prompt of {len(prompt)} tokens: vLLM vs composition")
-    # control: the composition on the model with one weight one ulp off parts from vLLM's bytes
-    tokens, got = _decisions(runs["batch"][0])
-    prompt = runs["prompts"][0]
-    moved = next_composition(embedding_nudged(weights, prompt[0]), geom, prompt, tokens)
-    assert not same_bytes(moved, got), "the check misses a one-ulp model change"
+    assert_equals_composition(
+        runs["batch"], runs["prompts"], weights, geom, "vLLM vs composition"
+    )  # with its control: the composition on a model one embedding ulp off
 
 
 @pytest.mark.engine
 def test_decode_logprobs_equal_prompt_logprobs_across_the_gdn_chunk_boundary(runs):
     n = LENGTHS[ACROSS]
     assert n < 64 < n + DECISIONS
-    _, decode = _decisions(runs["batch"][ACROSS])
-    # prompt_logprobs(...)[j] is the logprob of token j+1; decision i sits at position n+i.
-    prefill = runs["prompt_logprobs"][n - 1 : n - 1 + DECISIONS]
-    _same_and_comparator(decode, prefill, "decode vs one prefill")
-    # control: the prefill of the prompt with its last token changed parts from the decode
-    moved = runs["prompt_logprobs_moved"][n - 1 : n - 1 + DECISIONS]
-    assert not same_bytes(decode, moved)
+    assert_decode_equals_prefill(
+        runs["batch"][ACROSS], runs["prompt_logprobs"], runs["prompt_logprobs_moved"], n,
+        DECISIONS, "decode vs one prefill",
+    )  # fmt: skip
 
 
 @pytest.mark.engine
 def test_a_request_alone_equals_it_inside_a_batch(runs):
-    alone_tokens, alone = _decisions(runs["alone"])
-    batch_tokens, batch = _decisions(runs["batch"][LONG])
-    assert alone_tokens == batch_tokens
-    _same_and_comparator(alone, batch, "alone vs batch of 5")
-    # control: the same request alone with another seed parts from the batched one
-    seed_tokens, seed_8 = _decisions(runs["alone_seed_8"])
-    assert seed_tokens != batch_tokens or not same_bytes(seed_8, batch)
+    assert_alone_equals_batched(
+        runs["alone"], runs["batch"][LONG], runs["alone_seed_8"], "alone vs batch of 5"
+    )
 
 
 @pytest.mark.engine
