@@ -27,7 +27,6 @@ import os
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -36,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vllm_gpu import SHAPES, model_for  # noqa: E402
+from bench_vllm_gpu import SHAPES, median_run, model_for, round_ratio  # noqa: E402
 
 SERVERS = ("lane", "stock")
 SEED_BASE = 1000
@@ -153,8 +152,7 @@ class Server:
     def finish(self) -> dict:
         out = self.out
         if out["bursts"]:
-            mid = sorted(out["bursts"], key=lambda b: b["tok_s"])[(len(out["bursts"]) - 1) // 2]
-            out.update(mid)
+            out.update(median_run(out["bursts"]))
         after = self.log.read_text(errors="replace").splitlines()[self.ready_at :]
         out["jit_lines_after_start"] = [ln for ln in after if "JIT" in ln][:20]
         try:
@@ -166,10 +164,8 @@ class Server:
 
 
 def paired(lane: list[dict], stock: list[dict]) -> float | None:
-    """lane / stock: the median over rounds of each round's two bursts."""
-    if not lane or len(lane) != len(stock):
-        return None
-    return statistics.median(a["tok_s"] / b["tok_s"] for a, b in zip(lane, stock, strict=True))
+    """lane / stock: the median over rounds of each round's two bursts (``round_ratio``)."""
+    return round_ratio([b["tok_s"] for b in lane], [b["tok_s"] for b in stock])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -585,7 +585,7 @@ def child(args) -> None:
                 "cpu": cpu_use(ticks, _thread_ticks(), dt),
             }
             runs.setdefault(c, []).append(run)
-            mid = sorted(runs[c], key=lambda x: x["tok_s"])[(len(runs[c]) - 1) // 2]
+            mid = median_run(runs[c])
             row = {
                 "engine": args.child,
                 "concurrency": c,
@@ -828,13 +828,25 @@ def _progress(r: dict) -> str:
     return "; ".join(parts) + f" (wall {r['wall_s']:.1f} s)"
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The median of an odd number of timed runs by tokens/s (the lower middle one of an even
+    number)."""
+    return sorted(runs, key=lambda r: r["tok_s"])[(len(runs) - 1) // 2]
+
+
+def round_ratio(a: list[float], b: list[float]) -> float | None:
+    """The median over rounds of a[r] / b[r] (the two ran back to back in round r), or None
+    where the rounds do not pair up."""
+    if not a or len(a) != len(b):
+        return None
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
 def paired_ratio(lane_row: dict, base_row: dict) -> float:
-    """lane / other tokens/s of one cell: the median over rounds of each round's pair (the two
-    calls ran back to back), or the ratio of the medians where the rounds do not pair up."""
-    a, b = lane_row.get("runs_tok_s"), base_row.get("runs_tok_s")
-    if a and b and len(a) == len(b):
-        return statistics.median(x / y for x, y in zip(a, b, strict=True))
-    return lane_row["tok_s"] / base_row["tok_s"]
+    """lane / other tokens/s of one cell: ``round_ratio`` of their calls, or the ratio of the
+    medians where the rounds do not pair up."""
+    got = round_ratio(lane_row.get("runs_tok_s") or [], base_row.get("runs_tok_s") or [])
+    return got if got is not None else lane_row["tok_s"] / base_row["tok_s"]
 
 
 def ratios(results: dict, concs: list[int]) -> dict:
