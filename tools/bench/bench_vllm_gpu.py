@@ -763,13 +763,9 @@ class Engine:
         rc = self.proc.returncode if self.proc is not None else None
         result["rc"] = rc
         why = self.problem or ""
-        if why.startswith("not measured: start-up") or (
-            why.startswith("not measured") and "startup_s" not in result
-        ):
-            limit = self.args.engine_timeout
-            result["not_measured"] = f"not measured: start-up passed {limit:g} s"
-        elif why.startswith("not measured"):
-            result["not_measured"] = why
+        if why.startswith("not measured"):  # a time limit; an engine never up says start-up
+            never_up = f"not measured: start-up passed {self.args.engine_timeout:g} s"
+            result["not_measured"] = why if "startup_s" in result else never_up
         elif why == "ended" and "error" not in result:
             result["error"] = {"where": "?", "message": f"exit status {rc}, no Python error"}
         return result
