@@ -538,8 +538,8 @@ def check_last_positions(positions, last, want, reqs, on_device: bool | None = N
     default where ``positions`` lie) asserted on the device (no host read; a failure stops
     the engine with a device-side assert, as in the decode step)."""
     if positions.is_cuda if on_device is None else on_device:
-        dev = positions.device
-        torch._assert_async((positions[up(last, dev)] == up(want, dev)).all())
+        at, expected = up(torch.stack([last, want]), positions.device)  # one copy up
+        torch._assert_async((positions[at] == expected).all())
         return
     got = positions[last].tolist()
     for (r, *_), p, w in zip(reqs, got, want.tolist(), strict=True):
