@@ -141,3 +141,70 @@ def test_the_engines_refuse_a_qwen3_next_model_by_name(tmp_path):
     ):
         ModelDir(model)
     assert ModelDir(model, hybrid=True).family == "qwen3-next"
+
+
+def test_the_next_layout_can_be_qwen3_next_80bs_and_hf_loads_it(tmp_path):
+    """Qwen3-Next-80B-A3B's layer mix at a small size: DeltaNet key and value heads apart from
+    the attention's, full attention every 4th layer; HF's Qwen3Next loads every tensor."""
+    model = make_tiny(
+        tmp_path / "m",
+        arch="qwen3-next",
+        hidden=64,
+        layers=4,
+        heads=4,
+        kv_heads=1,
+        head_dim=32,
+        experts=4,
+        topk=2,
+        moe_intermediate=32,
+        vocab=300,
+        linear_key_heads=2,
+        linear_value_heads=4,
+        full_attention_interval=4,
+    )
+    cfg = json.loads((model / "config.json").read_text())
+    geom = check_next_config(cfg)
+    assert geom["layer_types"] == ("linear_attention",) * 3 + ("full_attention",)
+    assert (geom["linear_key_heads"], geom["linear_value_heads"]) == (2, 4)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (4, 1)
+    weights = load_file(model / "model.safetensors")
+    # conv over q, k (2 heads of 128 each) and v (4 heads of 128)
+    assert weights["model.layers.0.linear_attn.conv1d.weight"].shape[0] == (2 + 2 + 4) * 128
+
+    from transformers import AutoModelForCausalLM
+
+    hf, info = AutoModelForCausalLM.from_pretrained(
+        model, dtype=torch.float32, output_loading_info=True
+    )
+    assert {k: v for k, v in info.items() if v} == {}
+    with torch.no_grad():
+        assert bool(torch.isfinite(hf(torch.tensor([[5, 70, 200, 12]])).logits).all())
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"arch": "qwen3", "linear_key_heads": 2}, "linear_key_heads: Qwen3-Next's layout"),
+        (
+            {"arch": "qwen3-moe", "full_attention_interval": 4},
+            "full_attention_interval: Qwen3-Next's layout",
+        ),
+        (
+            {"arch": "qwen3-next", "linear_key_heads": 3, "linear_value_heads": 4},
+            "linear_value_heads \\(4\\) must be a multiple of linear_key_heads \\(3\\)",
+        ),
+        ({"arch": "qwen3-next", "full_attention_interval": 0}, "full_attention_interval"),
+    ],
+)
+def test_the_next_layout_arguments_are_refused_by_name(kwargs, message):
+    with pytest.raises(TinyArgumentError, match=message):
+        tiny_config(**kwargs)
+
+
+def test_cli_tiny_takes_the_next_layout(tmp_path):
+    out = tmp_path / "m"
+    args = ["tiny", "--arch", "qwen3-next", "--out", str(out), "--layers", "4"]
+    assert main([*args, "--linear-value-heads", "8", "--full-attention-interval", "4"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["linear_num_value_heads"] == 8 and cfg["full_attention_interval"] == 4
+    assert cfg["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]

