@@ -168,6 +168,41 @@ def test_lane_rows_are_set_beside_stock_and_vllms_batch_invariant_mode():
     }
 
 
+def test_a_lane_that_ran_in_one_mode_is_also_set_against_the_other_mode():
+    """The hybrid lane runs eager only: it is compared with stock's graphs too; a lane that ran
+    in both modes is compared mode with mode only."""
+    bench = _bench()
+    row = lambda name, *tok: {"engine": name, "rows": [  # noqa: E731
+        {"concurrency": c, "tok_s": t} for c, t in zip((1, 16), tok, strict=False)
+    ]}  # fmt: skip
+    results = {
+        "lane-eager": row("lane-eager", 50.0, 400.0),
+        "stock-eager": row("stock-eager", 100.0, 800.0),
+        "stock-graphs": row("stock-graphs", 200.0, 1000.0),
+    }
+    assert bench.ratios(results, [1, 16]) == {
+        "lane-eager / stock-eager": {1: 0.5, 16: 0.5},
+        "lane-eager / stock-graphs": {1: 0.25, 16: 0.4},
+    }
+    results["lane-graphs"] = row("lane-graphs", 100.0, 500.0)
+    assert set(bench.ratios(results, [1, 16])) == {
+        "lane-eager / stock-eager",
+        "lane-graphs / stock-graphs",
+    }
+
+
+def test_the_qwen3_next_shape_is_qwen3_next_80bs_layer_mix():
+    from lockstep_exact.app.tiny import tiny_config
+    from lockstep_exact.lanes.config import check_next_config
+
+    bench = _bench()
+    cfg = tiny_config("qwen3-next", **bench.SHAPES["cuda"]["qwen3-next"])
+    geom = check_next_config(cfg)
+    assert geom["layer_types"] == ("linear_attention",) * 3 + ("full_attention",)
+    assert (geom["linear_key_heads"], geom["linear_value_heads"]) == (16, 32)
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["head_dim"]) == (512, 10, 256)
+
+
 def test_a_ratio_pairs_the_rounds_that_ran_back_to_back():
     """The host slowed in round 2 for both engines alike: the paired ratio stays 0.5, while
     the ratio of the two medians would mix rounds (lane's median is round 3's, stock's round

@@ -48,8 +48,9 @@ It sees the kernels a CUDA graph replays too (on the H200 the lane's graph and e
 showed the same 2,720 gemm launches).
 
 Models: ``lockstep_exact.app.tiny.make_tiny`` in ``--model-dir`` (kept and reused when its
-arguments match). On cuda, ``qwen3`` is 4 layers of Qwen3-8B shape and ``qwen3-moe`` 4 layers of
-Qwen3-30B-A3B layer shape; on cpu both are make_tiny's default shapes.
+arguments match). On cuda, ``qwen3`` is 4 layers of Qwen3-8B shape, ``qwen3-moe`` 4 layers of
+Qwen3-30B-A3B layer shape and ``qwen3-next`` 4 layers of Qwen3-Next-80B-A3B layer shape (its
+layer mix: three Gated DeltaNet layers, then full attention); on cpu, make_tiny's defaults.
 """
 
 from __future__ import annotations
@@ -95,14 +96,33 @@ SHAPES: dict[str, dict[str, dict]] = {
             "moe_intermediate": 768,
             "vocab": 32000,
         },
+        # 4 layers of Qwen3-Next-80B-A3B layer shape: three Gated DeltaNet layers (16 key and 32
+        # value heads of 128), then gated full attention (16 / 2 heads of 256); 512 experts, top
+        # 10, a shared expert, all of intermediate 512
+        "qwen3-next": {
+            "hidden": 2048,
+            "layers": 4,
+            "heads": 16,
+            "kv_heads": 2,
+            "head_dim": 256,
+            "experts": 512,
+            "topk": 10,
+            "moe_intermediate": 512,
+            "vocab": 32000,
+            "linear_key_heads": 16,
+            "linear_value_heads": 32,
+            "full_attention_interval": 4,
+        },
     },
-    "cpu": {"qwen3": {}, "qwen3-moe": {}},
+    "cpu": {"qwen3": {}, "qwen3-moe": {}, "qwen3-next": {}},
 }
 SHAPE_NAMES = {
     ("cuda", "qwen3"): "qwen3-8b-shape-4l",
     ("cuda", "qwen3-moe"): "qwen3-30b-a3b-shape-4l",
+    ("cuda", "qwen3-next"): "qwen3-next-80b-a3b-shape-4l",
     ("cpu", "qwen3"): "qwen3-tiny",
     ("cpu", "qwen3-moe"): "qwen3-moe-tiny",
+    ("cpu", "qwen3-next"): "qwen3-next-tiny",
 }
 ENGINES = ("lane-graphs", "lane-eager", "stock-graphs", "stock-eager", "bi-graphs", "bi-eager")
 # vLLM's own batch-invariant mode: the stock model with this set in the engine's environment.
@@ -847,11 +867,17 @@ def paired_ratio(lane_row: dict, base_row: dict) -> float:
 
 def ratios(results: dict, concs: list[int]) -> dict:
     """lane / stock and lane / bi tokens/s per mode and concurrency, where both were measured
-    in this run (``paired_ratio``)."""
+    in this run (``paired_ratio``). Where the lane ran in one mode only (the hybrid lane
+    refuses CUDA graphs), it is also set against the other engines' other mode."""
     out = {}
-    for mode in ("eager", "graphs"):
+    modes = ("eager", "graphs")
+    pairs = [(m, m) for m in modes]
+    for mode, other_mode in zip(modes, reversed(modes), strict=True):
+        if f"lane-{other_mode}" not in results:
+            pairs.append((mode, other_mode))
+    for mode, other_mode in pairs:
         for other in ("stock", "bi"):
-            lane, base = results.get(f"lane-{mode}"), results.get(f"{other}-{mode}")
+            lane, base = results.get(f"lane-{mode}"), results.get(f"{other}-{other_mode}")
             if not lane or not base:
                 continue
             lrow = {x["concurrency"]: x for x in lane["rows"]}
@@ -862,7 +888,7 @@ def ratios(results: dict, concs: list[int]) -> dict:
                 if c in lrow and c in brow
             }
             if both:
-                out[f"lane-{mode} / {other}-{mode}"] = both
+                out[f"lane-{mode} / {other}-{other_mode}"] = both
     return out
 
 
@@ -909,7 +935,7 @@ def table(results: dict, concs: list[int], ratio: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--arch", default="qwen3", choices=["qwen3", "qwen3-moe"])
+    ap.add_argument("--arch", default="qwen3", choices=sorted(SHAPES["cuda"]))
     ap.add_argument("--engines", default=None, help="comma list; default: all (cpu: eager ones)")
     ap.add_argument("--concurrency", default=None, help="default 1,16,64,256 (cpu: 1,4)")
     ap.add_argument("--prompt-len", type=int, default=32)
