@@ -17,7 +17,7 @@ from serving_support import start_engine, stop_engine
 
 from lockstep_exact.app.tiny import make_tiny
 from lockstep_serving.vllm import plugin
-from lockstep_serving.vllm.model import warm_rows
+from lockstep_serving.vllm.model import warm_attention_requests, warm_rows
 
 
 def test_the_row_counts_reach_every_gemm_tiling_bucket_on_and_off_the_16_grid():
@@ -28,6 +28,16 @@ def test_the_row_counts_reach_every_gemm_tiling_bucket_on_and_off_the_16_grid():
         assert any(n % 16 == 0 for n in bucket) and any(n % 16 for n in bucket), (lo, hi)
     assert warm_rows(20) == [1, 2, 16, 17, 19, 20]
     assert warm_rows(1) == [1]
+
+
+def test_the_prefill_attention_is_warmed_at_every_max_model_len():
+    """Requests of several blocks and segments where the engine allows them, cut to its
+    bound where not: an engine of max_model_len 1024 ran no warm-up attention and compiled
+    the many-sequence kernel during its first burst (a JIT line in the server bench's log)."""
+    assert warm_attention_requests(4096) == [(1, 1025), (17, 1040)]
+    assert warm_attention_requests(1024) == [(1, 1024), (17, 1024)]
+    assert warm_attention_requests(8) == [(1, 8), (8, 8)]
+    assert warm_attention_requests(1) == [(1, 1)]
 
 
 def test_the_patched_kernel_warmup_runs_vllms_then_the_lanes_with_the_engines_limits(

@@ -245,7 +245,7 @@ class LockstepQwen3ForCausalLM(nn.Module):
             ops.sample("sample", lp, temperature=1.0, top_p=1.0, seeds=[0] * lp.shape[0],
                        positions=list(range(lp.shape[0])))  # fmt: skip
             g = self.geom
-            reqs = [(n, s) for n, s in ((1, 1025), (17, 1040)) if s <= self.max_positions]
+            reqs = warm_attention_requests(self.max_positions)
             for queries, keys in reqs:
                 q = torch.zeros(queries, g.heads, g.head_dim, dtype=torch.bfloat16, device=dev)
                 kv = torch.zeros(keys, g.kv_heads, g.head_dim, dtype=torch.bfloat16, device=dev)
@@ -355,6 +355,21 @@ class LockstepQwen3ForCausalLM(nn.Module):
         """fp32 logits of the lane: the composition's final norm + LM head."""
         with paused():  # bisect's final sites come from forward(), for every row
             return qwen3.final_logits(self.ops, self.geom, self.slots(), hidden_states)
+
+
+def warm_attention_requests(max_positions: int) -> list[tuple[int, int]]:
+    """The (queries, keys) of the sequences the warm-up's prefill attention runs: one query
+    after a prefix past the first 1,024 keys and 17 after a longer one (a prefix of several
+    blocks and segments), each cut to the engine's ``max_positions``. Cut, not dropped: the
+    many-sequence call compiles its one kernel at any length, and an engine of
+    ``max_model_len`` 1024 that ran none compiled it during its first prefill of several
+    requests."""
+    out: list[tuple[int, int]] = []
+    for queries, keys in ((1, 1025), (17, 1040)):
+        keys = min(keys, max_positions)
+        if (min(queries, keys), keys) not in out:
+            out.append((min(queries, keys), keys))
+    return out
 
 
 def warm_rows(max_tokens: int) -> list[int]:
