@@ -42,7 +42,7 @@ def bench(monkeypatch, tmp_path):
     script.write_text(STAND_IN)
     seen = []
 
-    def cmd(name, model, port, max_model_len, memory):
+    def cmd(name, model, port, max_model_len, memory, arch):
         seen.append((name, memory))
         return [sys.executable, str(script), "--port", str(port)]
 

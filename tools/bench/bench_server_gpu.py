@@ -35,7 +35,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vllm_gpu import SHAPES, median_run, model_for, round_ratio  # noqa: E402
+from bench_vllm_gpu import (  # noqa: E402
+    SHAPES,
+    median_run,
+    model_for,
+    round_ratio,
+    stock_extra_args,
+)
 
 SERVERS = ("lane", "stock")
 SEED_BASE = 1000
@@ -56,7 +62,9 @@ def _post(url: str, body: dict, timeout: float) -> dict:
         return json.loads(r.read())
 
 
-def server_cmd(name: str, model: Path, port: int, max_model_len: int, memory: float) -> list[str]:
+def server_cmd(
+    name: str, model: Path, port: int, max_model_len: int, memory: float, arch: str = "qwen3"
+) -> list[str]:
     common = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
               "--gpu-memory-utilization", str(memory)]  # fmt: skip
     if name == "lane":
@@ -65,8 +73,9 @@ def server_cmd(name: str, model: Path, port: int, max_model_len: int, memory: fl
         # from writing its own lockstep-serve.log.
         return [sys.executable, "-m", "lockstep_exact.app.cli", "serve", "--model", str(model),
                 "--backend", "cuda", "--verbose", "--log", os.devnull, "--", *common]  # fmt: skip
+    extra = [f"--{k.replace('_', '-')}={v}" for k, v in stock_extra_args(arch, "cuda").items()]
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--dtype", "bfloat16", *common]  # fmt: skip
+            "--dtype", "bfloat16", *common, *extra]  # fmt: skip
 
 
 def _wait_ready(proc, base: str, deadline: float) -> None:
@@ -95,7 +104,9 @@ class Server:
         self.name, self.args, self.log = name, args, log
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        cmd = server_cmd(name, model, self.port, args.max_model_len, args.gpu_memory_utilization)
+        cmd = server_cmd(
+            name, model, self.port, args.max_model_len, args.gpu_memory_utilization, args.arch
+        )
         self.out: dict = {"command": " ".join(cmd), "bursts": []}
         self.t0 = time.monotonic()
         with open(log, "w") as f:

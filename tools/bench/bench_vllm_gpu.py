@@ -192,6 +192,14 @@ def check_lengths(prompt_len: int, tokens: int, max_model_len: int) -> None:
 # ---------------------------------------------------------------------------------- child side
 
 
+def stock_extra_args(arch: str, device: str) -> dict:
+    """Engine arguments the stock engines need beyond the defaults: on cuda vLLM 0.26 runs
+    Qwen3-Next's GDN prefill with FlashInfer's kernel on sm_90 (a JIT-compiled package the
+    staged wheels leave out), so stock gets vLLM's other in-tree choice, FLA's Triton
+    kernels."""
+    return {"gdn_prefill_backend": "triton"} if arch == "qwen3-next" and device == "cuda" else {}
+
+
 def _engine_kwargs(name: str, model: str, args) -> dict:
     from lockstep_serving.vllm.offline import engine_args
 
@@ -210,6 +218,7 @@ def _engine_kwargs(name: str, model: str, args) -> dict:
             "enforce_eager": not graphs,
             **shared,
         }
+        kwargs.update(stock_extra_args(args.arch, args.device))
     sizes = parse_concurrency(args.capture_sizes, "--capture-sizes") if args.capture_sizes else None
     if graphs and sizes:
         # Both graph engines capture the same batch sizes (vLLM pads a decode batch up to the
