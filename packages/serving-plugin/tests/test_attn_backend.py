@@ -512,3 +512,18 @@ def test_on_a_vllm_with_only_the_custom_slot_a_slot_held_by_another_class_is_ref
         assert custom.get_path() == ab.BACKEND_PATH
     finally:
         custom.clear_override()
+
+
+def test_key_places_are_each_requests_positions_and_batch_row_end_to_end():
+    from lockstep_serving.vllm.model import key_places
+
+    at, rows = key_places([3, 0, 5], [2, 4, 1])
+    assert at.tolist() == [0, 1, 0, 1, 2, 3, 0]
+    assert rows.tolist() == [3, 3, 0, 0, 0, 0, 5]
+    assert at.dtype == rows.dtype == torch.int64
+    lens = torch.tensor([7, 1, 33, 16])
+    ks = starts(lens.tolist(), "cpu")
+    want = torch.arange(int(ks[-1])) - ks[:-1].repeat_interleave(lens)
+    assert torch.equal(key_places([0, 1, 2, 3], lens.tolist())[0], want)
+    empty_at, empty_rows = key_places([], [])
+    assert empty_at.numel() == empty_rows.numel() == 0

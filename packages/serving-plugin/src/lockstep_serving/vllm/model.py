@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -515,12 +516,11 @@ class CachePlaces:
         check_last_positions(positions, last, want, reqs)
         table = md.block_table.to(device=device, dtype=torch.int64)
         self.spans = spans
-        lens = torch.tensor([seq_len for *_, seq_len in reqs], dtype=torch.int64)
-        k_starts = starts(lens.tolist(), "cpu")
+        lens = [seq_len for *_, seq_len in reqs]
+        k_starts = starts(lens, "cpu")
         self.key_spans = list(itertools.pairwise(k_starts.tolist()))
-        # every request's key positions 0..seq_len-1 in order, and the batch row of its table
-        at = up(torch.arange(int(k_starts[-1])) - k_starts[:-1].repeat_interleave(lens), device)
-        table_rows = torch.tensor([r for r, *_ in reqs], dtype=torch.int64).repeat_interleave(lens)
+        at, table_rows = key_places([r for r, *_ in reqs], lens)
+        at = up(at, device)
         self.key_pages = table[up(table_rows, device), at // bs]
         self.key_offsets = at % bs
         self.q_starts = up(starts([hi - lo for lo, hi in spans], "cpu"), device)
@@ -537,6 +537,17 @@ class CachePlaces:
 
     def fits(self, md, block_size: int, device) -> bool:
         return self.key == (id(md), id(md.block_table), block_size, device)
+
+
+def key_places(rows: list[int], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For requests of these batch rows and sequence lengths, their keys end to end: each
+    key's position in its request (0..seq_len-1) and its request's batch row, int64 on the host.
+    Worked out in numpy: torch's ``repeat_interleave`` on host tensors took 6.5 ms a call
+    inside a serving engine (H100 machine, under cProfile), on this host 0.03 ms."""
+    n = np.asarray(lens, dtype=np.int64)
+    first = np.cumsum(n) - n  # where each request's keys begin
+    at = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(first, n)
+    return torch.from_numpy(at), torch.from_numpy(np.repeat(np.asarray(rows, np.int64), n))
 
 
 def up(t: torch.Tensor, device) -> torch.Tensor:
