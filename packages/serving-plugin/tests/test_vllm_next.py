@@ -145,6 +145,28 @@ def _other(token: int) -> int:
     return 3 + (token - 3 + 1) % 997
 
 
+@contextlib.contextmanager
+def _expert_paths():
+    """Counts the routed experts' two paths in the (in-process) engine: the grouped plan
+    (``programs.expert_plan``) and the per-expert dispatch (``local_dispatch``)."""
+    counts = {"grouped": 0, "per_expert": 0}
+    plan, dispatch = N.P.expert_plan, N.local_dispatch
+
+    def counted_plan(*a, **k):
+        counts["grouped"] += 1
+        return plan(*a, **k)
+
+    def counted_dispatch(*a, **k):
+        counts["per_expert"] += 1
+        return dispatch(*a, **k)
+
+    N.P.expert_plan, N.local_dispatch = counted_plan, counted_dispatch
+    try:
+        yield counts
+    finally:
+        N.P.expert_plan, N.local_dispatch = plan, dispatch
+
+
 @pytest.fixture(scope="module")
 def runs(model_dir):
     from vllm import SamplingParams
@@ -157,9 +179,9 @@ def runs(model_dir):
     llm = start_engine(model_dir)
     try:
         r["fingerprint"] = lane_fingerprint(llm)
-        with _spans([]) as spans:
+        with _spans([]) as spans, _expert_paths() as paths:
             r["batch"] = llm.generate(prompts, _params(), use_tqdm=False)
-        r["spans"] = spans
+        r["spans"], r["expert_paths"] = spans, paths
         (r["alone"],) = llm.generate([prompts[LONG]], _params(), use_tqdm=False)
         # control: the same request with another seed
         (r["alone_seed_8"],) = llm.generate([prompts[LONG]], _params(seed=8), use_tqdm=False)
@@ -266,6 +288,16 @@ def test_chunked_prefill_equals_one_prefill(runs):
             _same_and_comparator(want, got, f"prompt {i}: one prefill vs chunks of {BUDGET} {name}")
     # control: the long prompt with its last token changed, chunked, parts from one prefill
     assert not same_bytes(_decisions(runs["greedy"][LONG])[1], _decisions(runs["chunked_moved"])[1])
+
+
+@pytest.mark.engine
+def test_the_routed_experts_run_grouped_and_give_the_per_expert_bytes(runs):
+    """The served batch ran its routed experts grouped (an expert plan a MoE layer and step,
+    each projection one grouped call), never an expert at a time; the composition run
+    directly takes the per-expert path, so ``test_sampled_logprobs_equal_the_composition_run_
+    directly`` holds the two to the same bytes."""
+    paths = runs["expert_paths"]
+    assert paths["grouped"] > 0 and paths["per_expert"] == 0, paths
 
 
 @pytest.mark.engine

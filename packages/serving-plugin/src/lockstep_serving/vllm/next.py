@@ -50,6 +50,7 @@ from lockstep_exact import programs as P
 from lockstep_exact.contract import ContractMismatch
 from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.lanes.config import UnsupportedModel
+from lockstep_exact.lanes.qwen3 import stack_experts
 from lockstep_exact.model import geometry_contract
 from lockstep_exact.sites import is_recording, paused
 
@@ -304,6 +305,7 @@ class LockstepQwen3NextForCausalLM(nn.Module):
             for i in self.gdn_layers
         )
         self._adapters: dict[int, dict] = {}
+        self._experts: list[dict[str, torch.Tensor]] | None = None  # load_weights stacks them
         LIVE.add(self)
 
     # --- weights ---------------------------------------------------------------------------
@@ -311,6 +313,9 @@ class LockstepQwen3NextForCausalLM(nn.Module):
         # skip "mtp.": the multi-token-prediction head drafts; the lane does not run it
         for name, t in lane_weights(weights, _expected_names(self.geom), skip=("mtp.",)):
             self.weights[name] = t.detach().to(self.device, copy=True)
+        # The routed experts run grouped (one launch a projection for all of them): stacked
+        # once here; each expert's own entry becomes a view of its stack.
+        self._experts = stack_experts(self.weights, self.geom)
         self._slots = N.DictSlots(self.weights, self.geom)
         return set()  # no nn.Parameters: the weights live outside vLLM's parameter tracking
 
@@ -412,6 +417,13 @@ class PagedNextSlots(N.DictSlots):
         self.adapters = adapters or {}
         self.model, self.reqs, self.rows = model, reqs, rows
         self.places = None  # the step's cache places (model.step_places), from its first layer
+
+    def experts(self, layer):
+        # Grouped experts only where no adapter is in play: an adapter's expert sites take
+        # the per-expert path (``local_dispatch``), where each projection gets its factors.
+        if self.adapters or self.model._experts is None:
+            return None
+        return self.model._experts[layer]
 
     def attend(self, layer, q, k, v, segs, positions, core):
         from vllm.model_executor.layers.attention.attention import get_attention_context

@@ -38,7 +38,8 @@ from .. import programs as P
 from ..contract import Contract, LayoutRefused, make_contract
 from ..programs import Program
 from ..programs import vjp as V
-from ..sites import record
+from ..programs.grouping import unsort
+from ..sites import is_recording, record
 from .config import UnsupportedModel, check_next_config
 from .ops import AttentionSite, Ops, site
 from .qwen3 import K_PARTS, LoRA, k_parts, linear, local_dispatch
@@ -371,6 +372,14 @@ class Slots:
         ``linear_attn.in_proj_qkvz``), already bf16, or None: the base weights only."""
         return None
 
+    def experts(self, layer: int) -> Mapping[str, torch.Tensor] | None:
+        """The layer's routed experts' weights stacked ({"gate_proj": [E, I, H], "up_proj":
+        [E, I, H], "down_proj": [E, H, I]}) where the engine runs them grouped (one launch a
+        projection for every expert, ``Layer.moe``), or None: each expert on its rows in turn
+        (``local_dispatch``). Only where no adapter covers an expert. The rows' bytes are the
+        same either way (``programs.gemm_grouped``)."""
+        return None
+
     def attend(self, layer: int, q, k, v, segs: Segments, positions, core) -> torch.Tensor:
         """This step's rows of attention layer ``layer``: q/k/v are every row's (after norm
         and rope); each sequence's k/v join its cache, then ``core(q_rows, keys, values,
@@ -492,16 +501,31 @@ class Layer:
         o = ops.sigmoid_gate(f"{s}.gate", o, gate.contiguous())
         return self.gemm(o, "self_attn.o_proj")
 
-    def mlp(self, x, pre: str):
-        gate = self.gemm(x, f"{pre}.gate_proj")
-        up = self.gemm(x, f"{pre}.up_proj")
+    def mlp(self, x, pre: str, proj=None):
+        """``proj(x, name)``: the projections' form (default ``self.gemm``; grouped experts
+        pass theirs)."""
+        proj = proj or self.gemm
+        gate = proj(x, f"{pre}.gate_proj")
+        up = proj(x, f"{pre}.up_proj")
         act = self.ops.swiglu(f"{self.site}.{pre}.act", gate, up)
-        return self.gemm(act, f"{pre}.down_proj")
+        return proj(act, f"{pre}.down_proj")
 
     def moe(self, h):
         ops, s = self.ops, f"{self.site}.mlp"
         ids, weights = ops.router(f"{s}.router", self.gemm(h, "mlp.gate"))
-        out = local_dispatch(h, ids, lambda e, x: self.mlp(x, f"mlp.experts.{e}"))
+        stacked = None if is_recording() else self.slots.experts(self.index)
+        if stacked is None:
+            out = local_dispatch(h, ids, lambda e, x: self.mlp(x, f"mlp.experts.{e}"))
+        else:
+            # Every expert at once (as the Qwen3-MoE lane): the (row, slot) pairs sorted by
+            # expert on the device, each projection one grouped call, then back to (row, slot).
+            plan = P.expert_plan(ids, self.geom.experts)
+
+            def grouped(x, name):
+                w = stacked[name.rsplit(".", 1)[1]]
+                return ops.gemm_grouped(f"{self.site}.{name}", x, w, plan)
+
+            out = unsort(self.mlp(h[plan.src], "mlp.experts.*", grouped), plan)
         routed = ops.moe_fold(f"{s}.fold", out, weights)
         shared = self.mlp(h, "mlp.shared_expert")
         logit = self.gemm(h, "mlp.shared_expert_gate")
