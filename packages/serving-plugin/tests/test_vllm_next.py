@@ -657,3 +657,28 @@ def test_weights_the_lane_does_not_load_are_refused(model_dir, tmp_path):
         with pytest.raises(Exception, match=message):
             llm = start_engine(out)
             stop_engine(llm)
+
+
+def test_a_steps_page_metas_are_read_once_and_checked_as_each_page_reads_its_own(model_dir):
+    """``page_metas`` reads every GDN layer's (position, chunk) of the step's pages in one copy;
+    ``load_cache`` given them refuses a page of another position as it does reading the page
+    itself, and gives the same cache bytes."""
+    from lockstep_serving.vllm.next import load_cache, page_metas, store_cache
+
+    geom = N.Geometry.from_model_dir(model_dir)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    pages = _fake_pages(geom, 4)
+    cache = N.NextCache.empty(geom)
+    N.forward_logprobs(weights, geom, torch.tensor(_prompts()[LONG][:7]), cache)
+    store_cache(geom, pages, 1, cache)
+    store_cache(geom, pages, 3, N.NextCache.empty(geom))
+    metas = page_metas(pages, [1, 3])
+    layers = list(pages)
+    assert metas == {1: {i: (7, CHUNK) for i in layers}, 3: {i: (0, CHUNK) for i in layers}}
+    own, given = load_cache(geom, pages, 1, 7), load_cache(geom, pages, 1, 7, metas[1])
+    for i in layers:
+        for name in ("s", "k", "v", "g", "beta", "u", "gcum"):
+            assert_same_bytes(getattr(own.gdn[i], name), getattr(given.gdn[i], name), name)
+    with pytest.raises(LaneRefused, match=r"state page 3 of layer \d+ holds position 0"):
+        load_cache(geom, pages, 3, 7, metas[3])
+    assert page_metas(pages, []) == {} and page_metas({}, [1]) == {}

@@ -98,9 +98,35 @@ def _geometry(vllm_config) -> N.Geometry:
         _refuse(str(err))
 
 
-def load_cache(geom: N.Geometry, pages: dict[int, dict[str, torch.Tensor]], slot: int, position):
+def page_metas(
+    pages: dict[int, dict[str, torch.Tensor]], slots: list[int]
+) -> dict[int, dict[int, tuple[int, int]]]:
+    """What the state pages ``slots`` of every GDN layer hold, (position, chunk) by slot and
+    layer, read from their ``meta`` in one copy to the host: a step reads them once, not once
+    a request and layer (each read of the device waits for the GPU to finish its work)."""
+    if not pages or not slots:
+        return {}
+    first = next(iter(pages.values()))["meta"]
+    idx = torch.tensor(slots, dtype=torch.int64).to(first.device)
+    rows = torch.stack([p["meta"][idx] for p in pages.values()]).tolist()  # [L, R, 2]
+    out: dict[int, dict[int, tuple[int, int]]] = {}
+    for layer, per_slot in zip(pages, rows, strict=True):
+        for slot, (held, chunk) in zip(slots, per_slot, strict=True):
+            out.setdefault(slot, {})[layer] = (int(held), int(chunk))
+    return out
+
+
+def load_cache(
+    geom: N.Geometry,
+    pages: dict[int, dict[str, torch.Tensor]],
+    slot: int,
+    position,
+    held: dict[int, tuple[int, int]] | None = None,
+):
     """The composition's ``NextCache`` of one request at ``position``, read from its state
-    page ``slot`` of every GDN layer (``pages[layer]``: ``next_state.LaneStateLayer.pages``)."""
+    page ``slot`` of every GDN layer (``pages[layer]``: ``next_state.LaneStateLayer.pages``).
+    ``held``: what each layer's page holds, (position, chunk) by layer, as ``page_metas``
+    read it for the step (None: read here from the page)."""
     cache = N.NextCache(position=position)
     c = geom.chunk
     start = position - position % c
@@ -119,10 +145,10 @@ def load_cache(geom: N.Geometry, pages: dict[int, dict[str, torch.Tensor]], slot
                 geom.conv_dim, kernel=geom.conv_kernel, device=p["s"].device
             )
             continue
-        held, chunk = (int(x) for x in p["meta"][slot])
-        if (held, chunk) != (position, c):
+        at, chunk = held[i] if held is not None else (int(x) for x in p["meta"][slot])
+        if (at, chunk) != (position, c):
             raise LaneRefused(
-                f"Lockstep exact lane: the state page {slot} of layer {i} holds position {held} "
+                f"Lockstep exact lane: the state page {slot} of layer {i} holds position {at} "
                 f"(chunk {chunk}) but the request continues at position {position} (chunk {c}): "
                 "the page does not belong to this request's state"
             )
@@ -163,7 +189,9 @@ def store_cache(geom: N.Geometry, pages: dict[int, dict[str, torch.Tensor]], slo
         p["u"][slot, :w] = st.u
         p["gcum"][slot, :w] = st.gcum
         p["conv"][slot] = cache.conv[i]
-        p["meta"][slot] = torch.tensor([cache.position, geom.chunk], dtype=torch.int32)
+        # filled on the page's device (a copy from a host tensor would wait for the GPU)
+        p["meta"][slot, 0].fill_(cache.position)
+        p["meta"][slot, 1].fill_(geom.chunk)
 
 
 def _validate(vllm_config) -> tuple[N.Geometry, Path]:
@@ -363,25 +391,33 @@ class LockstepQwen3NextForCausalLM(nn.Module):
         groups: dict[int, tuple[list, list, list]] = {}
         ids = self._token_adapters
         pages = self._pages()
-        pos_cpu = positions.to("cpu")
+        pos_cpu = positions.to("cpu").tolist()
+        state_slots = smd.state_slots.tolist() if smd is not None else None
+        steps = []  # (r, start, end, seq_len, first, slot) of each request with rows
         for r, seq_len in enumerate(seq_lens):
             start, end = qsl[r], qsl[r + 1]
             if end <= start:
                 continue
             first = seq_len - (end - start)
-            got = pos_cpu[start:end]
-            if int(got[0]) != first or int(got[-1]) != seq_len - 1:
+            lo, hi = pos_cpu[start], pos_cpu[end - 1]
+            if lo != first or hi != seq_len - 1:
                 raise LaneRefused(
-                    f"request {r}: vLLM's positions {int(got[0])}..{int(got[-1])} are not the "
+                    f"request {r}: vLLM's positions {lo}..{hi} are not the "
                     f"cache's {first}..{seq_len - 1}; the lane cannot continue its state there"
                 )
-            slot = int(smd.state_slots[r]) if smd is not None else -1
+            slot = int(state_slots[r]) if state_slots is not None else -1
+            steps.append((r, start, end, seq_len, first, slot))
+        # what the continuing requests' pages hold: one read for the step
+        metas = page_metas(pages, [slot for *_, first, slot in steps if first > 0])
+        for r, start, end, seq_len, first, slot in steps:
             reqs, batch, slots = groups.setdefault(
                 ids[start] if start < len(ids) else 0, ([], [], [])
             )
             reqs.append((r, start, end, seq_len))
             slots.append(slot)
-            batch.append((input_ids[start:end], load_cache(self.geom, pages, slot, first)))
+            held = metas.get(slot) if first > 0 else None
+            cache = load_cache(self.geom, pages, slot, first, held)
+            batch.append((input_ids[start:end], cache))
         for lid, (reqs, batch, slots) in groups.items():
             adapters = self._adapters.get(lid) if lid else None
             if lid and adapters is None:
