@@ -153,11 +153,16 @@ def test_bench_vllm_gpu_refuses_a_profile_longer_than_the_model():
     assert exc.value.code == 2
 
 
+def row(name: str, *tok: float) -> dict:
+    """An engine's result with these tokens/s at 1 and 16 requests (as many as given)."""
+    return {
+        "engine": name,
+        "rows": [{"concurrency": c, "tok_s": t} for c, t in zip((1, 16), tok, strict=False)],
+    }
+
+
 def test_lane_rows_are_set_beside_stock_and_vllms_batch_invariant_mode():
     bench = _bench()
-    row = lambda name, *tok: {"engine": name, "rows": [  # noqa: E731
-        {"concurrency": c, "tok_s": t} for c, t in zip((1, 16), tok, strict=False)
-    ]}  # fmt: skip
     results = {
         "lane-graphs": row("lane-graphs", 50.0, 800.0),
         "stock-graphs": row("stock-graphs", 100.0, 1000.0),
@@ -173,9 +178,6 @@ def test_a_lane_that_ran_in_one_mode_is_also_set_against_the_other_mode():
     """The hybrid lane runs eager only: it is compared with stock's graphs too; a lane that ran
     in both modes is compared mode with mode only."""
     bench = _bench()
-    row = lambda name, *tok: {"engine": name, "rows": [  # noqa: E731
-        {"concurrency": c, "tok_s": t} for c, t in zip((1, 16), tok, strict=False)
-    ]}  # fmt: skip
     results = {
         "lane-eager": row("lane-eager", 50.0, 400.0),
         "stock-eager": row("stock-eager", 100.0, 800.0),

@@ -192,6 +192,20 @@ class Slots:
         return None
 
 
+def grouped_experts(ops, site: str, h, ids, stacked, experts: int, mlp, pre: str):
+    """Every expert at once: the (row, slot) pairs of router ``ids`` sorted by expert on the
+    device, ``mlp(rows, pre, proj)`` over them with each projection one grouped call (a row's
+    bytes are its expert's plain gemm's), then back to (row, slot): [T, k, H]. ``stacked``: the
+    layer's experts' weights by projection ([E, N, K]); nothing is read on the host."""
+    plan = P.expert_plan(ids, experts)
+
+    def grouped(x, name):
+        w = stacked[name.rsplit(".", 1)[1]]
+        return ops.gemm_grouped(f"{site}.{name}", x, w, plan)
+
+    return unsort(mlp(h[plan.src], pre, grouped), plan)
+
+
 def local_dispatch(h, ids, expert, owned=None):
     """Every expert routed to by some row, in ascending id, on the rows that chose it; the
     results land at (row, slot) of a [T, k, H] tensor (out of place: autograd sees it).
@@ -286,16 +300,9 @@ class Layer:
                 self.index, h, ids, lambda e, x: self.mlp(x, f"mlp.experts.{e}.")
             )
         else:
-            # Every expert at once: the (row, slot) pairs sorted by expert on the device, the
-            # same MLP over them with each projection grouped (a row's bytes are its expert's
-            # plain gemm's), then back to (row, slot). Nothing is read on the host.
-            plan = P.expert_plan(ids, self.geom.experts)
-
-            def grouped(x, name):
-                w = stacked[name.rsplit(".", 1)[1]]
-                return ops.gemm_grouped(f"{self.site}.{name}", x, w, plan)
-
-            out = unsort(self.mlp(h[plan.src], "mlp.experts.*.", grouped), plan)
+            out = grouped_experts(
+                ops, self.site, h, ids, stacked, self.geom.experts, self.mlp, "mlp.experts.*."
+            )
         return ops.moe_fold(f"{s}.fold", out, weights)
 
     def __call__(self, h, positions):

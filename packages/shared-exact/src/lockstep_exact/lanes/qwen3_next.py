@@ -38,11 +38,10 @@ from .. import programs as P
 from ..contract import Contract, LayoutRefused, make_contract
 from ..programs import Program
 from ..programs import vjp as V
-from ..programs.grouping import unsort
 from ..sites import is_recording, record
 from .config import UnsupportedModel, check_next_config
 from .ops import AttentionSite, Ops, site
-from .qwen3 import K_PARTS, LoRA, k_parts, linear, local_dispatch
+from .qwen3 import K_PARTS, LoRA, grouped_experts, k_parts, linear, local_dispatch
 
 ARCHITECTURES = {"Qwen3NextForCausalLM": "qwen3-next"}
 GDN_CHUNK = 64  # the lane's gdn.chunked chunk (tests may build a geometry with another)
@@ -516,16 +515,10 @@ class Layer:
         stacked = None if is_recording() else self.slots.experts(self.index)
         if stacked is None:
             out = local_dispatch(h, ids, lambda e, x: self.mlp(x, f"mlp.experts.{e}"))
-        else:
-            # Every expert at once (as the Qwen3-MoE lane): the (row, slot) pairs sorted by
-            # expert on the device, each projection one grouped call, then back to (row, slot).
-            plan = P.expert_plan(ids, self.geom.experts)
-
-            def grouped(x, name):
-                w = stacked[name.rsplit(".", 1)[1]]
-                return ops.gemm_grouped(f"{self.site}.{name}", x, w, plan)
-
-            out = unsort(self.mlp(h[plan.src], "mlp.experts.*", grouped), plan)
+        else:  # every expert at once, as the Qwen3-MoE lane
+            out = grouped_experts(
+                ops, self.site, h, ids, stacked, self.geom.experts, self.mlp, "mlp.experts.*"
+            )
         routed = ops.moe_fold(f"{s}.fold", out, weights)
         shared = self.mlp(h, "mlp.shared_expert")
         logit = self.gemm(h, "mlp.shared_expert_gate")
