@@ -358,6 +358,16 @@ class LockstepQwen3ForCausalLM(nn.Module):
             return qwen3.final_logits(self.ops, self.geom, self.slots(), hidden_states)
 
 
+def unadapted_experts(model, adapters, layer: int):
+    """A serving slots' ``experts(layer)``: the model's stacked expert weights of ``layer``
+    (``qwen3.stack_experts``) for grouped experts, or None where an adapter is in play (its
+    expert sites take the per-expert path, each projection with its own factors) or the
+    model stacked none."""
+    if adapters or model._experts is None:
+        return None
+    return model._experts[layer]
+
+
 def warm_attention_requests(max_positions: int) -> list[tuple[int, int]]:
     """The (queries, keys) of the sequences the warm-up's prefill attention runs: one query
     after a prefix past the first 1,024 keys and 17 after a longer one (a prefix of several
@@ -402,7 +412,7 @@ class WarmSlots(qwen3.DictSlots):
         self.gather = model.gather
 
     def experts(self, layer):
-        return None if self.model._experts is None else self.model._experts[layer]
+        return unadapted_experts(self.model, None, layer)
 
 
 class PagedSlots(qwen3.DictSlots):
@@ -416,11 +426,7 @@ class PagedSlots(qwen3.DictSlots):
         self.places: CachePlaces | None = None  # the step's, from its first layer
 
     def experts(self, layer):
-        # Grouped experts only where no adapter is in play: an adapter's expert sites take
-        # the per-expert path (``dispatch``), where each projection gets its own factors.
-        if self.adapters or self.model._experts is None:
-            return None
-        return self.model._experts[layer]
+        return unadapted_experts(self.model, self.adapters, layer)
 
     def attend(self, layer, q, k, v, positions, core):
         from vllm.model_executor.layers.attention.attention import get_attention_context

@@ -63,6 +63,7 @@ from .model import (
     lane_backend,
     paged_attention,
     step_places,
+    unadapted_experts,
 )
 
 ARCH = "LockstepQwen3NextForCausalLM"
@@ -455,11 +456,7 @@ class PagedNextSlots(N.DictSlots):
         self.places = None  # the step's cache places (model.step_places), from its first layer
 
     def experts(self, layer):
-        # Grouped experts only where no adapter is in play: an adapter's expert sites take
-        # the per-expert path (``local_dispatch``), where each projection gets its factors.
-        if self.adapters or self.model._experts is None:
-            return None
-        return self.model._experts[layer]
+        return unadapted_experts(self.model, self.adapters, layer)
 
     def attend(self, layer, q, k, v, segs, positions, core):
         from vllm.model_executor.layers.attention.attention import get_attention_context

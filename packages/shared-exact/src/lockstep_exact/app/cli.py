@@ -95,28 +95,32 @@ def _drive(args, hook_name: str, half: str, package: str, message: str, request,
     return result
 
 
+# `lockstep tiny`'s integer options, each make_tiny's argument of the same name (with "_").
+TINY_INT_OPTIONS = (
+    "seed",
+    "hidden",
+    "layers",
+    "heads",
+    "kv-heads",
+    "head-dim",
+    "intermediate",
+    "vocab",
+    "experts",
+    "topk",
+    "moe-intermediate",
+    "linear-key-heads",
+    "linear-value-heads",
+    "full-attention-interval",
+)
+
+
 def _cmd_tiny(args) -> int:
     from ..model import ModelDir
     from .tiny import make_tiny
 
     kw = {
         k: getattr(args, k)
-        for k in (
-            "seed",
-            "hidden",
-            "layers",
-            "heads",
-            "kv_heads",
-            "head_dim",
-            "intermediate",
-            "vocab",
-            "experts",
-            "topk",
-            "moe_intermediate",
-            "linear_key_heads",
-            "linear_value_heads",
-            "full_attention_interval",
-        )
+        for k in (name.replace("-", "_") for name in TINY_INT_OPTIONS)
         if getattr(args, k) is not None
     }
     out = make_tiny(args.out, arch=args.arch, **kw)
@@ -683,22 +687,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny.add_argument("--arch", choices=("qwen3", "qwen3-moe", "qwen3-next"), default="qwen3-moe")
     tiny.add_argument("--out", required=True)
-    for name in (
-        "seed",
-        "hidden",
-        "layers",
-        "heads",
-        "kv-heads",
-        "head-dim",
-        "intermediate",
-        "vocab",
-        "experts",
-        "topk",
-        "moe-intermediate",
-        "linear-key-heads",
-        "linear-value-heads",
-        "full-attention-interval",
-    ):
+    for name in TINY_INT_OPTIONS:
         tiny.add_argument(f"--{name}", type=int, dest=name.replace("-", "_"))
     tiny.set_defaults(func=_cmd_tiny)
 
