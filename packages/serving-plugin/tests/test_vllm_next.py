@@ -95,18 +95,27 @@ def _spans(log: list):
 @contextlib.contextmanager
 def _after_store(position: int, move):
     """Call ``move(pages, slot)`` right after the lane stores a request's state at
-    ``position`` into page ``slot``: between that step and the next, which reads it."""
+    ``position`` into page ``slot``: between that step and the next, which reads it. A step
+    stores through ``store_cache`` (a request at a time) or, when it ran the paged programs,
+    ends in the model's ``_advance_metas``."""
     from lockstep_serving.vllm import next as V
 
-    original = V.store_cache
+    original, advance = V.store_cache, V.LockstepQwen3NextForCausalLM._advance_metas
 
     def store_cache(geom, pages, slot, cache):
         original(geom, pages, slot, cache)
         if cache.position == position:
             move(pages, slot)
 
+    def advance_metas(model, pages, seqs, batch):
+        advance(model, pages, seqs, batch)
+        for slot, (_, cache) in zip(seqs.slots, batch, strict=True):
+            if cache.position == position:
+                move(pages, slot)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(V, "store_cache", store_cache)
+        mp.setattr(V.LockstepQwen3NextForCausalLM, "_advance_metas", advance_metas)
         yield
 
 
@@ -167,6 +176,30 @@ def _expert_paths():
         N.P.expert_plan, N.local_dispatch = plan, dispatch
 
 
+@contextlib.contextmanager
+def _gdn_paths():
+    """Counts the GDN layers' two paths in the (in-process) engine: a step over the state
+    pages (``programs.gdn_paged``: every request at once) and a request's state read into
+    its cache (``next.load_cache``)."""
+    from lockstep_serving.vllm import next as V
+
+    counts = {"paged": 0, "per_request": 0}
+    paged, load = N.P.gdn_paged, V.load_cache
+
+    def counted_paged(*a, **k):
+        counts["paged"] += 1
+        return paged(*a, **k)
+
+    def counted_load(*a, **k):
+        counts["per_request"] += 1
+        return load(*a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(N.P, "gdn_paged", counted_paged)
+        mp.setattr(V, "load_cache", counted_load)
+        yield counts
+
+
 @pytest.fixture(scope="module")
 def runs(model_dir):
     from vllm import SamplingParams
@@ -179,9 +212,9 @@ def runs(model_dir):
     llm = start_engine(model_dir)
     try:
         r["fingerprint"] = lane_fingerprint(llm)
-        with _spans([]) as spans, _expert_paths() as paths:
+        with _spans([]) as spans, _expert_paths() as paths, _gdn_paths() as gdn:
             r["batch"] = llm.generate(prompts, _params(), use_tqdm=False)
-        r["spans"], r["expert_paths"] = spans, paths
+        r["spans"], r["expert_paths"], r["gdn_paths"] = spans, paths, gdn
         (r["alone"],) = llm.generate([prompts[LONG]], _params(), use_tqdm=False)
         # control: the same request with another seed
         (r["alone_seed_8"],) = llm.generate([prompts[LONG]], _params(seed=8), use_tqdm=False)
@@ -298,6 +331,20 @@ def test_the_routed_experts_run_grouped_and_give_the_per_expert_bytes(runs):
     directly`` holds the two to the same bytes."""
     paths = runs["expert_paths"]
     assert paths["grouped"] > 0 and paths["per_expert"] == 0, paths
+
+
+@pytest.mark.engine
+def test_decode_steps_run_every_request_over_its_state_page_at_once(runs, model_dir):
+    """The batch's prefill step (prompts of 100 and 200 tokens cross gdn chunks) read each
+    request's state into its cache; its decode steps (one row a request, inside one chunk)
+    ran the paged programs, every request at once. The sampled tokens' bytes against the
+    composition (``test_sampled_logprobs_equal_the_composition_run_directly``) and decode
+    against one prefill hold the two paths to the same bytes."""
+    paths = runs["gdn_paths"]
+    kinds = N.Geometry.from_model_dir(model_dir).layer_types
+    gdn_layers = sum(kind == N.LINEAR for kind in kinds)
+    assert paths["per_request"] == len(LENGTHS), paths  # the prefill step: one load a request
+    assert paths["paged"] == gdn_layers * (DECISIONS - 1), paths  # every decode step, paged
 
 
 @pytest.mark.engine

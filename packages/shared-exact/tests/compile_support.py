@@ -103,14 +103,14 @@ def main() -> dict:
     i16 = "*i16"
     out: dict = {}
     chunk_ptrs = {n: f32 for n in gdn._chunk_kernel.arg_names if n.endswith("_ptr")}
-    for c, kp, last in ((64, 128, False), (64, 128, True), (16, 16, True), (64, 32, False)):
-        warps = 8 if c * kp >= 4096 else 4
-        out[f"gdn chunk pass C={c} K={kp} last={last}"] = _case(
+    chunk_ptrs.update(seq_ptr="*i32", done_ptr="*i32")
+    for c, kp, paged in ((64, 128, False), (64, 128, True), (16, 16, True), (64, 32, False)):
+        out[f"gdn chunk pass C={c} K={kp} paged={paged}"] = _case(
             gdn._chunk_kernel,
             chunk_ptrs,
             {"C": c, "LOGC": c.bit_length() - 1, "KP": kp, "LOGK": kp.bit_length() - 1,
-             "BV": gdn._BV, "LAST": last},
-            num_warps=warps,
+             "BV": gdn._BV, "PAGED": paged},
+            num_warps=gdn._warps(c, kp),
         )  # fmt: skip
     out["gdn.gating"] = _case(
         hybrid._gating_kernel,
@@ -131,6 +131,12 @@ def main() -> dict:
         {"f_ptr": i16, "w_ptr": i16, "o_ptr": i16},
         {"BD": 128, "WP": 4, "LOG": 2},
     )
+    out["conv1d.causal paged kernel 4"] = _case(
+        hybrid._conv1d_paged_kernel,
+        {"x_ptr": i16, "win_ptr": i16, "w_ptr": i16, "o_ptr": i16, "nw_ptr": i16,
+         "seq_ptr": "*i32"},
+        {"BD": 128, "WP": 4, "LOG": 2},
+    )  # fmt: skip
     for gated, width in ((False, 2048), (True, 128)):
         per = max(1, min(16, 4096 // width))
         out[f"rmsnorm gated={gated} H={width}"] = _case(

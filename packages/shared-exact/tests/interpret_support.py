@@ -148,6 +148,64 @@ def check_calls(out: dict) -> None:
         out[f"gdn.chunked: {name}"] = {"equal": same(want, got) and states}
 
 
+# (heads, dims, chunk, conv kernel, (position, rows, page) per sequence): decodes at the first,
+# a middle and the last row of a chunk, fresh prompts (one row and several), a continuation
+# that fills its chunk; pages out of order.
+PAGED = {
+    "decodes, GQA 2": ((2, 4), (12, 20), 16, 4, [(5, 1, 3), (15, 1, 0), (16, 1, 6), (1, 1, 2)]),
+    "prompts and a chunk filled": (
+        (1, 2),
+        (5, 7),
+        8,
+        3,
+        [(0, 5, 4), (3, 5, 1), (0, 1, 0), (9, 2, 7)],
+    ),
+    "K 16 V 33, one sequence": ((2, 2), (16, 33), 16, 4, [(40, 8, 5)]),
+}
+
+
+def check_paged(out: dict) -> None:
+    """The paged programs' one launch (gdn_paged: the chunk kernel over every sequence from
+    its page; conv1d_paged) against the definition, a call per sequence: outputs and every
+    live byte of the advanced pages."""
+    from lockstep_exact.testing import gdn_paged_case, live_pages, pages_to
+
+    for name, (heads, dims, c, kern, seqs) in PAGED.items():
+        (q, k, v, g, beta, x, w), book, (starts, positions, slots) = gdn_paged_case(
+            heads, dims, c, seqs, pages=8, kernel=kern, seed=len(out)
+        )
+        table = cpu_gdn.paged_seqs(starts, positions, slots, chunk=c)
+        mine = pages_to(book, "cpu")
+        want = cpu_gdn.gdn_paged(q, k, v, g, beta, book, table, chunk=c)
+        want_x = cpu_gdn.conv1d_paged(x, w, book, table, kernel=kern)
+        got = cuda_hybrid.paged(q, k, v, g, beta, mine, table, chunk=c)
+        got_x = cuda_hybrid.conv1d_pages(x, w, mine, table, kernel=kern)
+        after = [p + starts[r + 1] - starts[r] for r, p in enumerate(positions)]
+        a, b = live_pages(book, slots, after, c), live_pages(mine, slots, after, c)
+        equal = same(want, got) and same(want_x, got_x) and all(same(a[n], b[n]) for n in a)
+        out[f"paged: {name}"] = {"equal": equal}
+    # The control: one page's state moved (its largest element by 16 bf16 ulps, 2**20 fp32 ulps,
+    # enough for the bf16 outputs to show it) moves that sequence's rows with the definition,
+    # and no other sequence's.
+    heads, dims, c, kern, seqs = PAGED["decodes, GQA 2"]
+    (q, k, v, g, beta, *_), book, (starts, positions, slots) = gdn_paged_case(
+        heads, dims, c, seqs, pages=8, kernel=kern, seed=0
+    )
+    table = cpu_gdn.paged_seqs(starts, positions, slots, chunk=c)
+    base = cuda_hybrid.paged(q, k, v, g, beta, pages_to(book, "cpu"), table, chunk=c)
+    r = next(i for i, p in enumerate(positions) if p >= c)  # a state past its first chunk
+    s = book.s[slots[r]]
+    s[0] = nudge_ulp(s[0], int(s[0].abs().argmax()), 1 << 20)
+    got = cuda_hybrid.paged(q, k, v, g, beta, pages_to(book, "cpu"), table, chunk=c)
+    want = cpu_gdn.gdn_paged(q, k, v, g, beta, book, table, chunk=c)
+    out["control: one page's state moved"] = {
+        "equal": same(got, want),
+        "moved": not same(got[r : r + 1], base[r : r + 1])
+        and same(got[:r], base[:r])
+        and same(got[r + 1 :], base[r + 1 :]),
+    }
+
+
 def nan_canonical(t: torch.Tensor) -> torch.Tensor:
     """fp32 with every NaN as one pattern (the GPU suite's rule for fp32 outputs: a NaN's
     payload is not part of a program's bytes); bf16 outputs are compared as they are."""
@@ -559,4 +617,5 @@ if __name__ == "__main__":
     check_sampler(results)
     check_chunks(results)
     check_calls(results)
+    check_paged(results)
     json.dump(results, sys.stdout)

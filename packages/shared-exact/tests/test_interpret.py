@@ -51,6 +51,7 @@ COUNTS = {
     "chunk": 8,
     "gdn.chunked": 3,
     "varlen": 4,
+    "paged": 3,
 }
 
 
@@ -62,7 +63,7 @@ def failing(results: dict, kind: str) -> list[str]:
 
 
 COMPILE = Path(__file__).with_name("compile_support.py")
-KERNELS = 25  # compile_support's kernel cases (the control apart)
+KERNELS = 26  # compile_support's kernel cases (the control apart)
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +172,18 @@ def test_a_one_ulp_move_of_an_input_moves_the_chunk_kernel_with_the_cpu_program(
 def test_gdn_chunked_with_the_kernel_has_the_cpu_bytes_and_states(results):
     """One pass, pieces across chunk boundaries, prefill then token by token."""
     assert failing(results, "gdn.chunked") == []
+
+
+def test_the_paged_gdn_programs_give_each_sequence_the_bytes_of_its_own_calls(results):
+    """gdn_paged and conv1d_paged in one launch each against a call per sequence on its
+    page: decodes at every chunk row, fresh prompts, a chunk filled, GQA, odd K and V."""
+    assert failing(results, "paged") == []
+
+
+def test_a_moved_page_moves_only_its_sequence_in_the_paged_launch(results):
+    control = results["control: one page's state moved"]
+    assert control["moved"], "the sequence's rows did not follow its page, or others moved"
+    assert control["equal"]
 
 
 def test_attention_of_many_sequences_in_one_launch_gives_each_row_its_requests_bytes(results):

@@ -279,3 +279,84 @@ def test_a_cache_of_another_chunk_or_position_is_refused(nxt):
     cache.position = 3  # the GDN states say 10
     with pytest.raises(ValueError, match="the state is at position 10, the call starts at 3"):
         N.forward_logprobs(w, geom, toks, cache)
+
+
+class PagedSlots(N.DictSlots):
+    """The composition's slots with every GDN layer's states in pages (as a serving engine
+    keeps them), the step's table set before each step; attention K/V stay in the caches."""
+
+    def __init__(self, weights, geom, books):
+        super().__init__(weights, geom)
+        self.books, self.seqs = books, None
+
+    def gdn_pages(self, layer):
+        return self.books[layer], self.seqs
+
+
+def test_steps_over_state_pages_give_the_bytes_of_each_sequences_own_cache(nxt):
+    """The paged programs in the composition (every sequence's conv1d and gdn.chunked in one
+    call per layer, from and into pages) against each sequence on its own NextCache: three
+    continuing sequences and one fresh prompt, decoded across chunk boundaries. Control: one
+    solved row of one sequence's pages moved moves that sequence's rows only."""
+    _, geom, w = nxt
+    g = geom
+    prompts = [tokens(40, seed=11), tokens(23, seed=12), tokens(9, seed=13)]
+    fresh = tokens(5, seed=14)
+    more = [tokens(12, seed=s) for s in (15, 16, 17, 18)]
+    slots = [5, 0, 3, 1]  # each sequence's page, out of order; page 2 unused
+    gen = torch.Generator().manual_seed(19)
+    dims = (g.linear_key_heads, g.linear_value_heads, g.linear_key_dim, g.linear_value_dim)
+    hk, hv, dk, dv = dims
+
+    def run(moved: bool = False):
+        ops, dict_slots = N.default_ops(g), N.DictSlots(w, g)
+        own = [N.NextCache.empty(g) for _ in range(4)]
+        paged = [N.NextCache.empty(g) for _ in range(4)]
+        for t, a, b in zip(prompts, own, paged, strict=False):  # prefills, per sequence
+            N.forward(ops, g, dict_slots, [(t, a)])
+            N.forward(ops, g, dict_slots, [(t, b)])
+        books = {}
+        for i, kind in enumerate(g.layer_types):
+            if kind != N.LINEAR:
+                continue
+            books[i] = book = P.GdnPages(
+                s=torch.randn(6, hv, dk, dv, generator=gen),
+                k=torch.randn(6, g.chunk, hk, dk, generator=gen),
+                v=torch.randn(6, g.chunk, hv, dv, generator=gen).bfloat16(),
+                g=torch.randn(6, g.chunk, hv, generator=gen),
+                beta=torch.randn(6, g.chunk, hv, generator=gen),
+                u=torch.randn(6, g.chunk, hv, dv, generator=gen),
+                gcum=torch.randn(6, g.chunk, hv, generator=gen),
+                conv=torch.randn(6, g.conv_kernel - 1, g.conv_dim, generator=gen).bfloat16(),
+            )
+            for r in range(3):
+                book.keep(slots[r], paged[r].gdn[i])
+                book.conv[slots[r]] = paged[r].conv[i]
+            if moved:  # sequence 0's last solved row (u) negated (a smaller move can round away)
+                book.u[slots[0], prompts[0].numel() % g.chunk - 1].neg_()
+        pslots = PagedSlots(w, g, books)
+        want, got = [], []
+        steps = [[m[:1] for m in more[:3]] + [fresh]] + [
+            [m[j : j + 1] for m in more] for j in range(1, 12)
+        ]
+        for j, step in enumerate(steps):
+            own_batch = list(zip(step, own, strict=True))
+            paged_batch = list(zip(step, paged, strict=True))
+            starts = [0]
+            for t in step:
+                starts.append(starts[-1] + len(t))
+            pslots.seqs = P.paged_seqs(starts, [c.position for c in paged], slots, chunk=g.chunk)
+            want.append(N.forward(ops, g, dict_slots, own_batch))
+            got.append(N.forward(ops, g, pslots, paged_batch))
+            if j == 0:  # the first step's fresh prompt: 5 rows; later one row a sequence
+                assert got[0].shape[0] == 8
+        return torch.cat(want), torch.cat(got), steps
+
+    want, got, steps = run()
+    assert_same_bytes(got, want, "paged steps against each sequence's own cache")
+    # control: a solved row of sequence 0's pages negated
+    _, moved, _ = run(moved=True)
+    rows = [0] + [8 + 4 * j for j in range(len(steps) - 1)]  # sequence 0's row of each step
+    others = [i for i in range(got.shape[0]) if i not in rows]
+    assert not same_bytes(moved[rows], got[rows]), "sequence 0's rows did not move"
+    assert same_bytes(moved[others], got[others]), "another sequence's rows moved"

@@ -588,3 +588,45 @@ def test_a_state_keeps_its_rows_solved_and_a_decode_step_solves_only_its_own():
     bad = dataclasses.replace(mid, u=mid.u[:36])
     with pytest.raises(ValueError, match=r"cached rows' solutions \(u, gcum\) do not match"):
         P.gdn_chunked(*args, bad, position=37, chunk=CHUNK)
+
+
+# --- the paged forms (serving: every sequence of a step at once, from and into pages) ---------
+def test_a_step_table_places_each_sequences_rows_in_its_chunk_and_its_page():
+    seqs = P.paged_seqs([0, 1, 6, 7], [63, 0, 130], [4, 0, 2], chunk=64)
+    assert seqs.table.tolist() == [[0, 1, 63, 4], [1, 5, 0, 0], [6, 1, 130, 2]]
+    assert seqs.slot_ids.tolist() == [4, 0, 2]
+    # sequence 0 completes its chunk (63 + 1 = 64): the only one whose state moves
+    assert seqs.done.tolist() == [0, -1, -1] and seqs.done_slots.tolist() == [4]
+    assert seqs.row_slot.tolist() == [4, 0, 0, 0, 0, 0, 2]
+    assert seqs.row_at.tolist() == [63, 0, 1, 2, 3, 4, 2]
+    assert seqs.fresh.tolist() == [0] and seqs.rows == 7
+
+
+@pytest.mark.parametrize(
+    "starts,positions,slots,message",
+    [
+        ([0, 2], [63], [0], "must have rows inside one chunk of 64"),
+        ([0, 65], [0], [0], "must have rows inside one chunk of 64"),
+        ([0, 0], [5], [0], "must have rows"),
+        ([0, 1, 2], [5, 9], [3, 3], "share a state page"),
+        ([0, 1], [5, 9], [3, 4], "R >= 1 sequences"),
+    ],
+)
+def test_a_step_table_the_paged_programs_cannot_run_is_refused(starts, positions, slots, message):
+    with pytest.raises(ValueError, match=message):
+        P.paged_seqs(starts, positions, slots, chunk=64)
+
+
+def test_the_paged_programs_refuse_a_table_of_another_chunk_or_row_count():
+    from lockstep_exact.testing import gdn_paged_case
+
+    (q, k, v, g, beta, x, w), book, (starts, positions, slots) = gdn_paged_case(
+        (1, 2), (4, 4), 8, [(3, 1, 0), (9, 2, 1)], pages=2
+    )
+    seqs = P.paged_seqs(starts, positions, slots, chunk=8)
+    with pytest.raises(ValueError, match="chunk 16, the step's table 8"):
+        P.gdn_paged(q, k, v, g, beta, book, seqs, chunk=16)
+    with pytest.raises(ValueError, match="2 rows, the table 3"):
+        P.gdn_paged(q[:2], k[:2], v[:2], g[:2], beta[:2], book, seqs, chunk=8)
+    with pytest.raises(ValueError, match="2 rows, the table 3"):
+        P.conv1d_paged(x[:2], w, book, seqs)

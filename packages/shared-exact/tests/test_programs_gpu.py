@@ -16,7 +16,13 @@ from lockstep_exact import programs as P
 from lockstep_exact.parity import same_bytes, ulp_distance
 from lockstep_exact.programs import Program
 from lockstep_exact.programs import cpu as CPU
-from lockstep_exact.testing import assert_same_bytes, nudge_ulp
+from lockstep_exact.testing import (
+    assert_same_bytes,
+    gdn_paged_case,
+    live_pages,
+    nudge_ulp,
+    pages_to,
+)
 
 # The contract's program parameters (programs.CATALOG), never restated here.
 BK = Program.of("gemm.kblock").param("bk")
@@ -1396,3 +1402,84 @@ def test_the_kernel_record_names_the_form_each_call_ran():
     assert len(forms) == 1 and forms <= {f"cuda.attention:{f}" for f in K.FORMS["attention"]}
     for name in one | many | drawn | attended:
         assert ":" not in name or K.gate_of(name) is not None
+
+
+# --- the hybrid lane's paged programs: every sequence of a step in one launch ---------------------
+# (position, rows, page) per sequence: decodes at every kind of chunk row (first, middle, the
+# one that completes the chunk), a fresh prompt, a fresh one-token prompt, a continuation that
+# fills its chunk; pages out of order, some unused.
+PAGED_MIXES = {
+    "decodes": [(5, 1, 3), (63, 1, 0), (64, 1, 7), (127, 1, 2), (1, 1, 5), (200, 1, 9)],
+    "mixed": [(0, 17, 4), (30, 1, 1), (0, 1, 6), (70, 58, 0), (191, 1, 8)],
+}
+
+
+def _paged(heads, dims, chunk, mix, seed):
+    inputs, book, (starts, positions, slots) = gdn_paged_case(
+        heads, dims, chunk, mix, pages=10, seed=seed
+    )
+    seqs = P.paged_seqs(starts, positions, slots, chunk=chunk, device="cuda")
+    return inputs, book, pages_to(book, "cuda"), seqs, (starts, positions, slots)
+
+
+@pytest.mark.parametrize("mix", sorted(PAGED_MIXES))
+@pytest.mark.parametrize("heads,dims,chunk", [((16, 32), (128, 128), 64), ((2, 4), (5, 7), 8)])
+def test_gdn_paged_gives_each_sequence_the_bytes_and_state_of_its_own_call(mix, heads, dims, chunk):
+    """gdn_paged in one launch against the definition (each sequence's own gdn_chunked call
+    on its page's state, on cpu: the hybrid programs' cuda bytes are the cpu bytes): the
+    outputs and every live byte of the advanced pages. One bf16 ulp on one row's v (every
+    element) moves that row's sequence's rows and no other's."""
+    seqs_ = [s for s in PAGED_MIXES[mix] if s[0] % chunk + s[1] <= chunk]
+    (q, k, v, g, beta, *_), book, on_gpu, seqs, (starts, positions, slots) = _paged(
+        heads, dims, chunk, seqs_, seed=81
+    )
+    cpu_seqs = P.paged_seqs(starts, positions, slots, chunk=chunk)
+    want = P.gdn_paged(q, k, v, g, beta, book, cpu_seqs, chunk=chunk)
+    dev = [t.cuda() for t in (q, k, v, g, beta)]
+    got = P.gdn_paged(*dev, on_gpu, seqs, chunk=chunk)
+    assert_same_bytes(got.cpu(), want, f"{mix}: outputs")
+    after = [p + (starts[r + 1] - starts[r]) for r, p in enumerate(positions)]
+    a, b = live_pages(book, slots, after, chunk), live_pages(on_gpu, slots, after, chunk)
+    for name in a:
+        assert_same_bytes(b[name], a[name], f"{mix}: page {name}")
+    # the control: one bf16 ulp up on every element of v's first row of the longest sequence
+    r = max(range(len(slots)), key=lambda i: starts[i + 1] - starts[i])
+    moved = dev[2].clone()
+    moved[starts[r]] = (moved[starts[r]].view(torch.int16) + 1).view(BF16)
+    fresh = pages_to(_paged(heads, dims, chunk, seqs_, seed=81)[1], "cuda")
+    other = P.gdn_paged(*dev[:2], moved, *dev[3:], fresh, seqs, chunk=chunk)
+    lo, hi = starts[r], starts[r + 1]
+    assert not same_bytes(other[lo:hi], got[lo:hi]), "the sequence's rows did not move"
+    assert same_bytes(other[:lo], got[:lo]) and same_bytes(other[hi:], got[hi:])
+
+
+@pytest.mark.parametrize("mix", sorted(PAGED_MIXES))
+@pytest.mark.parametrize("heads,dims,kernel", [((16, 32), (128, 128), 4), ((2, 4), (5, 7), 3)])
+def test_conv1d_paged_gives_each_sequence_the_bytes_and_window_of_its_own_call(
+    mix, heads, dims, kernel
+):
+    """conv1d_paged in one launch against each sequence's own conv1d_causal call on its
+    page's window (zeros at position 0): outputs and advanced windows, rows shorter and longer
+    than the window. One bf16 ulp on one window row (every element) of one sequence moves that
+    sequence's rows only."""
+    (*_, x, w), book, (starts, positions, slots) = gdn_paged_case(
+        heads, dims, 64, PAGED_MIXES[mix], pages=10, kernel=kernel, seed=82
+    )
+    on_gpu = pages_to(book, "cuda")
+    cpu_seqs = P.paged_seqs(starts, positions, slots, chunk=64)
+    want = P.conv1d_paged(x, w, book, cpu_seqs, kernel=kernel)
+    seqs = P.paged_seqs(starts, positions, slots, chunk=64, device="cuda")
+    got = P.conv1d_paged(x.cuda(), w.cuda(), on_gpu, seqs, kernel=kernel)
+    assert_same_bytes(got.cpu(), want, f"{mix}: outputs")
+    for slot in slots:
+        assert_same_bytes(on_gpu.conv[slot].cpu(), book.conv[slot], f"{mix}: window {slot}")
+    # the control: one bf16 ulp up on the last window row of the first continuing sequence
+    r = next(i for i, p in enumerate(positions) if p > 0)
+    again = pages_to(gdn_paged_case(heads, dims, 64, PAGED_MIXES[mix], pages=10, kernel=kernel,
+                                    seed=82)[1], "cuda")  # fmt: skip
+    row = again.conv[slots[r], kernel - 2]
+    again.conv[slots[r], kernel - 2] = (row.view(torch.int16) + 1).view(BF16)
+    other = P.conv1d_paged(x.cuda(), w.cuda(), again, seqs, kernel=kernel)
+    lo, hi = starts[r], starts[r + 1]
+    assert not same_bytes(other[lo:hi], got[lo:hi]), "the sequence's rows did not move"
+    assert same_bytes(other[:lo], got[:lo]) and same_bytes(other[hi:], got[hi:])

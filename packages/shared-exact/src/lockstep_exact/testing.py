@@ -216,3 +216,79 @@ def reference_logprobs(
             start_method="spawn",
         )
         return [torch.load(f"{out}.{r}") for r in range(layout.world)]
+
+
+def gdn_paged_case(
+    heads: tuple[int, int],
+    dims: tuple[int, int],
+    chunk: int,
+    seqs,
+    *,
+    pages: int = 8,
+    kernel: int = 4,
+    seed: int = 0,
+):
+    """A step of the paged GDN programs on cpu, made from the programs themselves: ``seqs`` is
+    (position, rows, page) per sequence; each page holds the state the per-sequence program
+    reached after ``position`` random tokens (its s, cached and solved rows, a random conv
+    window), the unused pages random bytes. Returns (inputs, GdnPages, seq lists) where inputs
+    is (q, k, v, g, beta) of gdn.chunked and (x, weight) of conv1d.causal; ``P.paged_seqs``
+    makes the table on any device."""
+    hk, hv = heads
+    dk, dv = dims
+    gen = torch.Generator().manual_seed(seed)
+
+    def tokens(n):
+        q = P.l2norm(torch.randn(n, hk, dk, generator=gen).bfloat16())
+        k = P.l2norm(torch.randn(n, hk, dk, generator=gen).bfloat16())
+        v = torch.randn(n, hv, dv, generator=gen).bfloat16()
+        g, beta = P.gdn_gating(
+            torch.randn(n, hv, generator=gen).bfloat16(),
+            torch.randn(n, hv, generator=gen).bfloat16(),
+            torch.randn(hv, generator=gen) * 0.5,
+            torch.randn(hv, generator=gen) * 0.5,
+        )
+        return q, k, v, g, beta
+
+    d = 2 * hk * dk + hv * dv
+    book = P.GdnPages(
+        s=torch.randn(pages, hv, dk, dv, generator=gen),
+        k=torch.randn(pages, chunk, hk, dk, generator=gen),
+        v=torch.randn(pages, chunk, hv, dv, generator=gen).bfloat16(),
+        g=torch.randn(pages, chunk, hv, generator=gen),
+        beta=torch.randn(pages, chunk, hv, generator=gen),
+        u=torch.randn(pages, chunk, hv, dv, generator=gen),
+        gcum=torch.randn(pages, chunk, hv, generator=gen),
+        conv=torch.randn(pages, kernel - 1, d, generator=gen).bfloat16(),
+    )
+    for position, _, page in seqs:
+        if position:
+            state = P.gdn_state(hk, hv, dk, dv, chunk=chunk)
+            _, state = P.gdn_chunked(*tokens(position), state, position=0, chunk=chunk)
+            book.keep(page, state)
+    starts = [0]
+    for _, n, _ in seqs:
+        starts.append(starts[-1] + n)
+    x = torch.randn(starts[-1], d, generator=gen).bfloat16()
+    weight = torch.randn(d, kernel, generator=gen).bfloat16()
+    positions = [p for p, _, _ in seqs]
+    slots = [page for _, _, page in seqs]
+    return (*tokens(starts[-1]), x, weight), book, (starts, positions, slots)
+
+
+def pages_to(book, device):
+    """A copy of ``book`` (``P.GdnPages``) on ``device``."""
+    return P.GdnPages(**{f: getattr(book, f).clone().to(device) for f in book.__dataclass_fields__})
+
+
+def live_pages(book, slots, positions, chunk: int) -> dict[str, torch.Tensor]:
+    """What pages ``slots`` hold that a sequence at ``positions`` reads (s, the conv window
+    and the first position mod chunk rows of the cached ones), by tensor, on cpu: two books
+    hold the same states when these are equal byte for byte."""
+    out = {}
+    for slot, p in zip(slots, positions, strict=True):
+        w = p % chunk
+        out[f"{slot}.s"], out[f"{slot}.conv"] = book.s[slot].cpu(), book.conv[slot].cpu()
+        for f in ("k", "v", "g", "beta", "u", "gcum"):
+            out[f"{slot}.{f}"] = getattr(book, f)[slot, :w].cpu()
+    return out

@@ -10,7 +10,12 @@ head); this module only wires the composition into vLLM:
   per request (``mamba_cache_mode`` "none") holding ``state_layout``'s tensors, declared by a
   ``next_state.LaneStateLayer``. At a step, ``load_cache`` turns each request's pages into the
   composition's ``NextCache`` at the request's position, the composition advances it, and
-  ``store_cache`` writes it back: exact copies, fp32 where the programs keep fp32.
+  ``store_cache`` writes it back: exact copies, fp32 where the programs keep fp32. A step
+  whose requests each keep their rows inside one gdn chunk (every decode step, prompts of up
+  to a chunk) skips that round trip: each GDN layer runs conv1d.causal and gdn.chunked once
+  for all requests, reading and advancing their pages in place (``programs.conv1d_paged``,
+  ``programs.gdn_paged``: each row the bytes of its request's own call; one launch each on
+  cuda).
 
 What a page holds (``state_layout``), for a request whose next token is at position p, with
 c = p - p mod chunk the start of p's gdn chunk and w = p - c: the GdnState at c (``s``,
@@ -64,6 +69,7 @@ from .model import (
     paged_attention,
     step_places,
     unadapted_experts,
+    up,
 )
 
 ARCH = "LockstepQwen3NextForCausalLM"
@@ -117,6 +123,29 @@ def page_metas(
     return out
 
 
+def check_page(slot: int, layer: int, held: tuple[int, int], position: int, chunk: int) -> None:
+    """Refuse a state page that does not hold the request's state at ``position``."""
+    at, at_chunk = held
+    if (at, at_chunk) != (position, chunk):
+        raise LaneRefused(
+            f"Lockstep exact lane: the state page {slot} of layer {layer} holds position {at} "
+            f"(chunk {at_chunk}) but the request continues at position {position} (chunk "
+            f"{chunk}): the page does not belong to this request's state"
+        )
+
+
+def gdn_pages(page: dict[str, torch.Tensor]) -> P.GdnPages:
+    """A GDN layer's state page views (``LaneStateLayer.pages``) as the paged programs' pages."""
+    return P.GdnPages(**{name: t for name, t in page.items() if name != "meta"})
+
+
+def paged_step(geom: N.Geometry, steps) -> bool:
+    """Whether every request of a step (``(r, start, end, seq_len, first, slot)``) keeps its
+    rows inside one gdn chunk: then the step runs the paged programs, all requests at once."""
+    c = geom.chunk
+    return all(first % c + (end - start) <= c for _, start, end, _, first, _ in steps)
+
+
 def load_cache(
     geom: N.Geometry,
     pages: dict[int, dict[str, torch.Tensor]],
@@ -147,12 +176,7 @@ def load_cache(
             )
             continue
         at, chunk = held[i] if held is not None else (int(x) for x in p["meta"][slot])
-        if (at, chunk) != (position, c):
-            raise LaneRefused(
-                f"Lockstep exact lane: the state page {slot} of layer {i} holds position {at} "
-                f"(chunk {chunk}) but the request continues at position {position} (chunk {c}): "
-                "the page does not belong to this request's state"
-            )
+        check_page(slot, i, (at, chunk), position, c)
         cache.gdn[i] = P.GdnState(
             chunk=c,
             start=start,
@@ -410,12 +434,21 @@ class LockstepQwen3NextForCausalLM(nn.Module):
             steps.append((r, start, end, seq_len, first, slot))
         # what the continuing requests' pages hold: one read for the step
         metas = page_metas(pages, [slot for *_, first, slot in steps if first > 0])
+        # Every request's rows inside one gdn chunk (decode steps): the paged programs run
+        # all requests at once from and into their pages; else each request's state is read
+        # into a NextCache and written back (the same bytes either way).
+        paged = bool(pages) and not is_recording() and paged_step(self.geom, steps)
         for r, start, end, seq_len, first, slot in steps:
             reqs, batch, slots = groups.setdefault(
                 ids[start] if start < len(ids) else 0, ([], [], [])
             )
             reqs.append((r, start, end, seq_len))
             slots.append(slot)
+            if paged:
+                for i in pages if first > 0 else ():
+                    check_page(slot, i, metas[slot][i], first, self.geom.chunk)
+                batch.append((input_ids[start:end], N.NextCache(position=first)))
+                continue
             held = metas.get(slot) if first > 0 else None
             cache = load_cache(self.geom, pages, slot, first, held)
             batch.append((input_ids[start:end], cache))
@@ -425,9 +458,14 @@ class LockstepQwen3NextForCausalLM(nn.Module):
                 _refuse(f"tokens of adapter id {lid} arrived before the adapter was loaded")
             rows = torch.cat([torch.arange(s, e) for _, s, e, _ in reqs]).to(positions.device)
             slots_ = PagedNextSlots(self, reqs, rows, adapters)
+            if paged:
+                slots_.paged = self._paged_seqs(reqs, batch, slots, pages)
             h = N.hidden(self.ops, self.geom, slots_, batch)
-            for slot, (_, cache) in zip(slots, batch, strict=True):
-                store_cache(self.geom, pages, slot, cache)
+            if paged:
+                self._advance_metas(pages, slots_.paged[1], batch)
+            else:
+                for slot, (_, cache) in zip(slots, batch, strict=True):
+                    store_cache(self.geom, pages, slot, cache)
             out[rows] = h
         if not groups:
             return out
@@ -436,6 +474,30 @@ class LockstepQwen3NextForCausalLM(nn.Module):
             logits = N.final_logits(self.ops, self.geom, self._slots, out[: qsl[-1]])
             self.ops.log_softmax("logprobs", logits)
         return out
+
+    def _paged_seqs(self, reqs, batch, slots, pages):
+        """The paged programs' pages (by GDN layer) and table for one adapter group."""
+        starts = [0]
+        for _, start, end, _ in reqs:
+            starts.append(starts[-1] + end - start)
+        seqs = P.paged_seqs(
+            starts,
+            [cache.position for _, cache in batch],
+            slots,
+            chunk=self.geom.chunk,
+            upload=lambda t: up(t, self.device),
+        )
+        return {i: gdn_pages(p) for i, p in pages.items()}, seqs
+
+    def _advance_metas(self, pages, seqs, batch) -> None:
+        """Each page's meta after a paged step: (the next token's position, chunk), filled on
+        the device from one upload."""
+        metas = up(
+            torch.tensor([(c.position, self.geom.chunk) for _, c in batch], dtype=torch.int32),
+            self.device,
+        )
+        for p in pages.values():
+            p["meta"].index_copy_(0, seqs.slot_ids, metas)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the lane: the composition's final norm + LM head."""
@@ -454,6 +516,13 @@ class PagedNextSlots(N.DictSlots):
         self.adapters = adapters or {}
         self.model, self.reqs, self.rows = model, reqs, rows
         self.places = None  # the step's cache places (model.step_places), from its first layer
+        self.paged = None  # (GdnPages by GDN layer, PagedSeqs): the step runs the paged programs
+
+    def gdn_pages(self, layer):
+        if self.paged is None:
+            return None
+        by_layer, seqs = self.paged
+        return by_layer[layer], seqs
 
     def experts(self, layer):
         return unadapted_experts(self.model, self.adapters, layer)

@@ -35,12 +35,12 @@ from pathlib import Path
 import torch
 
 from .. import programs as P
-from ..contract import Contract, LayoutRefused, make_contract
+from ..contract import Contract, ContractMismatch, LayoutRefused, make_contract
 from ..programs import Program
 from ..programs import vjp as V
 from ..sites import is_recording, record
 from .config import UnsupportedModel, check_next_config
-from .ops import AttentionSite, Ops, site
+from .ops import AttentionSite, Ops, site, site_key
 from .qwen3 import K_PARTS, LoRA, grouped_experts, k_parts, linear, local_dispatch
 
 ARCHITECTURES = {"Qwen3NextForCausalLM": "qwen3-next"}
@@ -291,6 +291,28 @@ class NextOps(Ops):
         eps = prog.param("eps")
         return self._call(path, prog, lambda a: P.l2norm(a, eps), V.l2norm(eps), x)
 
+    def _serving(self, path: str, expect: str) -> Program:
+        prog = self.program(path, expect)
+        if self.grad:
+            raise ContractMismatch(
+                f"op site {site_key(path)!r}: the paged form serves many sequences; it has no "
+                "VJP (a trainer runs the per-sequence form)"
+            )
+        self._ran(path, prog)
+        return prog
+
+    @site
+    def conv1d_paged(self, path, x, w, pages, seqs):
+        """conv1d.causal of every sequence of ``seqs`` over its page's window (serving)."""
+        prog = self._serving(path, "conv1d.causal")
+        return record(path, P.conv1d_paged(x, w, pages, seqs, kernel=prog.param("kernel")))
+
+    @site
+    def gdn_paged(self, path, q, k, v, g, beta, pages, seqs):
+        """gdn.chunked of every sequence of ``seqs`` from and into its state page (serving)."""
+        prog = self._serving(path, "gdn.chunked")
+        return record(path, P.gdn_paged(q, k, v, g, beta, pages, seqs, chunk=prog.param("chunk")))
+
     @site
     def gdn(self, path, q, k, v, g, beta, state, position: int):
         """(out, state'): ``out`` recorded. Under grad both carry the delta rule's VJP: the
@@ -379,6 +401,14 @@ class Slots:
         same either way (``programs.gemm_grouped``)."""
         return None
 
+    def gdn_pages(self, layer: int) -> tuple[P.GdnPages, P.PagedSeqs] | None:
+        """GDN layer ``layer``'s state pages and the step's sequences over them, where the
+        engine keeps every sequence's state in pages and each sequence's rows of this step stay
+        inside one chunk (``P.paged_seqs``): conv1d.causal and gdn.chunked then run once for
+        all sequences (``P.conv1d_paged``, ``P.gdn_paged``; each row the bytes of its
+        sequence's own call) and advance the pages. None: per sequence, on its ``NextCache``."""
+        return None
+
     def attend(self, layer: int, q, k, v, segs: Segments, positions, core) -> torch.Tensor:
         """This step's rows of attention layer ``layer``: q/k/v are every row's (after norm
         and rope); each sequence's k/v join its cache, then ``core(q_rows, keys, values,
@@ -459,6 +489,37 @@ class Layer:
             self.w("linear_attn.A_log"),
             self.w("linear_attn.dt_bias"),
         )
+        paged = None if is_recording() else self.slots.gdn_pages(i)
+        if paged is not None:  # every sequence at once, over the engine's state pages
+            pages, seqs = paged
+            x = ops.conv1d_paged(f"{s}.conv1d", mixed, conv_w, pages, seqs)
+            qq, kk, vv = torch.split(x, [g.key_dim, g.key_dim, g.value_dim], dim=-1)
+            o = ops.gdn_paged(
+                f"{s}.core",
+                ops.l2norm(f"{s}.q_l2norm", qq.reshape(t, hk, dk)),
+                ops.l2norm(f"{s}.k_l2norm", kk.reshape(t, hk, dk)),
+                vv.reshape(t, hv, dv).contiguous(),
+                gate,
+                beta,
+                pages,
+                seqs,
+            )
+        else:
+            o = self._gdn_per_sequence(mixed, conv_w, gate, beta, segs)
+        o = ops.rmsnorm_gated(
+            f"{s}.norm", o, z.reshape(t, hv, dv).contiguous(), self.w("linear_attn.norm.weight")
+        )
+        return self.gemm(o.reshape(t, -1), "linear_attn.out_proj")
+
+    def _gdn_per_sequence(self, mixed, conv_w, gate, beta, segs: Segments):
+        """conv1d.causal and gdn.chunked a sequence at a time, on its ``NextCache``."""
+        g, ops, s, i = self.geom, self.ops, f"{self.site}.linear_attn", self.index
+        hk, hv, dk, dv = (
+            g.linear_key_heads,
+            g.linear_value_heads,
+            g.linear_key_dim,
+            g.linear_value_dim,
+        )
         outs = []
         for lo, n, cache in segs:
             rows = slice(lo, lo + n)
@@ -477,11 +538,7 @@ class Layer:
                 cache.position,
             )
             outs.append(o)
-        o = torch.cat(outs, dim=0)
-        o = ops.rmsnorm_gated(
-            f"{s}.norm", o, z.reshape(t, hv, dv).contiguous(), self.w("linear_attn.norm.weight")
-        )
-        return self.gemm(o.reshape(t, -1), "linear_attn.out_proj")
+        return torch.cat(outs, dim=0)
 
     def attention(self, h, segs: Segments, positions):
         g, ops, s, i = self.geom, self.ops, f"{self.site}.self_attn", self.index

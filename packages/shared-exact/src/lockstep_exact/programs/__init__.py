@@ -468,6 +468,28 @@ def gdn_chunked(q, k, v, g, beta, state, *, position: int, chunk: int):
     )
 
 
+GdnPages = cpu.GdnPages
+PagedSeqs = cpu.PagedSeqs
+paged_seqs = cpu.paged_seqs
+
+
+def gdn_paged(q, k, v, g, beta, pages, seqs, *, chunk: int):
+    """gdn.chunked for many sequences at once, each continued from its state page
+    (``GdnPages``; ``seqs``: ``paged_seqs``, each sequence's rows inside one chunk): every row
+    has the bytes ``gdn_chunked`` gives on its sequence's state, and the pages are advanced
+    (cpu: a call per sequence; cuda: one launch)."""
+    return _impl("gdn_paged", q, k, v, g, beta, pages.s, pages.k)(
+        q, k, v, g, beta, pages, seqs, chunk=chunk
+    )
+
+
+def conv1d_paged(x, weight, pages, seqs, *, kernel: int = 4):
+    """conv1d.causal for many sequences at once, each continued from its page's window: every
+    row has the bytes ``conv1d_causal`` gives on its sequence; the windows are advanced
+    (cpu: a call per sequence; cuda: one launch)."""
+    return _impl("conv1d_paged", x, weight, pages.conv)(x, weight, pages, seqs, kernel=kernel)
+
+
 def gdn_gating(a, b, a_log, dt_bias):
     """gdn.gating: (g, beta) fp32 [T, Hv] from the bf16 a/b projections, A_log and dt_bias."""
     return _impl("gdn_gating", a, b, a_log, dt_bias)(a, b, a_log, dt_bias)
@@ -551,6 +573,11 @@ __all__ = [
     "attention_decode_paged",
     "attention_varlen",
     "backend_of",
+    "conv1d_paged",
+    "gdn_paged",
+    "GdnPages",
+    "PagedSeqs",
+    "paged_seqs",
     "backend_module",
     "Gather",
     "LOCAL",

@@ -62,10 +62,10 @@ REACHES: dict[str, frozenset[str]] = {
         "lora.shrink": ("lora_shrink",),
         "lora.expand": ("lora_expand",),
         "sample.gumbel_topp": ("sample",),
-        "gdn.chunked": ("gdn_chunked",),
+        "gdn.chunked": ("gdn_chunked", "gdn_paged"),
         "gdn.gating": ("gdn_gating",),
         "gdn.l2norm": ("l2norm",),
-        "conv1d.causal": ("conv1d_causal",),
+        "conv1d.causal": ("conv1d_causal", "conv1d_paged"),
         "rmsnorm.zero_centered": ("rmsnorm_zero_centered",),
         "rmsnorm.gated": ("rmsnorm_gated",),
         "gate.sigmoid": ("sigmoid_gate",),
@@ -119,6 +119,8 @@ ONE_LAUNCH: dict[str, str] = {
     "kpart_partial": "test_kpart_in_one_launch_gives_the_bytes_of_its_partitions",
     "gemm_grouped": "test_grouped_experts_give_each_pair_the_bytes_of_its_experts_plain_gemm",
     "attention_varlen": "test_attention_of_many_sequences_in_one_launch_gives_each_row_its_bytes",
+    "gdn_paged": "test_gdn_paged_gives_each_sequence_the_bytes_and_state_of_its_own_call",
+    "conv1d_paged": "test_conv1d_paged_gives_each_sequence_the_bytes_and_window_of_its_own_call",
 }
 
 

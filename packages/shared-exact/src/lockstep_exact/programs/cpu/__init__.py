@@ -4,13 +4,18 @@ from .activation import silu, swiglu
 from .arith import exp, log, round_bf16, tree_sum
 from .attention import attention, attention_varlen, default_scale
 from .gdn import (
+    GdnPages,
     GdnState,
+    PagedSeqs,
     conv1d_causal,
+    conv1d_paged,
     conv1d_window,
     gdn_chunked,
     gdn_gating,
+    gdn_paged,
     gdn_state,
     l2norm,
+    paged_seqs,
 )
 from .gemm import gemm, kpart_partial
 from .hybrid import rmsnorm_gated, rmsnorm_zero_centered, shared_expert_gate, sigmoid_gate
@@ -22,13 +27,18 @@ from .sampling import sample
 from .softmax import fold_tree_nodes, log_softmax, log_softmax_from_sum, shard_tree_nodes, softmax
 
 __all__ = [
+    "GdnPages",
     "GdnState",
+    "PagedSeqs",
     "conv1d_causal",
+    "conv1d_paged",
     "conv1d_window",
     "gdn_chunked",
     "gdn_gating",
+    "gdn_paged",
     "gdn_state",
     "l2norm",
+    "paged_seqs",
     "rmsnorm_gated",
     "rmsnorm_zero_centered",
     "shared_expert_gate",

@@ -346,6 +346,166 @@ def run_chunks(chunk_pass, q, k, v, g, beta, state: GdnState, *, position: int, 
     return out, new_state
 
 
+# --- many sequences over state pages (serving) -------------------------------------------------
+@dataclass(frozen=True)
+class GdnPages:
+    """One GDN layer's state pages, a page per sequence slot (a serving engine's cache):
+    ``s`` [P, Hv, K, V] fp32 the GdnState at the chunk start; the chunk's cached rows
+    ``k`` [P, C, Hk, K] fp32, ``v`` [P, C, Hv, V] bf16, ``g``, ``beta`` [P, C, Hv] fp32 and
+    their solutions ``u`` [P, C, Hv, V], ``gcum`` [P, C, Hv] fp32 (the first w = position mod
+    C rows of a page are live); ``conv`` [P, W-1, D] bf16 the conv window."""
+
+    s: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    u: torch.Tensor
+    gcum: torch.Tensor
+    conv: torch.Tensor
+
+    def state(self, slot: int, position: int, chunk: int) -> GdnState:
+        """The GdnState a page holds for a sequence whose next token is at ``position``."""
+        w = position % chunk
+        return GdnState(
+            chunk=chunk,
+            start=position - w,
+            s=self.s[slot],
+            k=self.k[slot, :w],
+            v=self.v[slot, :w],
+            g=self.g[slot, :w],
+            beta=self.beta[slot, :w],
+            u=self.u[slot, :w],
+            gcum=self.gcum[slot, :w],
+        )
+
+    def keep(self, slot: int, state: GdnState) -> None:
+        """Write ``state`` into page ``slot`` (copies)."""
+        w = state.k.shape[0]
+        self.s[slot] = state.s
+        for name in ("k", "v", "g", "beta", "u", "gcum"):
+            getattr(self, name)[slot, :w] = getattr(state, name)
+
+
+@dataclass(frozen=True)
+class PagedSeqs:
+    """The sequences of one step over state pages: sequence r has the rows
+    ``starts[r]:starts[r+1]`` of the step, its first at ``positions[r]``, its state in page
+    ``slots[r]``. ``table`` is the same on the pages' device, int32 [R, 4] (row start, rows,
+    position, slot) and ``slot_ids`` the slots (int64 [R]); ``done`` the sequences that complete
+    their chunk (int32 [R], their index among those, else -1) and ``done_slots`` their pages
+    (int64); ``row_slot``, ``row_at``
+    (int64 [T]) each row's page and its row in the page's chunk; ``fresh`` (int64) the pages
+    of sequences at position 0. Made by ``paged_seqs``."""
+
+    starts: tuple[int, ...]
+    positions: tuple[int, ...]
+    slots: tuple[int, ...]
+    chunk: int
+    table: torch.Tensor
+    slot_ids: torch.Tensor
+    done: torch.Tensor
+    done_slots: torch.Tensor
+    row_slot: torch.Tensor
+    row_at: torch.Tensor
+    fresh: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.starts[-1]
+
+
+def paged_seqs(starts, positions, slots, *, chunk: int, device=None, upload=None) -> PagedSeqs:
+    """``PagedSeqs`` of a step, checked: each sequence has rows and its rows stay inside the
+    chunk of its first one (position mod chunk + rows <= chunk), slots are distinct.
+    ``upload(host_tensor)``: how the host table reaches ``device`` (default ``.to``)."""
+    starts, positions, slots = tuple(starts), tuple(positions), tuple(slots)
+    n_seq = len(positions)
+    require(
+        len(starts) == n_seq + 1 and len(slots) == n_seq and n_seq > 0 and starts[0] == 0,
+        "gdn paged: starts [R + 1] from 0, positions [R] and slots [R] of R >= 1 sequences",
+    )
+    require(chunk >= 1 and chunk & (chunk - 1) == 0, f"gdn paged: chunk {chunk} not a power of 2")
+    require(len(set(slots)) == n_seq, "gdn paged: two sequences share a state page")
+    table, done, done_slots, row_slot, row_at, fresh = [], [], [], [], [], []
+    for r, (p, slot) in enumerate(zip(positions, slots, strict=True)):
+        n = starts[r + 1] - starts[r]
+        w = p % chunk
+        require(
+            n >= 1 and p >= 0 and slot >= 0 and w + n <= chunk,
+            f"gdn paged: sequence {r} ({n} rows at position {p}, page {slot}) must have rows "
+            f"inside one chunk of {chunk}",
+        )
+        table.append((starts[r], n, p, slot))
+        done.append(len(done_slots) if w + n == chunk else -1)
+        if w + n == chunk:
+            done_slots.append(slot)
+        row_slot += [slot] * n
+        row_at += range(w, w + n)
+        if p == 0:
+            fresh.append(slot)
+    ints = torch.tensor([x for row in table for x in row] + done, dtype=torch.int32)
+    longs = torch.tensor(list(slots) + done_slots + row_slot + row_at + fresh, dtype=torch.int64)
+    move = upload or (lambda t: t.to(device))
+    ints, longs = move(ints), move(longs)
+    d, t = n_seq + len(done_slots), starts[-1]
+    return PagedSeqs(
+        starts=starts,
+        positions=positions,
+        slots=slots,
+        chunk=chunk,
+        table=ints[: 4 * n_seq].view(n_seq, 4),
+        slot_ids=longs[:n_seq],
+        done=ints[4 * n_seq :],
+        done_slots=longs[n_seq:d],
+        row_slot=longs[d : d + t],
+        row_at=longs[d + t : d + 2 * t],
+        fresh=longs[d + 2 * t :],
+    )
+
+
+def gdn_paged(q, k, v, g, beta, pages: GdnPages, seqs: PagedSeqs, *, chunk: int, scale=None):
+    """gdn.chunked for many sequences, each continued from its state page: the rows of
+    sequence r (``seqs``) are ``gdn_chunked``'s call on its page's state, out [T, Hv, V] bf16
+    their outputs, and each page holds the advanced state after. The definition: a call per
+    sequence (the cuda backend: one launch, the same bytes)."""
+    require(chunk == seqs.chunk, f"gdn paged: chunk {chunk}, the step's table {seqs.chunk}")
+    require(q.shape[0] == seqs.rows, f"gdn paged: {q.shape[0]} rows, the table {seqs.rows}")
+    out = torch.empty(v.shape, dtype=BF16, device=v.device)
+    for r, (p, slot) in enumerate(zip(seqs.positions, seqs.slots, strict=True)):
+        rows = slice(seqs.starts[r], seqs.starts[r + 1])
+        if p == 0:
+            state = gdn_state(k.shape[1], v.shape[1], k.shape[2], v.shape[2], chunk=chunk,
+                              device=v.device)  # fmt: skip
+        else:
+            state = pages.state(slot, p, chunk)
+        o, new = gdn_chunked(
+            q[rows], k[rows], v[rows], g[rows], beta[rows], state, position=p, chunk=chunk,
+            scale=scale,
+        )  # fmt: skip
+        out[rows] = o
+        pages.keep(slot, new)
+    return out
+
+
+def conv1d_paged(x, weight, pages: GdnPages, seqs: PagedSeqs, *, kernel: int = 4):
+    """conv1d.causal for many sequences, each continued from its page's window: the rows of
+    sequence r are ``conv1d_causal``'s call on its window (zeros at position 0), out [T, D]
+    bf16, and each page holds the advanced window after. The definition: a call per sequence
+    (the cuda backend: one launch, the same bytes)."""
+    require(x.shape[0] == seqs.rows, f"conv1d paged: {x.shape[0]} rows, the table {seqs.rows}")
+    out = torch.empty(x.shape, dtype=BF16, device=x.device)
+    for r, (p, slot) in enumerate(zip(seqs.positions, seqs.slots, strict=True)):
+        rows = slice(seqs.starts[r], seqs.starts[r + 1])
+        window = conv1d_window(x.shape[1], kernel=kernel, device=x.device)
+        y, new = conv1d_causal(
+            x[rows], weight, window if p == 0 else pages.conv[slot], kernel=kernel
+        )
+        out[rows] = y
+        pages.conv[slot] = new
+    return out
+
+
 def _chunk_heads(s0, q, k, v, g, beta, first, chunk, solved=None):
     """``_chunk`` over groups of heads (heads never interact). ``solved``: (u [w, H, V],
     gcum [w, H]) of the chunk's first w rows, or None."""

@@ -21,8 +21,10 @@ from .gemm import TILINGS, gemm, pick_tiling
 from .grouped import gemm_grouped, kpart_partial
 from .hybrid import (
     conv1d_causal,
+    conv1d_paged,
     gdn_chunked,
     gdn_gating,
+    gdn_paged,
     l2norm,
     rmsnorm_gated,
     rmsnorm_zero_centered,
@@ -60,8 +62,10 @@ __all__ = [
     "attention_decode_paged",
     "attention_varlen",
     "conv1d_causal",
+    "conv1d_paged",
     "environment",
     "gdn_chunked",
+    "gdn_paged",
     "gdn_gating",
     "gemm",
     "gemm_grouped",

@@ -37,83 +37,131 @@ def _at(vec, rows, i):
     return tl.sum(tl.where(rows == i, vec, 0.0), 0)
 
 
-@triton.jit(do_not_specialize=["m", "w", "first"])
+@triton.jit(do_not_specialize=["m_arg", "w_arg", "first_arg", "HR"])
 def _chunk_kernel(
-    s0_ptr, k_ptr, v_ptr, g_ptr, b_ptr, q_ptr, us_ptr, gs_ptr,
-    u_ptr, gc_ptr, o_ptr, se_ptr,
-    m, w, first, K, V,
-    sk_t, sk_h, sv_t, sv_h, sg_t, sq_t, sq_h, sus_t, sus_h, sgs_t, su_t, su_h, sgc_t,
-    so_t, so_h,
+    s0_ptr, kc_ptr, kn_ptr, v_ptr, g_ptr, b_ptr, q_ptr, us_ptr, gs_ptr,
+    u_ptr, gc_ptr, o_ptr, se_ptr, seq_ptr, done_ptr,
+    m_arg, w_arg, first_arg, K, V, HR,
+    ss_p, sse_p, skc_p, skc_t, skc_h, sk_t, sk_h, sv_t, sv_h, sg_t, sq_t, sq_h,
+    sus_p, sus_t, sus_h, sgs_p, sgs_t, su_p, su_t, su_h, sgc_p, sgc_t, so_t, so_h,
     C: tl.constexpr, LOGC: tl.constexpr, KP: tl.constexpr, LOGK: tl.constexpr,
-    BV: tl.constexpr, LAST: tl.constexpr,
+    BV: tl.constexpr, PAGED: tl.constexpr,
 ):  # fmt: skip
+    """One chunk pass of one sequence (PAGED false: grid (H, V blocks), the sequence's
+    ``m``/``w``/``first`` given) or of sequence ``program_id(2)`` of a step (PAGED: its row
+    start, rows, position and page read from ``seq_ptr``; w = first = position mod C, its
+    state and cached rows in page ``slot``). Chunk row i < w: the cached k at ``kc_ptr`` and
+    its solved u and G at ``us_ptr``/``gs_ptr``; row i >= w: the tensors' row ``row0 + i - w``
+    (q and the outputs: ``qrow0 + i - first``). Value head h reads key head h // HR."""
     h = tl.program_id(0)
     vb = tl.program_id(1)
+    if PAGED:
+        seq = tl.program_id(2)
+        row0 = tl.load(seq_ptr + seq * 4).to(tl.int64)
+        n = tl.load(seq_ptr + seq * 4 + 1)
+        w = tl.load(seq_ptr + seq * 4 + 2) % C
+        slot = tl.load(seq_ptr + seq * 4 + 3).to(tl.int64)
+        done = tl.load(done_ptr + seq).to(tl.int64)
+        m = w + n
+        first = w
+        qrow0 = row0
+    else:
+        m = m_arg
+        w = w_arg
+        first = first_arg
+        row0 = w_arg
+        qrow0 = 0
+        slot = 0
+        done = 0
+    hk = h // HR
     rows = tl.arange(0, C)
     ks = tl.arange(0, KP)
     vs = vb * BV + tl.arange(0, BV)
     kin = ks < K
     vin = vs < V
+    cached = rows < w
     # k rows of the chunk [C, KP] (+0 past m and past K), the start state [KP, BV].
-    kh = tl.load(
-        k_ptr + rows[:, None] * sk_t + h * sk_h + ks[None, :],
-        mask=(rows[:, None] < m) & kin[None, :],
-        other=0.0,
+    kh = tl.where(
+        cached[:, None],
+        tl.load(
+            kc_ptr + slot * skc_p + rows[:, None] * skc_t + hk * skc_h + ks[None, :],
+            mask=cached[:, None] & kin[None, :],
+            other=0.0,
+        ),
+        tl.load(
+            kn_ptr + (row0 + rows[:, None] - w) * sk_t + hk * sk_h + ks[None, :],
+            mask=(rows[:, None] >= w) & (rows[:, None] < m) & kin[None, :],
+            other=0.0,
+        ),
     )
-    s0 = tl.load(
-        s0_ptr + h * K * V + ks[:, None] * V + vs[None, :],
-        mask=kin[:, None] & vin[None, :],
-        other=0.0,
-    )
+    s_at = s0_ptr + slot * ss_p + h * K * V
+    s0 = tl.load(s_at + ks[:, None] * V + vs[None, :], mask=kin[:, None] & vin[None, :], other=0.0)
     # G: the first w rows as solved before; then left to right from the last of them (or g_0).
-    gcum = tl.load(gs_ptr + rows * sgs_t + h, mask=rows < w, other=0.0)
-    g0 = tl.load(g_ptr + h)
-    acc = tl.where(w > 0, tl.load(gs_ptr + (w - 1) * sgs_t + h, mask=w > 0, other=0.0), g0)
+    gs_at = gs_ptr + slot * sgs_p
+    gcum = tl.load(gs_at + rows * sgs_t + h, mask=cached, other=0.0)
+    g0 = tl.load(g_ptr + row0 * sg_t + h)
+    acc = tl.where(w > 0, tl.load(gs_at + (w - 1) * sgs_t + h, mask=w > 0, other=0.0), g0)
     gcum = tl.where((rows == 0) & (w == 0), g0, gcum)
     for i in range(tl.maximum(w, 1), m):
-        acc = acc + tl.load(g_ptr + i * sg_t + h)
+        acc = acc + tl.load(g_ptr + (row0 + i - w) * sg_t + h)
         gcum = tl.where(rows == i, acc, gcum)
-    tl.store(gc_ptr + rows * sgc_t + h, gcum, mask=(rows < m) & (vb == 0))
+    new_rows = (rows < m) & (rows >= w)
+    tl.store(gc_ptr + slot * sgc_p + rows * sgc_t + h, gcum, mask=new_rows & (vb == 0))
     # u: the first w rows as solved before, the rest solved below.
     u = tl.load(
-        us_ptr + rows[:, None] * sus_t + h * sus_h + vs[None, :],
-        mask=(rows[:, None] < w) & vin[None, :],
+        us_ptr + slot * sus_p + rows[:, None] * sus_t + h * sus_h + vs[None, :],
+        mask=cached[:, None] & vin[None, :],
         other=0.0,
     )
     for i in range(w, m):
         gi = _at(gcum, rows, i)
         gam_i = _exp(gi)
         dec_i = tl.where(rows <= i, _exp(gi - gcum), 0.0)  # exp(G_i - G_j), j <= i
-        beta_i = tl.load(b_ptr + i * sg_t + h)
-        k_i = tl.load(k_ptr + i * sk_t + h * sk_h + ks, mask=kin, other=0.0)
+        at = row0 + i - w
+        beta_i = tl.load(b_ptr + at * sg_t + h)
+        k_i = tl.load(kn_ptr + at * sk_t + hk * sk_h + ks, mask=kin, other=0.0)
         kk_i = _tree_cols(k_i[None, :] * kh, C, KP, LOGK)  # k_i . k_j over K
         a_i = tl.where(rows < i, beta_i * (kk_i * dec_i), 0.0)
         sk_i = _tree_rows(s0 * k_i[:, None], KP, BV, LOGK)  # S0^T k_i
-        v_i = tl.load(v_ptr + i * sv_t + h * sv_h + vs, mask=vin, other=0.0)
+        v_i = tl.load(v_ptr + at * sv_t + h * sv_h + vs, mask=vin, other=0.0)
         r_i = beta_i * (v_i - gam_i * sk_i)
         prod = tl.where(rows[:, None] < i, a_i[:, None] * u, 0.0)
         u_i = r_i - _tree_rows(prod, C, BV, LOGC)
         u = tl.where(rows[:, None] == i, u_i[None, :], u)
-        tl.store(u_ptr + i * su_t + h * su_h + vs, u_i, mask=vin)
+        tl.store(u_ptr + slot * su_p + i * su_t + h * su_h + vs, u_i, mask=vin)
         if i >= first:
             # o_i = gamma_i * (S0^T q_i) + tree_C(q_i.k_j * exp(G_i - G_j) * u_j), j <= i
-            q_i = tl.load(q_ptr + (i - first) * sq_t + h * sq_h + ks, mask=kin, other=0.0)
+            qo = qrow0 + i - first
+            q_i = tl.load(q_ptr + qo * sq_t + hk * sq_h + ks, mask=kin, other=0.0)
             qk_i = _tree_cols(q_i[None, :] * kh, C, KP, LOGK)
             p_i = tl.where(rows <= i, qk_i * dec_i, 0.0)
             intra = _tree_rows(tl.where(rows[:, None] <= i, p_i[:, None] * u, 0.0), C, BV, LOGC)
             sq_i = _tree_rows(s0 * q_i[:, None], KP, BV, LOGK)
             o_i = gam_i * sq_i + intra
-            tl.store(o_ptr + (i - first) * so_t + h * so_h + vs, o_i, mask=vin)
-    if LAST:
+            tl.store(o_ptr + qo * so_t + h * so_h + vs, o_i, mask=vin)
+    if m == C:
         # S_end = gamma_last * S0 + tree_C((exp(G_last - G_j) * k_j) u_j^T), row by row of K.
         g_last = _at(gcum, rows, C - 1)
         gam_last = _exp(g_last)
         dec_last = _exp(g_last - gcum)
+        se_at = se_ptr + done * sse_p + h * K * V
         for kk in range(0, K):
-            wk = dec_last * tl.load(k_ptr + rows * sk_t + h * sk_h + kk)
-            upd = _tree_rows(wk[:, None] * u, C, BV, LOGC)
-            s_row = tl.load(s0_ptr + h * K * V + kk * V + vs, mask=vin, other=0.0)
-            tl.store(se_ptr + h * K * V + kk * V + vs, gam_last * s_row + upd, mask=vin)
+            k_col = tl.where(
+                cached,
+                tl.load(kc_ptr + slot * skc_p + rows * skc_t + hk * skc_h + kk, mask=cached,
+                        other=0.0),
+                tl.load(kn_ptr + (row0 + rows - w) * sk_t + hk * sk_h + kk, mask=rows >= w,
+                        other=0.0),
+            )  # fmt: skip
+            upd = _tree_rows((dec_last * k_col)[:, None] * u, C, BV, LOGC)
+            s_row = tl.load(s_at + kk * V + vs, mask=vin, other=0.0)
+            tl.store(se_at + kk * V + vs, gam_last * s_row + upd, mask=vin)
+
+
+def _warps(c: int, kp: int) -> int:
+    """8 warps hold a K = 128 chunk without spilling (ptxas, sm_90a: 188 registers; at 4,
+    255 and spills); the bytes do not depend on it."""
+    return 8 if c * kp >= 4096 else 4
 
 
 def chunk(s0, q, k, v, g, beta, first, chunk_size, solved=None):
@@ -153,19 +201,50 @@ def run(s0, q, k, v, g, beta, first, chunk_size, solved=None):
     s_end = torch.empty(h, d_k, d_v, dtype=F32, device=dev) if last else out
     kp = next_pow2(d_k)
     _chunk_kernel[(h, triton.cdiv(d_v, _BV))](
-        s0, k, v, g, beta, q, u_in, g_in,
-        u, gc, out, s_end,
-        m, w, first, d_k, d_v,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), q.stride(0),
-        q.stride(1), u_in.stride(0), u_in.stride(1), g_in.stride(0), u.stride(0), u.stride(1),
-        gc.stride(0), out.stride(0), out.stride(1),
-        C=c, LOGC=c.bit_length() - 1, KP=kp, LOGK=kp.bit_length() - 1, BV=_BV, LAST=last,
-        # 8 warps hold a K = 128 chunk without spilling (ptxas, sm_90a: 188 registers; at 4,
-        # 255 and spills); the bytes do not depend on it.
-        num_warps=8 if c * kp >= 4096 else 4,
-        **EXACT,
+        s0, k, k, v, g, beta, q, u_in, g_in,
+        u, gc, out, s_end, gc, gc,
+        m, w, first, d_k, d_v, 1,
+        0, 0, 0, k.stride(0), k.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), q.stride(0), q.stride(1),
+        0, u_in.stride(0), u_in.stride(1), 0, g_in.stride(0),
+        0, u.stride(0), u.stride(1), 0, gc.stride(0), out.stride(0), out.stride(1),
+        C=c, LOGC=c.bit_length() - 1, KP=kp, LOGK=kp.bit_length() - 1, BV=_BV, PAGED=False,
+        num_warps=_warps(c, kp), **EXACT,
     )  # fmt: skip
     return out, (s_end if last else None), u, gc
 
 
-__all__ = ["chunk", "run"]
+def run_paged(q, k, v, g, beta, pages, seqs, s_end):
+    """The chunk pass of every sequence of ``seqs`` (``cpu.gdn.PagedSeqs``: each one's rows
+    inside one chunk) in one launch, from and into its state page (``cpu.gdn.GdnPages``),
+    without the device check. q (scaled), k [T, Hk, K], v [T, Hv, V] (widened), g, beta
+    [T, Hv], all fp32; the solved u and G of the new rows land in their pages, the state of a
+    sequence that completes its chunk in ``s_end[seqs.done[r]]``. Returns out fp32 [T, Hv, V].
+    """
+    t, h_k, d_k = k.shape
+    h_v, d_v = v.shape[1:]
+    c = seqs.chunk
+    r = len(seqs.positions)
+    out = torch.empty(t, h_v, d_v, dtype=F32, device=v.device)
+    kp = next_pow2(d_k)
+    for name in ("s", "k", "u", "gcum"):  # the kernel indexes a page's rows as packed
+        one = getattr(pages, name)[0]
+        require(one.is_contiguous(), f"gdn paged: page tensor {name!r} is not packed in its page")
+    _chunk_kernel[(h_v, triton.cdiv(d_v, _BV), r)](
+        pages.s, pages.k, k, v, g, beta, q, pages.u, pages.gcum,
+        pages.u, pages.gcum, out, s_end, seqs.table, seqs.done,
+        0, 0, 0, d_k, d_v, h_v // h_k,
+        pages.s.stride(0), s_end.stride(0), pages.k.stride(0), pages.k.stride(1),
+        pages.k.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+        q.stride(0), q.stride(1),
+        pages.u.stride(0), pages.u.stride(1), pages.u.stride(2), pages.gcum.stride(0),
+        pages.gcum.stride(1),
+        pages.u.stride(0), pages.u.stride(1), pages.u.stride(2), pages.gcum.stride(0),
+        pages.gcum.stride(1), out.stride(0), out.stride(1),
+        C=c, LOGC=c.bit_length() - 1, KP=kp, LOGK=kp.bit_length() - 1, BV=_BV, PAGED=True,
+        num_warps=_warps(c, kp), **EXACT,
+    )  # fmt: skip
+    return out
+
+
+__all__ = ["chunk", "run", "run_paged"]

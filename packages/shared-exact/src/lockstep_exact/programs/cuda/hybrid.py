@@ -24,12 +24,13 @@ import triton.language as tl
 
 from ..cpu import gdn as _gdn
 from ..cpu import hybrid as _hybrid
-from ..cpu.arith import BF16, F32, as_f32, require
+from ..cpu.arith import BF16, F32, as_f32, require, round_bf16
 from ..cpu.gdn import GdnState, state_tensors
 from ..cpu.rope import rotate_first
 from . import exactmath as em
 from .arith import EXACT, bits16, next_pow2, require_cuda
 from .gdn import chunk as chunk_pass
+from .gdn import run_paged as chunk_paged
 from .rope import rope
 
 _BLOCK = 1024  # elements per program of the elementwise kernels
@@ -108,6 +109,49 @@ def _conv1d_kernel(
     wt = em.widen(tl.load(w_ptr + ds[:, None] * KERNEL + ws[None, :], mask=ok, other=0))
     acc = em.tree_cols(taps * wt, BD, WP, LOG)
     tl.store(o_ptr + t * D + ds, em.round_bf16(em.silu(acc)), mask=ds < D)
+
+
+@triton.jit
+def _conv1d_paged_kernel(
+    x_ptr, win_ptr, w_ptr, o_ptr, nw_ptr, seq_ptr, D, KERNEL, s_win,
+    BD: tl.constexpr, WP: tl.constexpr, LOG: tl.constexpr,
+):  # fmt: skip
+    """``_conv1d_kernel`` for the rows of sequence ``program_id(0)`` of a step (its row start,
+    rows and page from ``seq_ptr``): the taps before its first row from its page's window
+    (``win_ptr``, page stride ``s_win``), its advanced window to row ``program_id(0)`` of
+    ``nw_ptr`` (written apart: the pages are updated after every program has read them)."""
+    seq = tl.program_id(0)
+    start = tl.load(seq_ptr + seq * 4).to(tl.int64)
+    n = tl.load(seq_ptr + seq * 4 + 1)
+    slot = tl.load(seq_ptr + seq * 4 + 3).to(tl.int64)
+    ds = tl.program_id(1) * BD + tl.arange(0, BD)
+    ws = tl.arange(0, WP)
+    din = ds[:, None] < D
+    tap = ws[None, :] < KERNEL
+    win = win_ptr + slot * s_win + ds[:, None]
+    wt = em.widen(tl.load(w_ptr + ds[:, None] * KERNEL + ws[None, :], mask=din & tap, other=0))
+    for t in range(0, n):
+        at = t + ws[None, :]  # the tap's row in (window, rows)
+        old = at < KERNEL - 1
+        taps = tl.where(
+            old,
+            tl.load(win + at * D, mask=din & tap & old, other=0),
+            tl.load(x_ptr + (start + at - (KERNEL - 1)) * D + ds[:, None],
+                    mask=din & tap & (at >= KERNEL - 1), other=0),
+        )  # fmt: skip
+        acc = em.tree_cols(em.widen(taps) * wt, BD, WP, LOG)
+        tl.store(o_ptr + (start + t) * D + ds, em.round_bf16(em.silu(acc)), mask=ds < D)
+    # the last W-1 inputs of (window, rows): the next call's window
+    at = n + ws[None, :]
+    keep = ws[None, :] < KERNEL - 1
+    old = at < KERNEL - 1
+    new = tl.where(
+        old,
+        tl.load(win + at * D, mask=din & keep & old, other=0),
+        tl.load(x_ptr + (start + at - (KERNEL - 1)) * D + ds[:, None],
+                mask=din & keep & (at >= KERNEL - 1), other=0),
+    )  # fmt: skip
+    tl.store(nw_ptr + (seq * (KERNEL - 1) + ws[None, :]) * D + ds[:, None], new, mask=din & keep)
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -226,6 +270,83 @@ def conv1d(x, weight, window, *, kernel: int = 4):
     return out.view(BF16), full[full.shape[0] - (kernel - 1) :].clone()
 
 
+def gdn_paged(q, k, v, g, beta, pages, seqs, *, chunk: int, scale=None):
+    """gdn.chunked for many sequences over state pages (``programs.gdn_paged``) in one
+    launch: each row the bytes ``gdn_chunked`` gives on its sequence's state."""
+    require_cuda(q, k, v, g, beta, pages.s, pages.k, seqs.table)
+    return paged(q, k, v, g, beta, pages, seqs, chunk=chunk, scale=scale)
+
+
+def paged(q, k, v, g, beta, pages, seqs, *, chunk: int, scale=None):
+    """``gdn_paged``'s launch (no device check). Before it the pages of sequences at position
+    0 are set to the zero state; after it each completed chunk's state and the new rows
+    (k, v, g, beta) are copied into the pages."""
+    require(chunk == seqs.chunk, f"gdn paged: chunk {chunk}, the step's table {seqs.chunk}")
+    t, h_k, d_k = k.shape
+    require(
+        q.dtype == F32 and k.dtype == F32 and q.shape == k.shape and t == seqs.rows,
+        f"gdn paged: q and k fp32 [T, Hk, K] of the step's {seqs.rows} rows",
+    )
+    require(v.dtype == BF16 and v.dim() == 3 and v.shape[0] == t, "gdn paged: v bf16 [T, Hv, V]")
+    h_v, d_v = v.shape[1:]
+    require(
+        g.dtype == F32 and beta.dtype == F32 and g.shape == (t, h_v) and beta.shape == g.shape,
+        "gdn paged: g and beta fp32 [T, Hv]",
+    )
+    require(
+        pages.s.shape[1:] == (h_v, d_k, d_v) and pages.k.shape[1:] == (chunk, h_k, d_k),
+        "gdn paged: the pages do not hold this layer's state",
+    )
+    if scale is None:
+        scale = _gdn.default_scale(d_k, v.device)
+    if seqs.fresh.numel():
+        pages.s.index_fill_(0, seqs.fresh, 0.0)
+    done = seqs.done_slots.numel()
+    s_end = torch.empty(max(done, 1), h_v, d_k, d_v, dtype=F32, device=v.device)
+    out = chunk_paged(
+        (q * scale).contiguous(), k.contiguous(), as_f32(v).contiguous(), g.contiguous(),
+        beta.contiguous(), pages, seqs, s_end,
+    )  # fmt: skip
+    if done:
+        pages.s.index_copy_(0, seqs.done_slots, s_end[:done])
+    at = (seqs.row_slot, seqs.row_at)
+    pages.k.index_put_(at, k)
+    pages.v.index_put_(at, v)
+    pages.g.index_put_(at, g)
+    pages.beta.index_put_(at, beta)
+    return round_bf16(out)
+
+
+def conv1d_paged(x, weight, pages, seqs, *, kernel: int = 4):
+    """conv1d.causal for many sequences over their pages' windows (``programs.conv1d_paged``)
+    in one launch: each row the bytes ``conv1d_causal`` gives on its sequence."""
+    require_cuda(x, weight, pages.conv, seqs.table)
+    return conv1d_pages(x, weight, pages, seqs, kernel=kernel)
+
+
+def conv1d_pages(x, weight, pages, seqs, *, kernel: int = 4):
+    """``conv1d_paged``'s launch (no device check); the windows of sequences at position 0
+    are zeroed first, the advanced windows copied into the pages after."""
+    win = pages.conv
+    d = x.shape[1] if x.dim() == 2 else -1
+    _gdn.check_conv1d(x, weight, win[0] if win.shape[0] else win, kernel)
+    require(x.shape[0] == seqs.rows, f"conv1d paged: {x.shape[0]} rows, the table {seqs.rows}")
+    require(win[0].is_contiguous(), "conv1d paged: the window is not packed in its page")
+    if seqs.fresh.numel():
+        win.index_fill_(0, seqs.fresh, 0)
+    r = len(seqs.positions)
+    out = torch.empty(x.shape, dtype=torch.int16, device=x.device)
+    new = torch.empty(r, kernel - 1, d, dtype=torch.int16, device=x.device)
+    width = next_pow2(kernel)
+    block = 128
+    _conv1d_paged_kernel[(r, triton.cdiv(d, block))](
+        bits16(x.contiguous()), win.view(torch.int16), bits16(weight), out, new, seqs.table, d,
+        kernel, win.stride(0), BD=block, WP=width, LOG=width.bit_length() - 1, **EXACT,
+    )  # fmt: skip
+    win.index_copy_(0, seqs.slot_ids, new.view(BF16))
+    return out.view(BF16)
+
+
 def _rms(x, z, weight, eps: float, gated: bool):
     h = x.shape[-1]
     out = torch.empty(x.shape, dtype=torch.int16, device=x.device)
@@ -306,7 +427,9 @@ def rope_partial(x: torch.Tensor, positions: torch.Tensor, base: float, rotary: 
 
 __all__ = [
     "conv1d_causal",
+    "conv1d_paged",
     "gdn_chunked",
+    "gdn_paged",
     "gdn_gating",
     "l2norm",
     "rmsnorm_gated",
