@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
 
 TESTS = """
@@ -52,6 +54,7 @@ def _run(tmp_path: Path, *args: str, cuda: bool) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # the fast tier's 10-minute budget; CI's --all runs it
 def test_asking_for_gpu_tests_without_a_device_is_an_error_naming_the_torch_build(tmp_path):
     run = _run(tmp_path, "-m", "gpu", cuda=False)
     assert run.returncode == 4, run.stdout + run.stderr
@@ -65,6 +68,7 @@ def test_asking_for_gpu_tests_without_a_device_is_an_error_naming_the_torch_buil
     assert "4 skipped" in plain.stdout
 
 
+@pytest.mark.slow  # the fast tier's 10-minute budget; CI's --all runs it
 def test_on_a_gpu_machine_a_skip_fails_unless_it_names_hardware_or_an_uncovered_case(tmp_path):
     run = _run(tmp_path, "-m", "gpu", cuda=True)
     assert run.returncode == 1, run.stdout + run.stderr

@@ -72,6 +72,7 @@ def _trace_rollouts(trace_dir: Path):
     ]
 
 
+@pytest.mark.slow  # the fast tier's 10-minute budget; CI's --all runs it
 def test_train_step_example_then_its_rollouts_check_byte_equal(dense, tmp_path, capsys):
     rollouts, adapter = tmp_path / "rollouts.jsonl", tmp_path / "adapter"
     run = _run(

@@ -72,6 +72,7 @@ def _expert_nudge(model_dir):
     raise AssertionError("no single-ulp change moved the expert's output")
 
 
+@pytest.mark.slow  # the fast tier's 10-minute budget; CI's --all runs it
 def test_a_one_ulp_expert_weight_in_the_sampler_copy_fails_and_bisect_names_it(tmp_path, capsys):
     model = make_tiny(tmp_path / "model", arch="qwen3-moe")
     copy = tmp_path / "sampler-copy"

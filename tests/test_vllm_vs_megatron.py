@@ -111,6 +111,7 @@ def _prompt_of_at_least(model, n_tokens: int) -> str:
     return text
 
 
+@pytest.mark.slow  # the fast tier's 10-minute budget; CI's --all runs it
 def test_megatron_replays_decisions_that_cross_an_attention_segment(pm, tmp_path):
     """Around attention.blocked's segment (512 keys): one prompt's prefill crosses it, another's
     decode steps do (vLLM decodes those rows one by one, Megatron takes them in one prefill);
