@@ -112,6 +112,20 @@ def _conv1d_kernel(
 
 
 @triton.jit
+def _window_or_rows(win, x_ptr, start, at, D, ds, mask, KERNEL):
+    """Row ``at`` of a sequence's (window, rows): one of its window's W-1 rows (``win``: the
+    page's window at columns ``ds``) or, past them, its row ``at - (W-1)`` of the step's
+    ``x_ptr`` from ``start``; the bits, masked to 0."""
+    old = at < KERNEL - 1
+    return tl.where(
+        old,
+        tl.load(win + at * D, mask=mask & old, other=0),
+        tl.load(x_ptr + (start + at - (KERNEL - 1)) * D + ds[:, None],
+                mask=mask & (at >= KERNEL - 1), other=0),
+    )  # fmt: skip
+
+
+@triton.jit
 def _conv1d_paged_kernel(
     x_ptr, win_ptr, w_ptr, o_ptr, nw_ptr, seq_ptr, D, KERNEL, s_win,
     BD: tl.constexpr, WP: tl.constexpr, LOG: tl.constexpr,
@@ -132,25 +146,12 @@ def _conv1d_paged_kernel(
     wt = em.widen(tl.load(w_ptr + ds[:, None] * KERNEL + ws[None, :], mask=din & tap, other=0))
     for t in range(0, n):
         at = t + ws[None, :]  # the tap's row in (window, rows)
-        old = at < KERNEL - 1
-        taps = tl.where(
-            old,
-            tl.load(win + at * D, mask=din & tap & old, other=0),
-            tl.load(x_ptr + (start + at - (KERNEL - 1)) * D + ds[:, None],
-                    mask=din & tap & (at >= KERNEL - 1), other=0),
-        )  # fmt: skip
+        taps = _window_or_rows(win, x_ptr, start, at, D, ds, din & tap, KERNEL)
         acc = em.tree_cols(em.widen(taps) * wt, BD, WP, LOG)
         tl.store(o_ptr + (start + t) * D + ds, em.round_bf16(em.silu(acc)), mask=ds < D)
     # the last W-1 inputs of (window, rows): the next call's window
-    at = n + ws[None, :]
     keep = ws[None, :] < KERNEL - 1
-    old = at < KERNEL - 1
-    new = tl.where(
-        old,
-        tl.load(win + at * D, mask=din & keep & old, other=0),
-        tl.load(x_ptr + (start + at - (KERNEL - 1)) * D + ds[:, None],
-                mask=din & keep & (at >= KERNEL - 1), other=0),
-    )  # fmt: skip
+    new = _window_or_rows(win, x_ptr, start, n + ws[None, :], D, ds, din & keep, KERNEL)
     tl.store(nw_ptr + (seq * (KERNEL - 1) + ws[None, :]) * D + ds[:, None], new, mask=din & keep)
 
 
