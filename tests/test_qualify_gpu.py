@@ -35,6 +35,22 @@ def _vllm_026():
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])
 def test_the_whole_ladder_qualifies_on_cuda(arch, tmp_path, capfd):
+    _ladder_on_cuda(arch, tmp_path, capfd)
+
+
+def test_the_hybrid_ladder_qualifies_on_cuda_with_the_training_refusal_lifted(
+    tmp_path, capfd, monkeypatch
+):
+    """``lockstep qualify --tiny qwen3-next --backend cuda``: the trainer session refuses the
+    hybrid lane off cpu until this passes on a GPU; the test lifts that one refusal (vLLM
+    serves the hybrid lane on cuda eagerly, Megatron replays it there: test_next_gpu.py)."""
+    import lockstep_megatron.session as session
+
+    monkeypatch.setattr(session, "refuse_training", lambda model_dir, backend: None)
+    _ladder_on_cuda("qwen3-next", tmp_path, capfd)
+
+
+def _ladder_on_cuda(arch, tmp_path, capfd):
     _vllm_026()
     import megatron.core
 
