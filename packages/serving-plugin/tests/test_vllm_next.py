@@ -729,3 +729,31 @@ def test_a_steps_page_metas_are_read_once_and_checked_as_each_page_reads_its_own
     with pytest.raises(LaneRefused, match=r"state page 3 of layer \d+ holds position 0"):
         load_cache(geom, pages, 3, 7, metas[3])
     assert page_metas(pages, []) == {} and page_metas({}, [1]) == {}
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_steps_positions_and_pages_are_checked_on_the_host_or_asserted_on_the_device(
+    model_dir, on_device
+):
+    """``check_positions`` and ``check_pages`` (the step's checks of vLLM's positions and of
+    each continuing request's page): on cpu refused by name, on cuda asserted on the device (no
+    host read; here forced on cpu tensors, where the assert raises at once). Pages and
+    positions that match pass either way."""
+    from lockstep_serving.vllm.next import check_pages, check_positions, store_cache
+
+    geom = N.Geometry.from_model_dir(model_dir)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    pages = _fake_pages(geom, 4)
+    cache = N.NextCache.empty(geom)
+    N.forward_logprobs(weights, geom, torch.tensor(_prompts()[LONG][:7]), cache)
+    store_cache(geom, pages, 1, cache)  # page 1: position 7
+    slots = torch.tensor([3, 1])  # request 0's page 3 (fresh), request 1's page 1
+    steps = [(0, 0, 5, 5, 0), (1, 5, 6, 8, 7)]  # (r, start, end, seq_len, first)
+    positions = torch.tensor([0, 1, 2, 3, 4, 7])
+    check_positions(positions, steps, on_device)
+    check_pages(geom, pages, slots, steps, on_device)
+    refused = RuntimeError if on_device else LaneRefused
+    with pytest.raises(refused, match=None if on_device else "positions 6..6 are not"):
+        check_positions(torch.tensor([0, 1, 2, 3, 4, 6]), steps, on_device)
+    with pytest.raises(refused, match=None if on_device else "holds position 7"):
+        check_pages(geom, pages, slots, [(0, 0, 5, 5, 0), (1, 5, 6, 9, 8)], on_device)

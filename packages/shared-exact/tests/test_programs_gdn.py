@@ -630,3 +630,15 @@ def test_the_paged_programs_refuse_a_table_of_another_chunk_or_row_count():
         P.gdn_paged(q[:2], k[:2], v[:2], g[:2], beta[:2], book, seqs, chunk=8)
     with pytest.raises(ValueError, match="2 rows, the table 3"):
         P.conv1d_paged(x[:2], w, book, seqs)
+
+
+def test_a_step_table_over_an_engines_page_tensor_reads_nothing_of_it_on_the_host():
+    """Pages given as a tensor (a serving engine's block table, on its device): the same table,
+    and pages shared by two sequences stop the step on the device."""
+    host = P.paged_seqs([0, 1, 6, 7], [63, 0, 130], [4, 0, 2], chunk=64)
+    dev = P.paged_seqs([0, 1, 6, 7], [63, 0, 130], torch.tensor([4, 0, 2]), chunk=64)
+    for name in ("table", "slot_ids", "done", "done_slots", "row_slot", "row_at", "fresh"):
+        assert torch.equal(getattr(dev, name), getattr(host, name)), name
+    assert dev.table.dtype == torch.int32 and dev.slots == (4, 0, 2)  # on cpu: known
+    with pytest.raises(RuntimeError):
+        P.paged_seqs([0, 1, 2], [5, 9], torch.tensor([3, 3]), chunk=64)

@@ -134,16 +134,64 @@ def check_page(slot: int, layer: int, held: tuple[int, int], position: int, chun
         )
 
 
+CHECKED = object()  # load_cache's ``held`` when check_pages checked the step's pages
+
+
+def check_positions(positions: torch.Tensor, steps, on_device: bool) -> None:
+    """vLLM's positions of each request's rows (``steps``: ``(r, start, end, seq_len,
+    first)``) are the cache's ``first .. seq_len - 1``: on cpu read on the host and refused by
+    name; on cuda asserted on the device (no host read: one would make the host wait for the
+    GPU every step; a failure stops the engine with a device-side assert)."""
+    if not steps:
+        return
+    if on_device:
+        idx = [x for _, start, end, _, _ in steps for x in (start, end - 1)]
+        want = [x for *_, seq_len, first in steps for x in (first, seq_len - 1)]
+        at, expected = up(torch.tensor([idx, want]), positions.device)
+        torch._assert_async((positions[at] == expected).all())
+        return
+    pos = positions.tolist()
+    for r, start, end, seq_len, first in steps:
+        lo, hi = pos[start], pos[end - 1]
+        if lo != first or hi != seq_len - 1:
+            raise LaneRefused(
+                f"request {r}: vLLM's positions {lo}..{hi} are not the "
+                f"cache's {first}..{seq_len - 1}; the lane cannot continue its state there"
+            )
+
+
+def check_pages(geom: N.Geometry, pages, slots, steps, on_device: bool) -> None:
+    """Every continuing request's state page holds its state at its position (``meta`` =
+    (position, chunk) in every GDN layer): on cpu read once (``page_metas``) and a page that
+    does not is refused by name (``check_page``); on cuda asserted on the device, no host
+    read. ``slots``: each request's page (the state metadata's, on the engine's device)."""
+    cont = [(r, first) for r, *_, first in steps if first > 0]
+    if not pages or not cont or slots is None:
+        return
+    if on_device:
+        which, firsts = up(torch.tensor([[r for r, _ in cont], [f for _, f in cont]]), slots.device)
+        ids = slots[which]
+        held = torch.stack([p["meta"][ids] for p in pages.values()])  # [layers, requests, 2]
+        want = torch.stack([firsts, torch.full_like(firsts, geom.chunk)], dim=-1)
+        torch._assert_async((held == want.to(held.dtype)).all())
+        return
+    host = slots.tolist()
+    metas = page_metas(pages, [host[r] for r, _ in cont])
+    for r, first in cont:
+        for i in pages:
+            check_page(host[r], i, metas[host[r]][i], first, geom.chunk)
+
+
 def gdn_pages(page: dict[str, torch.Tensor]) -> P.GdnPages:
     """A GDN layer's state page views (``LaneStateLayer.pages``) as the paged programs' pages."""
     return P.GdnPages(**{name: t for name, t in page.items() if name != "meta"})
 
 
 def paged_step(geom: N.Geometry, steps) -> bool:
-    """Whether every request of a step (``(r, start, end, seq_len, first, slot)``) keeps its
-    rows inside one gdn chunk: then the step runs the paged programs, all requests at once."""
+    """Whether every request of a step (``(r, start, end, seq_len, first)``) keeps its rows
+    inside one gdn chunk: then the step runs the paged programs, all requests at once."""
     c = geom.chunk
-    return all(first % c + (end - start) <= c for _, start, end, _, first, _ in steps)
+    return all(first % c + (end - start) <= c for _, start, end, _, first in steps)
 
 
 def load_cache(
@@ -156,7 +204,8 @@ def load_cache(
     """The composition's ``NextCache`` of one request at ``position``, read from its state
     page ``slot`` of every GDN layer (``pages[layer]``: ``next_state.LaneStateLayer.pages``).
     ``held``: what each layer's page holds, (position, chunk) by layer, as ``page_metas``
-    read it for the step (None: read here from the page)."""
+    read it for the step (None: read here from the page; ``CHECKED``: the step's
+    ``check_pages`` checked it)."""
     cache = N.NextCache(position=position)
     c = geom.chunk
     start = position - position % c
@@ -175,8 +224,9 @@ def load_cache(
                 geom.conv_dim, kernel=geom.conv_kernel, device=p["s"].device
             )
             continue
-        at, chunk = held[i] if held is not None else (int(x) for x in p["meta"][slot])
-        check_page(slot, i, (at, chunk), position, c)
+        if held is not CHECKED:
+            at, chunk = held[i] if held is not None else (int(x) for x in p["meta"][slot])
+            check_page(slot, i, (at, chunk), position, c)
         cache.gdn[i] = P.GdnState(
             chunk=c,
             start=start,
@@ -416,50 +466,44 @@ class LockstepQwen3NextForCausalLM(nn.Module):
         groups: dict[int, tuple[list, list, list]] = {}
         ids = self._token_adapters
         pages = self._pages()
-        pos_cpu = positions.to("cpu").tolist()
-        state_slots = smd.state_slots.tolist() if smd is not None else None
-        steps = []  # (r, start, end, seq_len, first, slot) of each request with rows
+        on_device = positions.is_cuda  # cuda: nothing of the step is read back to the host
+        steps = []  # (r, start, end, seq_len, first) of each request with rows
         for r, seq_len in enumerate(seq_lens):
             start, end = qsl[r], qsl[r + 1]
-            if end <= start:
-                continue
-            first = seq_len - (end - start)
-            lo, hi = pos_cpu[start], pos_cpu[end - 1]
-            if lo != first or hi != seq_len - 1:
-                raise LaneRefused(
-                    f"request {r}: vLLM's positions {lo}..{hi} are not the "
-                    f"cache's {first}..{seq_len - 1}; the lane cannot continue its state there"
-                )
-            slot = int(state_slots[r]) if state_slots is not None else -1
-            steps.append((r, start, end, seq_len, first, slot))
-        # what the continuing requests' pages hold: one read for the step
-        metas = page_metas(pages, [slot for *_, first, slot in steps if first > 0])
+            if end > start:
+                steps.append((r, start, end, seq_len, seq_len - (end - start)))
+        check_positions(positions, steps, on_device)
+        slots_dev = smd.state_slots if smd is not None else None
+        # what the continuing requests' pages hold: checked once for the step
+        check_pages(self.geom, pages, slots_dev, steps, on_device)
         # Every request's rows inside one gdn chunk (decode steps): the paged programs run
         # all requests at once from and into their pages; else each request's state is read
         # into a NextCache and written back (the same bytes either way).
         paged = bool(pages) and not is_recording() and paged_step(self.geom, steps)
-        for r, start, end, seq_len, first, slot in steps:
+        # the per-request path indexes pages on the host (one read of the slots, then)
+        host_slots = None if paged or slots_dev is None else slots_dev.tolist()
+        for r, start, end, seq_len, first in steps:
             reqs, batch, slots = groups.setdefault(
                 ids[start] if start < len(ids) else 0, ([], [], [])
             )
             reqs.append((r, start, end, seq_len))
-            slots.append(slot)
             if paged:
-                for i in pages if first > 0 else ():
-                    check_page(slot, i, metas[slot][i], first, self.geom.chunk)
+                slots.append(r)  # the request's index: its page stays on the device
                 batch.append((input_ids[start:end], N.NextCache(position=first)))
                 continue
-            held = metas.get(slot) if first > 0 else None
-            cache = load_cache(self.geom, pages, slot, first, held)
+            slot = int(host_slots[r]) if host_slots is not None else -1
+            slots.append(slot)
+            cache = load_cache(self.geom, pages, slot, first, CHECKED)
             batch.append((input_ids[start:end], cache))
         for lid, (reqs, batch, slots) in groups.items():
             adapters = self._adapters.get(lid) if lid else None
             if lid and adapters is None:
                 _refuse(f"tokens of adapter id {lid} arrived before the adapter was loaded")
-            rows = torch.cat([torch.arange(s, e) for _, s, e, _ in reqs]).to(positions.device)
+            rows = up(torch.cat([torch.arange(s, e) for _, s, e, _ in reqs]), positions.device)
             slots_ = PagedNextSlots(self, reqs, rows, adapters)
             if paged:
-                slots_.paged = self._paged_seqs(reqs, batch, slots, pages)
+                page_ids = slots_dev[up(torch.tensor(slots), slots_dev.device)]
+                slots_.paged = self._paged_seqs(reqs, batch, page_ids, pages)
             h = N.hidden(self.ops, self.geom, slots_, batch)
             if paged:
                 self._advance_metas(pages, slots_.paged[1], batch)

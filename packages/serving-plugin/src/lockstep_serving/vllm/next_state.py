@@ -57,7 +57,7 @@ class LaneStateMetadata:
     num_actual_tokens: int
     query_start_loc_cpu: torch.Tensor  # [num_reqs + 1]
     seq_lens_cpu: torch.Tensor  # [num_reqs]
-    state_slots: torch.Tensor  # [num_reqs] int64, on the host
+    state_slots: torch.Tensor  # [num_reqs] int64, on the engine's device (not read by the host)
 
 
 class LaneStateMetadataBuilder(AttentionMetadataBuilder[LaneStateMetadata]):
@@ -85,8 +85,9 @@ class LaneStateMetadataBuilder(AttentionMetadataBuilder[LaneStateMetadata]):
             num_actual_tokens=cm.num_actual_tokens,
             query_start_loc_cpu=cm.query_start_loc_cpu[: n + 1].clone(),
             seq_lens_cpu=host_seq_lens(cm)[:n],
-            # Mode "none": one page per request, the first (only) entry of its block table.
-            state_slots=cm.block_table_tensor[:n, 0].to("cpu", torch.int64),
+            # Mode "none": one page per request, the first (only) entry of its block table;
+            # kept on the device (a copy to the host would wait for the GPU every step).
+            state_slots=cm.block_table_tensor[:n, 0].to(torch.int64),
         )
 
 

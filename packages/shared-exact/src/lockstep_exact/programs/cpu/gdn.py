@@ -391,16 +391,17 @@ class GdnPages:
 class PagedSeqs:
     """The sequences of one step over state pages: sequence r has the rows
     ``starts[r]:starts[r+1]`` of the step, its first at ``positions[r]``, its state in page
-    ``slots[r]``. ``table`` is the same on the pages' device, int32 [R, 4] (row start, rows,
-    position, slot) and ``slot_ids`` the slots (int64 [R]); ``done`` the sequences that complete
-    their chunk (int32 [R], their index among those, else -1) and ``done_slots`` their pages
-    (int64); ``row_slot``, ``row_at``
-    (int64 [T]) each row's page and its row in the page's chunk; ``fresh`` (int64) the pages
-    of sequences at position 0. Made by ``paged_seqs``."""
+    ``slot_ids[r]``. ``slots`` holds the same page indices on the host where they are known
+    there (the cpu programs read them; on cuda they stay on the device). ``table`` is int32
+    [R, 4] on the pages' device (row start, rows, position, slot); ``done`` the sequences that
+    complete their chunk (int32 [R], their index among those, else -1) and ``done_slots``
+    their pages (int64); ``row_slot``, ``row_at`` (int64 [T]) each row's page and its row in
+    the page's chunk; ``fresh`` (int64) the pages of sequences at position 0. Made by
+    ``paged_seqs``."""
 
     starts: tuple[int, ...]
     positions: tuple[int, ...]
-    slots: tuple[int, ...]
+    slots: tuple[int, ...] | None
     chunk: int
     table: torch.Tensor
     slot_ids: torch.Tensor
@@ -417,51 +418,73 @@ class PagedSeqs:
 
 def paged_seqs(starts, positions, slots, *, chunk: int, device=None, upload=None) -> PagedSeqs:
     """``PagedSeqs`` of a step, checked: each sequence has rows and its rows stay inside the
-    chunk of its first one (position mod chunk + rows <= chunk), slots are distinct.
-    ``upload(host_tensor)``: how the host table reaches ``device`` (default ``.to``)."""
-    starts, positions, slots = tuple(starts), tuple(positions), tuple(slots)
+    chunk of its first one (position mod chunk + rows <= chunk), its page is not another's.
+    ``slots``: the pages, host integers or an int64 tensor on the pages' device (a serving
+    engine's block table: then nothing of it is read on the host, and distinct pages are
+    asserted on the device). ``upload(host_tensor)``: how the host part reaches ``device``
+    (default ``.to``; a tensor ``slots`` sets the device)."""
+    starts, positions = tuple(starts), tuple(positions)
     n_seq = len(positions)
+    on_host = not isinstance(slots, torch.Tensor)
+    if on_host:
+        slots = tuple(int(x) for x in slots)
+    else:
+        device = slots.device
     require(
         len(starts) == n_seq + 1 and len(slots) == n_seq and n_seq > 0 and starts[0] == 0,
         "gdn paged: starts [R + 1] from 0, positions [R] and slots [R] of R >= 1 sequences",
     )
     require(chunk >= 1 and chunk & (chunk - 1) == 0, f"gdn paged: chunk {chunk} not a power of 2")
-    require(len(set(slots)) == n_seq, "gdn paged: two sequences share a state page")
-    table, done, done_slots, row_slot, row_at, fresh = [], [], [], [], [], []
-    for r, (p, slot) in enumerate(zip(positions, slots, strict=True)):
+    if on_host:
+        require(len(set(slots)) == n_seq, "gdn paged: two sequences share a state page")
+        require(min(slots) >= 0, "gdn paged: a negative page index")
+    head, done, counts, done_at, fresh_at, row_at = [], [], [], [], [], []
+    for r, p in enumerate(positions):
         n = starts[r + 1] - starts[r]
         w = p % chunk
         require(
-            n >= 1 and p >= 0 and slot >= 0 and w + n <= chunk,
-            f"gdn paged: sequence {r} ({n} rows at position {p}, page {slot}) must have rows "
-            f"inside one chunk of {chunk}",
+            n >= 1 and p >= 0 and w + n <= chunk,
+            f"gdn paged: sequence {r} ({n} rows at position {p}) must have rows inside one "
+            f"chunk of {chunk}",
         )
-        table.append((starts[r], n, p, slot))
-        done.append(len(done_slots) if w + n == chunk else -1)
+        head += (starts[r], n, p)
+        done.append(len(done_at) if w + n == chunk else -1)
         if w + n == chunk:
-            done_slots.append(slot)
-        row_slot += [slot] * n
+            done_at.append(r)
+        counts.append(n)
         row_at += range(w, w + n)
         if p == 0:
-            fresh.append(slot)
-    ints = torch.tensor([x for row in table for x in row] + done, dtype=torch.int32)
-    longs = torch.tensor(list(slots) + done_slots + row_slot + row_at + fresh, dtype=torch.int64)
+            fresh_at.append(r)
+    host = head + done + counts + done_at + fresh_at + row_at + (list(slots) if on_host else [])
     move = upload or (lambda t: t.to(device))
-    ints, longs = move(ints), move(longs)
-    d, t = n_seq + len(done_slots), starts[-1]
+    up = move(torch.tensor(host, dtype=torch.int64))
+    t, d, f = starts[-1], len(done_at), len(fresh_at)
+    cuts = [3 * n_seq, n_seq, n_seq, d, f, t, n_seq if on_host else 0]
+    head_t, done_t, counts_t, done_at_t, fresh_at_t, row_at_t, host_slots = torch.split(up, cuts)
+    ids = host_slots if on_host else slots.to(torch.int64)
+    if not on_host:  # the engine's pages: distinct, asserted where they live
+        order = ids.sort().values
+        torch._assert_async(((order[1:] != order[:-1]).all()) & (order[0] >= 0))
+    table = torch.cat([head_t.view(n_seq, 3), ids[:, None]], dim=1).to(torch.int32)
     return PagedSeqs(
         starts=starts,
         positions=positions,
-        slots=slots,
+        slots=slots if on_host else (tuple(ids.tolist()) if ids.device.type == "cpu" else None),
         chunk=chunk,
-        table=ints[: 4 * n_seq].view(n_seq, 4),
-        slot_ids=longs[:n_seq],
-        done=ints[4 * n_seq :],
-        done_slots=longs[n_seq:d],
-        row_slot=longs[d : d + t],
-        row_at=longs[d + t : d + 2 * t],
-        fresh=longs[d + 2 * t :],
+        table=table,
+        slot_ids=ids,
+        done=done_t.to(torch.int32),
+        done_slots=ids[done_at_t],
+        row_slot=ids.repeat_interleave(counts_t, output_size=t),
+        row_at=row_at_t,
+        fresh=ids[fresh_at_t],
     )
+
+
+def _host_slots(seqs: PagedSeqs) -> tuple[int, ...]:
+    """The pages as host integers: the definition indexes them a sequence at a time (on a
+    CUDA device's table, one read)."""
+    return seqs.slots if seqs.slots is not None else tuple(seqs.slot_ids.tolist())
 
 
 def gdn_paged(q, k, v, g, beta, pages: GdnPages, seqs: PagedSeqs, *, chunk: int, scale=None):
@@ -472,7 +495,7 @@ def gdn_paged(q, k, v, g, beta, pages: GdnPages, seqs: PagedSeqs, *, chunk: int,
     require(chunk == seqs.chunk, f"gdn paged: chunk {chunk}, the step's table {seqs.chunk}")
     require(q.shape[0] == seqs.rows, f"gdn paged: {q.shape[0]} rows, the table {seqs.rows}")
     out = torch.empty(v.shape, dtype=BF16, device=v.device)
-    for r, (p, slot) in enumerate(zip(seqs.positions, seqs.slots, strict=True)):
+    for r, (p, slot) in enumerate(zip(seqs.positions, _host_slots(seqs), strict=True)):
         rows = slice(seqs.starts[r], seqs.starts[r + 1])
         if p == 0:
             state = gdn_state(k.shape[1], v.shape[1], k.shape[2], v.shape[2], chunk=chunk,
@@ -495,7 +518,7 @@ def conv1d_paged(x, weight, pages: GdnPages, seqs: PagedSeqs, *, kernel: int = 4
     (the cuda backend: one launch, the same bytes)."""
     require(x.shape[0] == seqs.rows, f"conv1d paged: {x.shape[0]} rows, the table {seqs.rows}")
     out = torch.empty(x.shape, dtype=BF16, device=x.device)
-    for r, (p, slot) in enumerate(zip(seqs.positions, seqs.slots, strict=True)):
+    for r, (p, slot) in enumerate(zip(seqs.positions, _host_slots(seqs), strict=True)):
         rows = slice(seqs.starts[r], seqs.starts[r + 1])
         window = conv1d_window(x.shape[1], kernel=kernel, device=x.device)
         y, new = conv1d_causal(
