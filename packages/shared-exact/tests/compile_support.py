@@ -103,11 +103,12 @@ def main() -> dict:
     i16 = "*i16"
     out: dict = {}
     chunk_ptrs = {n: f32 for n in gdn._chunk_kernel.arg_names if n.endswith("_ptr")}
-    chunk_ptrs.update(seq_ptr="*i32", done_ptr="*i32")
+    chunk_ptrs.update(seq_ptr="*i32", o_ptr="*fp32", pv_ptr="*i16")
+    paged_ptrs = {**chunk_ptrs, "v_ptr": "*i16", "o_ptr": "*i16"}
     for c, kp, paged in ((64, 128, False), (64, 128, True), (16, 16, True), (64, 32, False)):
         out[f"gdn chunk pass C={c} K={kp} paged={paged}"] = _case(
             gdn._chunk_kernel,
-            chunk_ptrs,
+            paged_ptrs if paged else chunk_ptrs,
             {"C": c, "LOGC": c.bit_length() - 1, "KP": kp, "LOGK": kp.bit_length() - 1,
              "BV": gdn._BV, "PAGED": paged},
             num_warps=gdn._warps(c, kp),
@@ -133,8 +134,7 @@ def main() -> dict:
     )
     out["conv1d.causal paged kernel 4"] = _case(
         hybrid._conv1d_paged_kernel,
-        {"x_ptr": i16, "win_ptr": i16, "w_ptr": i16, "o_ptr": i16, "nw_ptr": i16,
-         "seq_ptr": "*i32"},
+        {"x_ptr": i16, "win_ptr": i16, "w_ptr": i16, "o_ptr": i16, "seq_ptr": "*i32"},
         {"BD": 128, "WP": 4, "LOG": 2},
     )  # fmt: skip
     for gated, width in ((False, 2048), (True, 128)):

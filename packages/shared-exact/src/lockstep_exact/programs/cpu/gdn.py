@@ -391,13 +391,10 @@ class GdnPages:
 class PagedSeqs:
     """The sequences of one step over state pages: sequence r has the rows
     ``starts[r]:starts[r+1]`` of the step, its first at ``positions[r]``, its state in page
-    ``slot_ids[r]``. ``slots`` holds the same page indices on the host where they are known
-    there (the cpu programs read them; on cuda they stay on the device). ``table`` is int32
-    [R, 4] on the pages' device (row start, rows, position, slot); ``done`` the sequences that
-    complete their chunk (int32 [R], their index among those, else -1) and ``done_slots``
-    their pages (int64); ``row_slot``, ``row_at`` (int64 [T]) each row's page and its row in
-    the page's chunk; ``fresh`` (int64) the pages of sequences at position 0. Made by
-    ``paged_seqs``."""
+    ``slot_ids[r]`` (int64 on the pages' device). ``slots`` holds the same page indices on the
+    host where they are known there (the cpu programs read them; on cuda they stay on the
+    device). ``table`` is the same as int32 [R, 4] on the pages' device (row start, rows,
+    position, page): what the cuda kernels read. Made by ``paged_seqs``."""
 
     starts: tuple[int, ...]
     positions: tuple[int, ...]
@@ -405,11 +402,6 @@ class PagedSeqs:
     chunk: int
     table: torch.Tensor
     slot_ids: torch.Tensor
-    done: torch.Tensor
-    done_slots: torch.Tensor
-    row_slot: torch.Tensor
-    row_at: torch.Tensor
-    fresh: torch.Tensor
 
     @property
     def rows(self) -> int:
@@ -438,34 +430,22 @@ def paged_seqs(starts, positions, slots, *, chunk: int, device=None, upload=None
     if on_host:
         require(len(set(slots)) == n_seq, "gdn paged: two sequences share a state page")
         require(min(slots) >= 0, "gdn paged: a negative page index")
-    head, done, counts, done_at, fresh_at, row_at = [], [], [], [], [], []
+    head = []
     for r, p in enumerate(positions):
         n = starts[r + 1] - starts[r]
-        w = p % chunk
         require(
-            n >= 1 and p >= 0 and w + n <= chunk,
+            n >= 1 and p >= 0 and p % chunk + n <= chunk,
             f"gdn paged: sequence {r} ({n} rows at position {p}) must have rows inside one "
             f"chunk of {chunk}",
         )
         head += (starts[r], n, p)
-        done.append(len(done_at) if w + n == chunk else -1)
-        if w + n == chunk:
-            done_at.append(r)
-        counts.append(n)
-        row_at += range(w, w + n)
-        if p == 0:
-            fresh_at.append(r)
-    host = head + done + counts + done_at + fresh_at + row_at + (list(slots) if on_host else [])
     move = upload or (lambda t: t.to(device))
-    up = move(torch.tensor(host, dtype=torch.int64))
-    t, d, f = starts[-1], len(done_at), len(fresh_at)
-    cuts = [3 * n_seq, n_seq, n_seq, d, f, t, n_seq if on_host else 0]
-    head_t, done_t, counts_t, done_at_t, fresh_at_t, row_at_t, host_slots = torch.split(up, cuts)
-    ids = host_slots if on_host else slots.to(torch.int64)
+    up = move(torch.tensor(head + (list(slots) if on_host else []), dtype=torch.int64))
+    ids = up[3 * n_seq :] if on_host else slots.to(torch.int64)
     if not on_host:  # the engine's pages: distinct, asserted where they live
         order = ids.sort().values
         torch._assert_async(((order[1:] != order[:-1]).all()) & (order[0] >= 0))
-    table = torch.cat([head_t.view(n_seq, 3), ids[:, None]], dim=1).to(torch.int32)
+    table = torch.cat([up[: 3 * n_seq].view(n_seq, 3), ids[:, None]], dim=1).to(torch.int32)
     return PagedSeqs(
         starts=starts,
         positions=positions,
@@ -473,11 +453,6 @@ def paged_seqs(starts, positions, slots, *, chunk: int, device=None, upload=None
         chunk=chunk,
         table=table,
         slot_ids=ids,
-        done=done_t.to(torch.int32),
-        done_slots=ids[done_at_t],
-        row_slot=ids.repeat_interleave(counts_t, output_size=t),
-        row_at=row_at_t,
-        fresh=ids[fresh_at_t],
     )
 
 

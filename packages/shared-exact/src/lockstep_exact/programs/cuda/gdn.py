@@ -24,8 +24,10 @@ import triton.language as tl
 from ..cpu.arith import F32
 from .arith import EXACT, next_pow2, require, require_cuda
 from .exactmath import exp as _exp
+from .exactmath import round_bf16 as _round_bf16
 from .exactmath import tree_cols as _tree_cols
 from .exactmath import tree_rows as _tree_rows
+from .exactmath import widen as _widen
 
 _BV = 32  # value columns per program
 
@@ -40,31 +42,39 @@ def _at(vec, rows, i):
 @triton.jit(do_not_specialize=["m_arg", "w_arg", "first_arg", "HR"])
 def _chunk_kernel(
     s0_ptr, kc_ptr, kn_ptr, v_ptr, g_ptr, b_ptr, q_ptr, us_ptr, gs_ptr,
-    u_ptr, gc_ptr, o_ptr, se_ptr, seq_ptr, done_ptr,
+    u_ptr, gc_ptr, o_ptr, se_ptr, seq_ptr, sc_ptr, pv_ptr, pg_ptr, pb_ptr,
     m_arg, w_arg, first_arg, K, V, HR,
     ss_p, sse_p, skc_p, skc_t, skc_h, sk_t, sk_h, sv_t, sv_h, sg_t, sq_t, sq_h,
     sus_p, sus_t, sus_h, sgs_p, sgs_t, su_p, su_t, su_h, sgc_p, sgc_t, so_t, so_h,
+    spv_p, spg_p,
     C: tl.constexpr, LOGC: tl.constexpr, KP: tl.constexpr, LOGK: tl.constexpr,
     BV: tl.constexpr, PAGED: tl.constexpr,
 ):  # fmt: skip
     """One chunk pass of one sequence (PAGED false: grid (H, V blocks), the sequence's
-    ``m``/``w``/``first`` given) or of sequence ``program_id(2)`` of a step (PAGED: its row
-    start, rows, position and page read from ``seq_ptr``; w = first = position mod C, its
-    state and cached rows in page ``slot``). Chunk row i < w: the cached k at ``kc_ptr`` and
-    its solved u and G at ``us_ptr``/``gs_ptr``; row i >= w: the tensors' row ``row0 + i - w``
-    (q and the outputs: ``qrow0 + i - first``). Value head h reads key head h // HR."""
+    ``m``/``w``/``first`` given, q scaled and v widened by the caller, fp32 outputs) or of
+    sequence ``program_id(2)`` of a step (PAGED: its row start, rows, position and page read
+    from ``seq_ptr``; w = first = position mod C). Chunk row i < w: the cached k at ``kc_ptr``
+    and its solved u and G at ``us_ptr``/``gs_ptr``; row i >= w: the tensors' row
+    ``row0 + i - w`` (q and the outputs: ``qrow0 + i - first``). Value head h reads key head
+    h // HR. PAGED: the page is read and advanced in place (its state, the new rows' k, v
+    bits, g, beta, u and G; the state at the chunk end where the chunk completes; the zero
+    state for a sequence at position 0, whose page is not read), q is scaled here by
+    ``sc_ptr``'s scale (the same IEEE product), v read as bf16 bits, the outputs rounded to
+    bf16 bits here (``exactmath.round_bf16``: the cpu rounding)."""
     h = tl.program_id(0)
     vb = tl.program_id(1)
     if PAGED:
         seq = tl.program_id(2)
         row0 = tl.load(seq_ptr + seq * 4).to(tl.int64)
         n = tl.load(seq_ptr + seq * 4 + 1)
-        w = tl.load(seq_ptr + seq * 4 + 2) % C
+        p = tl.load(seq_ptr + seq * 4 + 2)
+        w = p % C
         slot = tl.load(seq_ptr + seq * 4 + 3).to(tl.int64)
-        done = tl.load(done_ptr + seq).to(tl.int64)
         m = w + n
         first = w
         qrow0 = row0
+        live = p > 0  # a sequence at position 0 starts from the zero state: its page unread
+        sc = tl.load(sc_ptr)
     else:
         m = m_arg
         w = w_arg
@@ -72,7 +82,7 @@ def _chunk_kernel(
         row0 = w_arg
         qrow0 = 0
         slot = 0
-        done = 0
+        live = m_arg > 0
     hk = h // HR
     rows = tl.arange(0, C)
     ks = tl.arange(0, KP)
@@ -95,7 +105,8 @@ def _chunk_kernel(
         ),
     )
     s_at = s0_ptr + slot * ss_p + h * K * V
-    s0 = tl.load(s_at + ks[:, None] * V + vs[None, :], mask=kin[:, None] & vin[None, :], other=0.0)
+    s_mask = (kin[:, None] & vin[None, :]) & live
+    s0 = tl.load(s_at + ks[:, None] * V + vs[None, :], mask=s_mask, other=0.0)
     # G: the first w rows as solved before; then left to right from the last of them (or g_0).
     gs_at = gs_ptr + slot * sgs_p
     gcum = tl.load(gs_at + rows * sgs_t + h, mask=cached, other=0.0)
@@ -123,7 +134,20 @@ def _chunk_kernel(
         kk_i = _tree_cols(k_i[None, :] * kh, C, KP, LOGK)  # k_i . k_j over K
         a_i = tl.where(rows < i, beta_i * (kk_i * dec_i), 0.0)
         sk_i = _tree_rows(s0 * k_i[:, None], KP, BV, LOGK)  # S0^T k_i
-        v_i = tl.load(v_ptr + at * sv_t + h * sv_h + vs, mask=vin, other=0.0)
+        if PAGED:
+            v_bits = tl.load(v_ptr + at * sv_t + h * sv_h + vs, mask=vin, other=0)
+            v_i = _widen(v_bits)
+            # the new row into the page (rows no program of this step reads from the page)
+            tl.store(pv_ptr + slot * spv_p + (i * tl.num_programs(0) + h) * V + vs, v_bits,
+                     mask=vin)  # fmt: skip
+            first_of_head = (vb == 0) & (h % HR == 0)
+            tl.store(kc_ptr + slot * skc_p + i * skc_t + hk * skc_h + ks, k_i,
+                     mask=kin & first_of_head)  # fmt: skip
+            g_at = i * tl.num_programs(0) + h
+            tl.store(pg_ptr + slot * spg_p + g_at, tl.load(g_ptr + at * sg_t + h), mask=vb == 0)
+            tl.store(pb_ptr + slot * spg_p + g_at, beta_i, mask=vb == 0)
+        else:
+            v_i = tl.load(v_ptr + at * sv_t + h * sv_h + vs, mask=vin, other=0.0)
         r_i = beta_i * (v_i - gam_i * sk_i)
         prod = tl.where(rows[:, None] < i, a_i[:, None] * u, 0.0)
         u_i = r_i - _tree_rows(prod, C, BV, LOGC)
@@ -133,18 +157,25 @@ def _chunk_kernel(
             # o_i = gamma_i * (S0^T q_i) + tree_C(q_i.k_j * exp(G_i - G_j) * u_j), j <= i
             qo = qrow0 + i - first
             q_i = tl.load(q_ptr + qo * sq_t + hk * sq_h + ks, mask=kin, other=0.0)
+            if PAGED:
+                q_i = q_i * sc
             qk_i = _tree_cols(q_i[None, :] * kh, C, KP, LOGK)
             p_i = tl.where(rows <= i, qk_i * dec_i, 0.0)
             intra = _tree_rows(tl.where(rows[:, None] <= i, p_i[:, None] * u, 0.0), C, BV, LOGC)
             sq_i = _tree_rows(s0 * q_i[:, None], KP, BV, LOGK)
             o_i = gam_i * sq_i + intra
-            tl.store(o_ptr + qo * so_t + h * so_h + vs, o_i, mask=vin)
+            if PAGED:
+                tl.store(o_ptr + qo * so_t + h * so_h + vs, _round_bf16(o_i), mask=vin)
+            else:
+                tl.store(o_ptr + qo * so_t + h * so_h + vs, o_i, mask=vin)
     if m == C:
         # S_end = gamma_last * S0 + tree_C((exp(G_last - G_j) * k_j) u_j^T), row by row of K.
         g_last = _at(gcum, rows, C - 1)
         gam_last = _exp(g_last)
         dec_last = _exp(g_last - gcum)
-        se_at = se_ptr + done * sse_p + h * K * V
+        se_at = se_ptr + slot * sse_p + h * K * V  # PAGED: the page's own state, in place
+        if PAGED:
+            tl.debug_barrier()  # every thread's start-state loads before any row is replaced
         for kk in range(0, K):
             k_col = tl.where(
                 cached,
@@ -154,8 +185,14 @@ def _chunk_kernel(
                         other=0.0),
             )  # fmt: skip
             upd = _tree_rows((dec_last * k_col)[:, None] * u, C, BV, LOGC)
-            s_row = tl.load(s_at + kk * V + vs, mask=vin, other=0.0)
+            s_row = tl.load(s_at + kk * V + vs, mask=vin & live, other=0.0)
+            if PAGED:
+                tl.debug_barrier()  # the row read by every thread before it is replaced
             tl.store(se_at + kk * V + vs, gam_last * s_row + upd, mask=vin)
+    if PAGED:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if (m < C) & (p == 0):  # the zero state into the page of a sequence that starts here
+            for kk in range(0, K):
+                tl.store(s_at + kk * V + vs, tl.zeros([BV], tl.float32), mask=vin)
 
 
 def _warps(c: int, kp: int) -> int:
@@ -202,49 +239,51 @@ def run(s0, q, k, v, g, beta, first, chunk_size, solved=None):
     kp = next_pow2(d_k)
     _chunk_kernel[(h, triton.cdiv(d_v, _BV))](
         s0, k, k, v, g, beta, q, u_in, g_in,
-        u, gc, out, s_end, gc, gc,
+        u, gc, out, s_end, gc, gc, gc, gc, gc,
         m, w, first, d_k, d_v, 1,
         0, 0, 0, k.stride(0), k.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), q.stride(0), q.stride(1),
         0, u_in.stride(0), u_in.stride(1), 0, g_in.stride(0),
-        0, u.stride(0), u.stride(1), 0, gc.stride(0), out.stride(0), out.stride(1),
+        0, u.stride(0), u.stride(1), 0, gc.stride(0), out.stride(0), out.stride(1), 0, 0,
         C=c, LOGC=c.bit_length() - 1, KP=kp, LOGK=kp.bit_length() - 1, BV=_BV, PAGED=False,
         num_warps=_warps(c, kp), **EXACT,
     )  # fmt: skip
     return out, (s_end if last else None), u, gc
 
 
-def run_paged(q, k, v, g, beta, pages, seqs, s_end):
+def run_paged(q, k, v, g, beta, pages, seqs, scale):
     """The chunk pass of every sequence of ``seqs`` (``cpu.gdn.PagedSeqs``: each one's rows
-    inside one chunk) in one launch, from and into its state page (``cpu.gdn.GdnPages``),
-    without the device check. q (scaled), k [T, Hk, K], v [T, Hv, V] (widened), g, beta
-    [T, Hv], all fp32; the solved u and G of the new rows land in their pages, the state of a
-    sequence that completes its chunk in ``s_end[seqs.done[r]]``. Returns out fp32 [T, Hv, V].
-    """
+    inside one chunk) in one launch, from and into its state page (``cpu.gdn.GdnPages``,
+    advanced in place), without the device check. q, k [T, Hk, K] fp32 (gdn.l2norm's), v
+    [T, Hv, V] bf16, g, beta [T, Hv] fp32, ``scale`` a 0-dim fp32 tensor (q's factor).
+    Returns out bf16 [T, Hv, V]."""
     t, h_k, d_k = k.shape
     h_v, d_v = v.shape[1:]
     c = seqs.chunk
-    r = len(seqs.positions)
-    out = torch.empty(t, h_v, d_v, dtype=F32, device=v.device)
-    kp = next_pow2(d_k)
-    for name in ("s", "k", "u", "gcum"):  # the kernel indexes a page's rows as packed
+    for name in ("s", "k", "v", "g", "beta", "u", "gcum"):  # a page's rows indexed as packed
         one = getattr(pages, name)[0]
         require(one.is_contiguous(), f"gdn paged: page tensor {name!r} is not packed in its page")
-    _chunk_kernel[(h_v, triton.cdiv(d_v, _BV), r)](
+    require(pages.g.stride(0) == pages.beta.stride(0), "gdn paged: g and beta pages differ")
+    q, k, g, beta = (x.contiguous() for x in (q, k, g, beta))
+    v = v.contiguous().view(torch.int16)
+    out = torch.empty(t, h_v, d_v, dtype=torch.int16, device=v.device)
+    kp = next_pow2(d_k)
+    _chunk_kernel[(h_v, triton.cdiv(d_v, _BV), len(seqs.positions))](
         pages.s, pages.k, k, v, g, beta, q, pages.u, pages.gcum,
-        pages.u, pages.gcum, out, s_end, seqs.table, seqs.done,
+        pages.u, pages.gcum, out, pages.s, seqs.table, scale, pages.v.view(torch.int16),
+        pages.g, pages.beta,
         0, 0, 0, d_k, d_v, h_v // h_k,
-        pages.s.stride(0), s_end.stride(0), pages.k.stride(0), pages.k.stride(1),
+        pages.s.stride(0), pages.s.stride(0), pages.k.stride(0), pages.k.stride(1),
         pages.k.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
         q.stride(0), q.stride(1),
         pages.u.stride(0), pages.u.stride(1), pages.u.stride(2), pages.gcum.stride(0),
         pages.gcum.stride(1),
         pages.u.stride(0), pages.u.stride(1), pages.u.stride(2), pages.gcum.stride(0),
-        pages.gcum.stride(1), out.stride(0), out.stride(1),
+        pages.gcum.stride(1), out.stride(0), out.stride(1), pages.v.stride(0), pages.g.stride(0),
         C=c, LOGC=c.bit_length() - 1, KP=kp, LOGK=kp.bit_length() - 1, BV=_BV, PAGED=True,
         num_warps=_warps(c, kp), **EXACT,
     )  # fmt: skip
-    return out
+    return out.view(torch.bfloat16)
 
 
 __all__ = ["chunk", "run", "run_paged"]

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ..cpu import gdn as _gdn
 from ..cpu import hybrid as _hybrid
-from ..cpu.arith import BF16, F32, as_f32, require, round_bf16
+from ..cpu.arith import BF16, F32, as_f32, require
 from ..cpu.gdn import GdnState, state_tensors
 from ..cpu.rope import rotate_first
 from . import exactmath as em
@@ -112,14 +112,15 @@ def _conv1d_kernel(
 
 
 @triton.jit
-def _window_or_rows(win, x_ptr, start, at, D, ds, mask, KERNEL):
+def _window_or_rows(win, x_ptr, start, at, D, ds, mask, live, KERNEL):
     """Row ``at`` of a sequence's (window, rows): one of its window's W-1 rows (``win``: the
-    page's window at columns ``ds``) or, past them, its row ``at - (W-1)`` of the step's
-    ``x_ptr`` from ``start``; the bits, masked to 0."""
+    page's window at columns ``ds``; zeros where ``live`` is false, a sequence at position 0)
+    or, past them, its row ``at - (W-1)`` of the step's ``x_ptr`` from ``start``; the bits,
+    masked to 0."""
     old = at < KERNEL - 1
     return tl.where(
         old,
-        tl.load(win + at * D, mask=mask & old, other=0),
+        tl.load(win + at * D, mask=mask & old & live, other=0),
         tl.load(x_ptr + (start + at - (KERNEL - 1)) * D + ds[:, None],
                 mask=mask & (at >= KERNEL - 1), other=0),
     )  # fmt: skip
@@ -127,16 +128,18 @@ def _window_or_rows(win, x_ptr, start, at, D, ds, mask, KERNEL):
 
 @triton.jit
 def _conv1d_paged_kernel(
-    x_ptr, win_ptr, w_ptr, o_ptr, nw_ptr, seq_ptr, D, KERNEL, s_win,
+    x_ptr, win_ptr, w_ptr, o_ptr, seq_ptr, D, KERNEL, s_win,
     BD: tl.constexpr, WP: tl.constexpr, LOG: tl.constexpr,
 ):  # fmt: skip
     """``_conv1d_kernel`` for the rows of sequence ``program_id(0)`` of a step (its row start,
-    rows and page from ``seq_ptr``): the taps before its first row from its page's window
-    (``win_ptr``, page stride ``s_win``), its advanced window to row ``program_id(0)`` of
-    ``nw_ptr`` (written apart: the pages are updated after every program has read them)."""
+    rows, position and page from ``seq_ptr``): the taps before its first row from its page's
+    window (``win_ptr``, page stride ``s_win``; zeros at position 0), then its advanced window
+    written over the page's (each program owns its page's columns ``ds``; a barrier between
+    the last read and the first write)."""
     seq = tl.program_id(0)
     start = tl.load(seq_ptr + seq * 4).to(tl.int64)
     n = tl.load(seq_ptr + seq * 4 + 1)
+    live = tl.load(seq_ptr + seq * 4 + 2) > 0
     slot = tl.load(seq_ptr + seq * 4 + 3).to(tl.int64)
     ds = tl.program_id(1) * BD + tl.arange(0, BD)
     ws = tl.arange(0, WP)
@@ -146,13 +149,14 @@ def _conv1d_paged_kernel(
     wt = em.widen(tl.load(w_ptr + ds[:, None] * KERNEL + ws[None, :], mask=din & tap, other=0))
     for t in range(0, n):
         at = t + ws[None, :]  # the tap's row in (window, rows)
-        taps = _window_or_rows(win, x_ptr, start, at, D, ds, din & tap, KERNEL)
+        taps = _window_or_rows(win, x_ptr, start, at, D, ds, din & tap, live, KERNEL)
         acc = em.tree_cols(em.widen(taps) * wt, BD, WP, LOG)
         tl.store(o_ptr + (start + t) * D + ds, em.round_bf16(em.silu(acc)), mask=ds < D)
     # the last W-1 inputs of (window, rows): the next call's window
     keep = ws[None, :] < KERNEL - 1
-    new = _window_or_rows(win, x_ptr, start, n + ws[None, :], D, ds, din & keep, KERNEL)
-    tl.store(nw_ptr + (seq * (KERNEL - 1) + ws[None, :]) * D + ds[:, None], new, mask=din & keep)
+    new = _window_or_rows(win, x_ptr, start, n + ws[None, :], D, ds, din & keep, live, KERNEL)
+    tl.debug_barrier()
+    tl.store(win + ws[None, :] * D, new, mask=din & keep)
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -279,9 +283,7 @@ def gdn_paged(q, k, v, g, beta, pages, seqs, *, chunk: int, scale=None):
 
 
 def paged(q, k, v, g, beta, pages, seqs, *, chunk: int, scale=None):
-    """``gdn_paged``'s launch (no device check). Before it the pages of sequences at position
-    0 are set to the zero state; after it each completed chunk's state and the new rows
-    (k, v, g, beta) are copied into the pages."""
+    """``gdn_paged``'s launch (no device check): one kernel, the pages advanced in place."""
     require(chunk == seqs.chunk, f"gdn paged: chunk {chunk}, the step's table {seqs.chunk}")
     t, h_k, d_k = k.shape
     require(
@@ -300,22 +302,7 @@ def paged(q, k, v, g, beta, pages, seqs, *, chunk: int, scale=None):
     )
     if scale is None:
         scale = _gdn.default_scale(d_k, v.device)
-    if seqs.fresh.numel():
-        pages.s.index_fill_(0, seqs.fresh, 0.0)
-    done = seqs.done_slots.numel()
-    s_end = torch.empty(max(done, 1), h_v, d_k, d_v, dtype=F32, device=v.device)
-    out = chunk_paged(
-        (q * scale).contiguous(), k.contiguous(), as_f32(v).contiguous(), g.contiguous(),
-        beta.contiguous(), pages, seqs, s_end,
-    )  # fmt: skip
-    if done:
-        pages.s.index_copy_(0, seqs.done_slots, s_end[:done])
-    at = (seqs.row_slot, seqs.row_at)
-    pages.k.index_put_(at, k)
-    pages.v.index_put_(at, v)
-    pages.g.index_put_(at, g)
-    pages.beta.index_put_(at, beta)
-    return round_bf16(out)
+    return chunk_paged(q, k, v, g, beta, pages, seqs, scale)
 
 
 def conv1d_paged(x, weight, pages, seqs, *, kernel: int = 4):
@@ -326,25 +313,20 @@ def conv1d_paged(x, weight, pages, seqs, *, kernel: int = 4):
 
 
 def conv1d_pages(x, weight, pages, seqs, *, kernel: int = 4):
-    """``conv1d_paged``'s launch (no device check); the windows of sequences at position 0
-    are zeroed first, the advanced windows copied into the pages after."""
+    """``conv1d_paged``'s launch (no device check): one kernel, the windows advanced in
+    place (a sequence at position 0 reads zeros, not its page)."""
     win = pages.conv
     d = x.shape[1] if x.dim() == 2 else -1
     _gdn.check_conv1d(x, weight, win[0] if win.shape[0] else win, kernel)
     require(x.shape[0] == seqs.rows, f"conv1d paged: {x.shape[0]} rows, the table {seqs.rows}")
     require(win[0].is_contiguous(), "conv1d paged: the window is not packed in its page")
-    if seqs.fresh.numel():
-        win.index_fill_(0, seqs.fresh, 0)
-    r = len(seqs.positions)
     out = torch.empty(x.shape, dtype=torch.int16, device=x.device)
-    new = torch.empty(r, kernel - 1, d, dtype=torch.int16, device=x.device)
     width = next_pow2(kernel)
     block = 128
-    _conv1d_paged_kernel[(r, triton.cdiv(d, block))](
-        bits16(x.contiguous()), win.view(torch.int16), bits16(weight), out, new, seqs.table, d,
+    _conv1d_paged_kernel[(len(seqs.positions), triton.cdiv(d, block))](
+        bits16(x.contiguous()), win.view(torch.int16), bits16(weight), out, seqs.table, d,
         kernel, win.stride(0), BD=block, WP=width, LOG=width.bit_length() - 1, **EXACT,
     )  # fmt: skip
-    win.index_copy_(0, seqs.slot_ids, new.view(BF16))
     return out.view(BF16)
 
 
