@@ -8,11 +8,53 @@ they pass or fail.
   version: the GPU machine must have what the test needs), unless its reason starts with
   ``needs `` (hardware this machine lacks: more GPUs, another capability) or
   ``not applicable: `` (a parametrized case the test does not cover).
+- A test that starts a vLLM engine in the test process (vLLM's ``LLM``) carries the ``engine``
+  marker (or ``gpu``, or ``slow``, which tiers select on their own), else it fails, naming the
+  marker: the marker is what tells the engine tests apart.
 """
+
+import importlib.abc
+import importlib.util
+import sys
 
 import pytest
 
 ALLOWED_GPU_SKIPS = ("needs ", "not applicable: ")
+ENGINE_MARKS = ("engine", "gpu", "slow")  # a test that starts an engine carries one
+_STARTED: list[str] = []  # the engines started in the test phase running now
+
+
+class _EngineWatch(importlib.abc.MetaPathFinder):
+    """Counts vLLM's ``LLM`` constructions: wraps it as ``vllm.entrypoints.llm`` is first
+    imported (so importing this conftest imports no vLLM)."""
+
+    target = "vllm.entrypoints.llm"
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.target:
+            return None
+        sys.meta_path.remove(self)  # the real spec, found once
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            init = module.LLM.__init__
+
+            def counted(self, *args, **kwargs):
+                _STARTED.append("vLLM's LLM")
+                return init(self, *args, **kwargs)
+
+            module.LLM.__init__ = counted
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if not any(isinstance(f, _EngineWatch) for f in sys.meta_path):
+    sys.meta_path.insert(0, _EngineWatch())
 _HAS_GPU = pytest.StashKey[bool]()  # whether this run sees a usable CUDA device
 
 
@@ -69,6 +111,14 @@ def skip_reason(report) -> str:
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
+    started, _STARTED[:] = list(_STARTED), []
+    if started and report.passed and not any(m in item.keywords for m in ENGINE_MARKS):
+        report.outcome = "failed"
+        report.longrepr = (
+            f"this test started an engine ({started[0]}) in its {report.when} but is not "
+            "marked: mark it @pytest.mark.engine (the marker tells the engine tests apart)"
+        )
+        return
     if not (report.skipped and item.config.stash[_HAS_GPU] and "gpu" in item.keywords):
         return
     if hasattr(report, "wasxfail"):

@@ -4,6 +4,7 @@ hardware ("needs ...") or a case the test does not cover ("not applicable: ...")
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -77,3 +78,56 @@ def test_on_a_gpu_machine_a_skip_fails_unless_it_names_hardware_or_an_uncovered_
     assert "a GPU test skipped on a machine with a CUDA device (vLLM does not import here)" in (
         run.stdout
     )
+
+
+ENGINE_TESTS = """
+import pytest
+
+
+def test_unmarked_starts_an_engine():
+    from vllm import LLM
+
+    LLM()
+
+
+@pytest.mark.engine
+def test_marked_starts_an_engine():
+    from vllm import LLM
+
+    LLM()
+
+
+def test_unmarked_starts_none():
+    pass
+"""
+
+
+def test_a_test_that_starts_a_vllm_engine_without_the_engine_marker_fails(tmp_path):
+    """The repository conftest counts vLLM's ``LLM`` constructions (a stand-in vLLM package
+    here, first on the path): an unmarked test that builds one fails naming the marker; a
+    marked one and an unmarked one that builds none pass."""
+    fake = tmp_path / "vllm"
+    (fake / "entrypoints").mkdir(parents=True)
+    (fake / "__init__.py").write_text("from .entrypoints.llm import LLM\n")
+    (fake / "entrypoints" / "__init__.py").write_text("")
+    (fake / "entrypoints" / "llm.py").write_text(
+        "class LLM:\n    def __init__(self):\n        pass\n"
+    )
+    (tmp_path / "conftest.py").write_text(CONFTEST.read_text())
+    (tmp_path / "pytest.ini").write_text(
+        "[pytest]\nmarkers =\n    gpu: a GPU test\n    engine: an engine\n    slow: slow\n"
+    )
+    (tmp_path / "test_engine_sample.py").write_text(ENGINE_TESTS)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "test_engine_sample.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    out = run.stdout
+    assert "FAILED test_engine_sample.py::test_unmarked_starts_an_engine" in out, out[-3000:]
+    assert "mark it @pytest.mark.engine" in out
+    assert "PASSED test_engine_sample.py::test_marked_starts_an_engine" in out
+    assert "PASSED test_engine_sample.py::test_unmarked_starts_none" in out

@@ -19,6 +19,8 @@ from lockstep_exact.requests import CaptureRequest
 from lockstep_exact.testing import nudge_ulp
 from lockstep_exact.trace import Trace
 
+pytestmark = pytest.mark.engine  # starts real vLLM engines
+
 
 def _hook():
     import lockstep_serving.vllm.hooks

@@ -12,6 +12,8 @@ from lockstep_exact.requests import DumpRequest
 from lockstep_exact.sites import recording
 from lockstep_exact.testing import assert_same_bytes
 
+pytestmark = pytest.mark.engine  # starts real vLLM engines
+
 TOKENS = (5, 300, 17, 42, 999, 64, 128, 7, 260, 3, 511, 90, 33, 700, 21, 8, 44, 101, 6, 250)
 
 

@@ -17,6 +17,8 @@ from lockstep_exact.lanes import qwen3
 from lockstep_exact.parity import same_bytes
 from lockstep_exact.testing import perturb_adapter
 
+pytestmark = pytest.mark.engine  # starts real vLLM engines
+
 BASE_PROMPT, LORA_PROMPT = "The river runs past the old mill", "Question: Why is the sky blue?"
 
 

@@ -15,6 +15,8 @@ from serving_support import start_engine, stop_engine
 from lockstep_serving.vllm.offline import engine_args
 from lockstep_serving.vllm.patches import LaneRefused
 
+pytestmark = pytest.mark.engine  # starts real vLLM engines
+
 
 def _copy(model_dir, tmp_path, name, **config_changes):
     out = tmp_path / name

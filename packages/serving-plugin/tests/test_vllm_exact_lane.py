@@ -26,6 +26,8 @@ from lockstep_exact.lanes import qwen3
 from lockstep_exact.model import lane_contract
 from lockstep_exact.parity import same_bytes
 
+pytestmark = pytest.mark.engine  # starts real vLLM engines
+
 DECISIONS = 6
 PROMPTS = default_prompts(8)
 TARGET = 6  # the 51-token prompt: longer than one 32-token KV block, so prefixes can hit
