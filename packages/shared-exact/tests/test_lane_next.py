@@ -25,7 +25,7 @@ from lockstep_exact.lanes.ops import check_invoked
 from lockstep_exact.model import ModelDir, geometry_contract
 from lockstep_exact.parity import same_bytes
 from lockstep_exact.sites import recording
-from lockstep_exact.testing import assert_same_bytes, nudge_ulp
+from lockstep_exact.testing import assert_same_bytes, nudge_ulp, random_pages
 
 pytestmark = pytest.mark.slow
 
@@ -319,15 +319,8 @@ def test_steps_over_state_pages_give_the_bytes_of_each_sequences_own_cache(nxt):
         for i, kind in enumerate(g.layer_types):
             if kind != N.LINEAR:
                 continue
-            books[i] = book = P.GdnPages(
-                s=torch.randn(6, hv, dk, dv, generator=gen),
-                k=torch.randn(6, g.chunk, hk, dk, generator=gen),
-                v=torch.randn(6, g.chunk, hv, dv, generator=gen).bfloat16(),
-                g=torch.randn(6, g.chunk, hv, generator=gen),
-                beta=torch.randn(6, g.chunk, hv, generator=gen),
-                u=torch.randn(6, g.chunk, hv, dv, generator=gen),
-                gcum=torch.randn(6, g.chunk, hv, generator=gen),
-                conv=torch.randn(6, g.conv_kernel - 1, g.conv_dim, generator=gen).bfloat16(),
+            books[i] = book = random_pages(
+                6, (hk, hv), (dk, dv), g.chunk, g.conv_dim, g.conv_kernel, gen
             )
             for r in range(3):
                 book.keep(slots[r], paged[r].gdn[i])

@@ -218,6 +218,23 @@ def reference_logprobs(
         return [torch.load(f"{out}.{r}") for r in range(layout.world)]
 
 
+def random_pages(n: int, heads, dims, chunk: int, conv_dim: int, kernel: int, gen):
+    """``n`` state pages (``P.GdnPages``) of random bytes for (Hk, Hv) ``heads`` and (K, V)
+    ``dims``: what a serving engine's pages hold before a request writes them."""
+    hk, hv = heads
+    dk, dv = dims
+    return P.GdnPages(
+        s=torch.randn(n, hv, dk, dv, generator=gen),
+        k=torch.randn(n, chunk, hk, dk, generator=gen),
+        v=torch.randn(n, chunk, hv, dv, generator=gen).bfloat16(),
+        g=torch.randn(n, chunk, hv, generator=gen),
+        beta=torch.randn(n, chunk, hv, generator=gen),
+        u=torch.randn(n, chunk, hv, dv, generator=gen),
+        gcum=torch.randn(n, chunk, hv, generator=gen),
+        conv=torch.randn(n, kernel - 1, conv_dim, generator=gen).bfloat16(),
+    )
+
+
 def gdn_paged_case(
     heads: tuple[int, int],
     dims: tuple[int, int],
@@ -251,16 +268,7 @@ def gdn_paged_case(
         return q, k, v, g, beta
 
     d = 2 * hk * dk + hv * dv
-    book = P.GdnPages(
-        s=torch.randn(pages, hv, dk, dv, generator=gen),
-        k=torch.randn(pages, chunk, hk, dk, generator=gen),
-        v=torch.randn(pages, chunk, hv, dv, generator=gen).bfloat16(),
-        g=torch.randn(pages, chunk, hv, generator=gen),
-        beta=torch.randn(pages, chunk, hv, generator=gen),
-        u=torch.randn(pages, chunk, hv, dv, generator=gen),
-        gcum=torch.randn(pages, chunk, hv, generator=gen),
-        conv=torch.randn(pages, kernel - 1, d, generator=gen).bfloat16(),
-    )
+    book = random_pages(pages, heads, dims, chunk, d, kernel, gen)
     for position, _, page in seqs:
         if position:
             state = P.gdn_state(hk, hv, dk, dv, chunk=chunk)
