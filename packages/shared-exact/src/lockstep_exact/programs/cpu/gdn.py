@@ -456,6 +456,37 @@ def paged_seqs(starts, positions, slots, *, chunk: int, device=None, upload=None
     )
 
 
+def check_paged(q, k, v, g, beta, pages: GdnPages, seqs: PagedSeqs, chunk: int) -> None:
+    """gdn.chunked's paged form's input checks (both backends): the step's table and rows,
+    the dtypes and shapes of the tokens, and pages that hold this layer's state."""
+    require(chunk == seqs.chunk, f"gdn paged: chunk {chunk}, the step's table {seqs.chunk}")
+    require(q.shape[0] == seqs.rows, f"gdn paged: {q.shape[0]} rows, the table {seqs.rows}")
+    require(
+        q.dtype == F32 and k.dtype == F32 and q.dim() == 3 and q.shape == k.shape,
+        f"gdn paged: q and k fp32 [T, Hk, K] of the step's {seqs.rows} rows",
+    )
+    t, h_k, d_k = k.shape
+    require(v.dtype == BF16 and v.dim() == 3 and v.shape[0] == t, "gdn paged: v bf16 [T, Hv, V]")
+    h_v, d_v = v.shape[1:]
+    require(
+        g.dtype == F32 and beta.dtype == F32 and g.shape == (t, h_v) and beta.shape == g.shape,
+        "gdn paged: g and beta fp32 [T, Hv]",
+    )
+    require(
+        pages.s.shape[1:] == (h_v, d_k, d_v) and pages.k.shape[1:] == (chunk, h_k, d_k),
+        "gdn paged: the pages do not hold this layer's state",
+    )
+
+
+def check_conv1d_paged(x, weight, pages: GdnPages, seqs: PagedSeqs, kernel: int) -> None:
+    """conv1d.causal's paged form's input checks (both backends): conv1d.causal's, with a
+    page's window as the window, and the step's rows."""
+    win = pages.conv
+    require(win.dim() == 3 and win.shape[0] > 0, "conv1d paged: the windows must be [P, W-1, D]")
+    check_conv1d(x, weight, win[0], kernel)
+    require(x.shape[0] == seqs.rows, f"conv1d paged: {x.shape[0]} rows, the table {seqs.rows}")
+
+
 def _host_slots(seqs: PagedSeqs) -> tuple[int, ...]:
     """The pages as host integers: the definition indexes them a sequence at a time (on a
     CUDA device's table, one read)."""
@@ -467,8 +498,7 @@ def gdn_paged(q, k, v, g, beta, pages: GdnPages, seqs: PagedSeqs, *, chunk: int,
     sequence r (``seqs``) are ``gdn_chunked``'s call on its page's state, out [T, Hv, V] bf16
     their outputs, and each page holds the advanced state after. The definition: a call per
     sequence (the cuda backend: one launch, the same bytes)."""
-    require(chunk == seqs.chunk, f"gdn paged: chunk {chunk}, the step's table {seqs.chunk}")
-    require(q.shape[0] == seqs.rows, f"gdn paged: {q.shape[0]} rows, the table {seqs.rows}")
+    check_paged(q, k, v, g, beta, pages, seqs, chunk)
     out = torch.empty(v.shape, dtype=BF16, device=v.device)
     for r, (p, slot) in enumerate(zip(seqs.positions, _host_slots(seqs), strict=True)):
         rows = slice(seqs.starts[r], seqs.starts[r + 1])
@@ -491,7 +521,7 @@ def conv1d_paged(x, weight, pages: GdnPages, seqs: PagedSeqs, *, kernel: int = 4
     sequence r are ``conv1d_causal``'s call on its window (zeros at position 0), out [T, D]
     bf16, and each page holds the advanced window after. The definition: a call per sequence
     (the cuda backend: one launch, the same bytes)."""
-    require(x.shape[0] == seqs.rows, f"conv1d paged: {x.shape[0]} rows, the table {seqs.rows}")
+    check_conv1d_paged(x, weight, pages, seqs, kernel)
     out = torch.empty(x.shape, dtype=BF16, device=x.device)
     for r, (p, slot) in enumerate(zip(seqs.positions, _host_slots(seqs), strict=True)):
         rows = slice(seqs.starts[r], seqs.starts[r + 1])

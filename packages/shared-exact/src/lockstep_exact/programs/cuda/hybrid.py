@@ -284,24 +284,9 @@ def gdn_paged(q, k, v, g, beta, pages, seqs, *, chunk: int, scale=None):
 
 def paged(q, k, v, g, beta, pages, seqs, *, chunk: int, scale=None):
     """``gdn_paged``'s launch (no device check): one kernel, the pages advanced in place."""
-    require(chunk == seqs.chunk, f"gdn paged: chunk {chunk}, the step's table {seqs.chunk}")
-    t, h_k, d_k = k.shape
-    require(
-        q.dtype == F32 and k.dtype == F32 and q.shape == k.shape and t == seqs.rows,
-        f"gdn paged: q and k fp32 [T, Hk, K] of the step's {seqs.rows} rows",
-    )
-    require(v.dtype == BF16 and v.dim() == 3 and v.shape[0] == t, "gdn paged: v bf16 [T, Hv, V]")
-    h_v, d_v = v.shape[1:]
-    require(
-        g.dtype == F32 and beta.dtype == F32 and g.shape == (t, h_v) and beta.shape == g.shape,
-        "gdn paged: g and beta fp32 [T, Hv]",
-    )
-    require(
-        pages.s.shape[1:] == (h_v, d_k, d_v) and pages.k.shape[1:] == (chunk, h_k, d_k),
-        "gdn paged: the pages do not hold this layer's state",
-    )
+    _gdn.check_paged(q, k, v, g, beta, pages, seqs, chunk)
     if scale is None:
-        scale = _gdn.default_scale(d_k, v.device)
+        scale = _gdn.default_scale(k.shape[2], v.device)
     return chunk_paged(q, k, v, g, beta, pages, seqs, scale)
 
 
@@ -315,10 +300,8 @@ def conv1d_paged(x, weight, pages, seqs, *, kernel: int = 4):
 def conv1d_pages(x, weight, pages, seqs, *, kernel: int = 4):
     """``conv1d_paged``'s launch (no device check): one kernel, the windows advanced in
     place (a sequence at position 0 reads zeros, not its page)."""
-    win = pages.conv
-    d = x.shape[1] if x.dim() == 2 else -1
-    _gdn.check_conv1d(x, weight, win[0] if win.shape[0] else win, kernel)
-    require(x.shape[0] == seqs.rows, f"conv1d paged: {x.shape[0]} rows, the table {seqs.rows}")
+    _gdn.check_conv1d_paged(x, weight, pages, seqs, kernel)
+    win, d = pages.conv, x.shape[1]
     require(win[0].is_contiguous(), "conv1d paged: the window is not packed in its page")
     out = torch.empty(x.shape, dtype=torch.int16, device=x.device)
     width = next_pow2(kernel)
