@@ -38,15 +38,9 @@ def test_the_whole_ladder_qualifies_on_cuda(arch, tmp_path, capfd):
     _ladder_on_cuda(arch, tmp_path, capfd)
 
 
-def test_the_hybrid_ladder_qualifies_on_cuda_with_the_training_refusal_lifted(
-    tmp_path, capfd, monkeypatch
-):
-    """``lockstep qualify --tiny qwen3-next --backend cuda``: the trainer session refuses the
-    hybrid lane off cpu until this passes on a GPU; the test lifts that one refusal (vLLM
-    serves the hybrid lane on cuda eagerly, Megatron replays it there: test_next_gpu.py)."""
-    import lockstep_megatron.session as session
-
-    monkeypatch.setattr(session, "refuse_training", lambda model_dir, backend: None)
+def test_the_hybrid_ladder_qualifies_on_cuda(tmp_path, capfd):
+    """``lockstep qualify --tiny qwen3-next --backend cuda``: vLLM 0.26 serves the hybrid lane
+    on cuda, Megatron replays and trains it there, every gate exact."""
     _ladder_on_cuda("qwen3-next", tmp_path, capfd)
 
 
@@ -90,8 +84,10 @@ def _ladder_on_cuda(arch, tmp_path, capfd):
     training = report["gates"][2]["checks"]
     assert all(c["passed"] for c in training), training
 
-    # control: the promotion trace against a trainer with one final-norm element one ulp off
+    # control: the promotion trace against a trainer with one weight moved by ulps (dense: the
+    # final norm; hybrid: a Gated DeltaNet input projection, its norms scale by 1 + w)
     from lockstep_exact.k3 import compare
+    from lockstep_exact.lanes import qwen3_next as N
     from lockstep_exact.testing import nudge_ulp
     from lockstep_exact.trace import Trace
     from lockstep_megatron import export
@@ -104,7 +100,11 @@ def _ladder_on_cuda(arch, tmp_path, capfd):
     export.load_into(model, promotion["adapter"], model_dir, "cuda")
     model = model.cuda()
     assert compare(torch.as_tensor(trace.logprobs), score(model, trace)).exact
-    w = model.gpt.decoder.final_layernorm.weight
+    if arch == "qwen3-next":
+        i = model.geom.layer_types.index(N.LINEAR)
+        w = model.gpt.decoder.layers[i].self_attention.in_proj.weight
+    else:
+        w = model.gpt.decoder.final_layernorm.weight
     with torch.no_grad():
         w.copy_(nudge_ulp(w, 3))
     assert not compare(torch.as_tensor(trace.logprobs), score(model, trace, control=True)).exact

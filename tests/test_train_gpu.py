@@ -6,8 +6,7 @@ What is asserted, each on raw bytes: GRPO, SFT and OPD replay every step's decis
 byte-equal in the trainer (K3 = 0); a run stopped after step 2 and resumed gives the
 uninterrupted run's adapters, AdamW state and log-probabilities byte for byte; a LoRA factor
 moved by 2^-9 in the trainer stops the run before any update (the stop's control). The hybrid
-lane (Qwen3-Next) on cuda: GRPO exact at every step and the same control, with the trainer
-session's hybrid refusal off cpu lifted inside the test.
+lane (Qwen3-Next) on cuda: GRPO exact at every step and the same control.
 """
 
 from __future__ import annotations
@@ -114,20 +113,15 @@ def test_a_moved_adapter_factor_stops_the_run_on_cuda(tiny, tmp_path):
     assert not (tmp_path / "adapters" / "step-0002").exists()
 
 
-def test_grpo_on_the_hybrid_lane_on_cuda_is_exact_at_every_step_with_the_refusal_lifted(
-    tmp_path_factory, tmp_path, monkeypatch
-):
-    """``lockstep train --backend cuda`` on a tiny Qwen3-Next: the trainer session refuses the
-    hybrid lane off cpu until this passes on a GPU; the test lifts that one refusal. GRPO exact
-    at every step; the control: a LoRA factor moved in the trainer stops the run at step 2."""
+def test_grpo_on_the_hybrid_lane_on_cuda_is_exact_at_every_step(tmp_path_factory, tmp_path):
+    """``lockstep train --backend cuda`` on a tiny Qwen3-Next: GRPO exact at every step; the
+    control: a LoRA factor moved in the trainer stops the run at step 2."""
     from train_support import AdapterMoved
 
-    import lockstep_megatron.session as session
     from lockstep_exact.app.tiny import make_tiny
     from lockstep_exact.app.train_loop import TrainStopped
     from lockstep_exact.plugins import manager
 
-    monkeypatch.setattr(session, "refuse_training", lambda model_dir, backend: None)
     model = make_tiny(tmp_path_factory.mktemp("tiny") / "next", arch="qwen3-next", seed=0)
     _exact_every_step(_run(model, tmp_path / "run", steps=2, **SMALL))
     pm = manager()

@@ -302,10 +302,11 @@ def default_dir(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("next-refusals") / "m", arch="qwen3-next")
 
 
-def test_the_trainer_session_opens_on_cpu_and_training_off_cpu_is_refused_by_name(default_dir):
+def test_the_trainer_session_opens_on_cpu_and_another_backend_is_refused_by_name(default_dir):
     """The trainer session (``lockstep train``, the ladder's gate) takes the hybrid lane on
-    cpu: a policy with adapters on the GatedDeltaNet, a frozen model; cuda is refused, naming
-    what works."""
+    cpu: a policy with adapters on the GatedDeltaNet, a frozen model; cuda passes the
+    refusal (tests/test_train_gpu.py trains there), another backend is refused, naming what
+    works."""
     from lockstep_megatron import adapters as AD
     from lockstep_megatron.session import open_session
 
@@ -314,10 +315,11 @@ def test_the_trainer_session_opens_on_cpu_and_training_off_cpu_is_refused_by_nam
     assert any("linear_attn.in_proj_qkvz" in s.hf_module for s in AD.sites(policy.model))
     frozen = open_session(TrainerSessionRequest(model_dir=default_dir, role="frozen"))
     assert frozen.backbone_hash() == policy.backbone_hash()
-    want = "training: the hybrid lane .* cpu only .* 'cuda': run it with --backend cpu"
+    want = "training: the hybrid lane .* cpu or cuda .* 'mps': run it with --backend cpu or"
     with pytest.raises(gdn.HybridRefused, match=want):
-        gdn.refuse_training(default_dir, "cuda")
+        gdn.refuse_training(default_dir, "mps")
     gdn.refuse_training(default_dir, "cpu")
+    gdn.refuse_training(default_dir, "cuda")
 
 
 def test_replay_refuses_another_layout_and_another_backend(default_dir, tmp_path, monkeypatch):
@@ -347,3 +349,28 @@ def test_the_trainer_contract_hook_answers_for_the_hybrid_lane(default_dir, tmp_
     # adapters are the trainer's (test_hybrid_lora.py); a directory without one is named
     with pytest.raises(Exception, match="not a PEFT adapter directory"):
         plugin.lockstep_trainer_contract(default_dir, tmp_path / "adapter", "cpu")
+
+
+def test_an_adapter_of_the_hybrid_lane_exports_and_loads_by_its_model_path(default_dir, tmp_path):
+    """``export.export_peft`` / ``load_into`` take a Qwen3-Next model directory by path (the
+    Megatron plugin runs the hybrid lane): the loaded adapter gives the exporting model's
+    log-probabilities byte for byte; an adapter of another model is refused by name."""
+    from lockstep_exact.adapters import AdapterError
+    from lockstep_megatron import adapters as AD
+    from lockstep_megatron import export
+
+    model = AD.attach(build(default_dir), 4, 8.0, seed=2)
+    for s in AD.sites(model):  # B away from 0: the adapter moves the bytes
+        with torch.no_grad():
+            s.linear.lora[s.part].B.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([[3, 17, 5, 9, 11]])
+    with torch.no_grad():
+        want = model(ids)
+    out = export.export_peft(model, tmp_path / "a", default_dir)
+    loaded = build(default_dir)
+    export.load_into(loaded, out, default_dir)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), want)
+    other = make_tiny(tmp_path / "other", arch="qwen3-next", seed=1)
+    with pytest.raises(AdapterError, match="model"):
+        export.read_adapter(out, other)

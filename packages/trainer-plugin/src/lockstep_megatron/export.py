@@ -56,7 +56,7 @@ def export_peft(
             "rank holds its own experts' adapters; train and export at ep 1"
         )
     cfg = model.lora_config
-    base = ModelDir.of(model_dir)
+    base = _base(model_dir)
     return write_adapter(
         out_dir,
         peft_tensors(model),
@@ -70,12 +70,17 @@ def export_peft(
     )
 
 
+def _base(model_dir: str | Path | ModelDir) -> ModelDir:
+    """The base model directory; the Megatron plugin runs the hybrid lane too (Qwen3-Next)."""
+    return model_dir if isinstance(model_dir, ModelDir) else ModelDir(model_dir, hybrid=True)
+
+
 def read_adapter(
     adapter_dir: str | Path, model_dir: str | Path | ModelDir, backend: str = "cpu"
 ) -> Adapter:
     """The validated adapter for this lane on ``backend``, or ``AdapterError`` naming the
     problem (one bound to another backend's lane among them)."""
-    base = ModelDir.of(model_dir)
+    base = _base(model_dir)
     return load_adapter(adapter_dir, base, contract=base.contract(backend).fingerprint)
 
 

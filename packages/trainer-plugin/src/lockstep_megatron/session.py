@@ -64,10 +64,10 @@ def check_backend(backend: str) -> torch.device:
 
 
 def _open_model(request) -> tuple[torch.device, ModelDir]:
-    """What every session checks before it builds: the backend (then a hybrid model off cpu,
-    ``refuse_training``), the model directory (Qwen3, Qwen3-MoE, Qwen3-Next)."""
+    """What every session checks before it builds: the backend (then a hybrid model on
+    another, ``refuse_training``), the model directory (Qwen3, Qwen3-MoE, Qwen3-Next)."""
     device = check_backend(request.backend)
-    refuse_training(request.model_dir, request.backend)  # the hybrid lane runs on cpu only
+    refuse_training(request.model_dir, request.backend)  # the hybrid lane: cpu or cuda
     return device, ModelDir(request.model_dir, hybrid=True)
 
 

@@ -41,13 +41,13 @@ Training: the lane's ops run with ``grad=True`` (``NextOps``: each program's byt
 its ideal op's VJP backward, the GDN state and conv window included), so a loss on the
 log-probabilities differentiates through the whole composition, to the backbone's parameters
 and the adapters alike; the trainer session (``session.PolicySession``: ``lockstep train`` and
-the ladder's training gate) trains a LoRA adapter on cpu.
+the ladder's training gate) trains a LoRA adapter on cpu or on one GPU.
 
 Scope: tp 1, ep 1. The model's forward runs on cpu or, moved to a GPU, whole on cuda: each
 batch column's caches are made on the hidden states' device (``_sequence_rows``) and every
 program dispatches to the cuda backend (tests/test_hybrid_gpu.py). Refused by name: training
-and replay on another backend than cpu (``refuse_training``, ``check_replay``), other layouts
-(``check_replay``).
+and replay on another backend than cpu or cuda (``refuse_training``, ``check_replay``), other
+layouts (``check_replay``).
 """
 
 from .convert import megatron_state

@@ -1,8 +1,8 @@
 """What the Megatron half of the hybrid lane (qwen3-next) refuses, by name, before it reads
 anything else: training (the trainer session: the ladder's training gate and ``lockstep
-train``) on another backend than cpu; replay on another backend than cpu or cuda (cuda: one
-GPU, shown byte-equal to vLLM 0.26's cuda capture by ``tests/test_next_gpu.py``); other
-layouts."""
+train``) and replay on another backend than cpu or cuda (cuda: one GPU; vLLM 0.26's cuda
+capture replayed byte-equal by ``tests/test_next_gpu.py``, GRPO and the qualify ladder exact
+by ``tests/test_train_gpu.py`` and ``tests/test_qualify_gpu.py``); other layouts."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.lanes.config import HYBRID_FAMILIES
 from lockstep_exact.model import geometry_contract
 
+BACKENDS = ("cpu", "cuda")
 BACKEND_REFUSED = (
-    "the hybrid lane (qwen3-next) runs in Megatron on cpu only so far, not {!r}: run it with "
-    "--backend cpu"
+    "the hybrid lane (qwen3-next) runs in Megatron on cpu or cuda (one GPU), not {!r}: run it "
+    "with --backend cpu or --backend cuda"
 )
 
 
@@ -37,12 +38,9 @@ def is_hybrid(model_dir: str | Path) -> bool:
 
 def refuse_training(model_dir: str | Path, backend: str) -> None:
     """What a training job on a hybrid model refuses before reading anything else: a backend
-    other than cpu (``HybridRefused``)."""
-    if is_hybrid(model_dir) and backend != "cpu":
+    other than cpu or cuda (``HybridRefused``)."""
+    if is_hybrid(model_dir) and backend not in BACKENDS:
         raise HybridRefused(f"training: {BACKEND_REFUSED.format(backend)}")
-
-
-REPLAY_BACKENDS = ("cpu", "cuda")
 
 
 def check_replay(model_dir, adapter_dir, backend: str, tp: int, ep: int) -> None:
@@ -51,7 +49,7 @@ def check_replay(model_dir, adapter_dir, backend: str, tp: int, ep: int) -> None
     adapter is checked by replay's admission (``export.read_adapter``)."""
     if not is_hybrid(model_dir):
         return
-    if backend not in REPLAY_BACKENDS:
+    if backend not in BACKENDS:
         raise HybridRefused(
             f"the hybrid lane (qwen3-next) replays in Megatron on cpu or cuda, not {backend!r}"
         )
