@@ -51,3 +51,30 @@ def test_megatrons_own_model_takes_the_lanes_weights(arch, tmp_path):
         qkv[1].copy_(a)
         (moved,) = bench.token_logprobs(stock, [seq], [start], "cpu")
     assert _k3_mean(want, moved) > 10 * near
+
+
+def test_the_stock_steps_lora_trains_only_its_adapters(tmp_path):
+    """``--rank``: the stock model frozen, a LoRA side path on its linear layers; B = 0 leaves
+    the log-probabilities' bytes as they were, a backward reaches only the adapters, and a
+    non-zero B moves the log-probabilities (the control)."""
+    from lockstep_exact.app.tiny import make_tiny
+
+    bench = _bench()
+    model_dir = make_tiny(tmp_path / "m", arch="qwen3")
+    stock, _ = bench.stock_megatron(model_dir, "cpu")
+    gen = torch.Generator().manual_seed(5)
+    seq = torch.randint(3, 1000, (24,), generator=gen).tolist()
+    with torch.no_grad():
+        (before,) = bench.token_logprobs(stock, [seq], [4], "cpu")
+    params = bench.attach_lora(stock, 4, 8.0, "cpu")
+    layers = len(stock.module.decoder.layers)
+    assert len(params) == 2 * 4 * layers  # A and B on qkv, proj, fc1, fc2 of every layer
+    (after,) = bench.token_logprobs(stock, [seq], [4], "cpu")
+    assert torch.equal(before, after.detach())
+    after.mean().backward()
+    assert all(p.grad is None for p in stock.parameters() if not any(p is q for q in params))
+    assert all(p.grad is not None for p in params)
+    with torch.no_grad():
+        params[1].add_(0.01)  # layer 0's first B
+        (moved,) = bench.token_logprobs(stock, [seq], [4], "cpu")
+    assert not torch.equal(before, moved)

@@ -18,10 +18,13 @@ stock local-spec model: the same names and fused layouts), runs each prompt + co
 forward in bf16 and reads the log-probability of every sampled token; then a GRPO-like loss
 (group-normalized rewards, here the completion's mean token id parity, a stand-in: the rewards
 do not enter the timing) backward, a completion at a time with the gradients summed, and one
-AdamW step over every parameter (megatron-core's local spec has no LoRA). Prints the seconds
-of each phase and K3 (max and mean over the sampled tokens, ``lockstep_exact.k3``), and the
-same figures as JSON. Timing and K3 only; the exact
-lane's bytes are checked by the tests.
+AdamW step. What trains: a rank ``--rank`` LoRA side path on every linear layer of the decoder,
+the backbone frozen, as in the exact lane's step (megatron-core's local spec has no LoRA of
+its own: here it is a forward hook adding ``x A^T B^T * alpha / rank``, torch's autograd
+differentiating it; B starts at zero); ``--rank 0`` trains every parameter instead (at the 8B
+shape its AdamW state does not fit 80 GB). Prints the seconds of each phase and K3 (max
+and mean over the sampled tokens, ``lockstep_exact.k3``), and the same figures as JSON.
+Timing and K3 only; the exact lane's bytes are checked by the tests.
 """
 
 from __future__ import annotations
@@ -67,6 +70,41 @@ def stock_megatron(model_dir, device: str):
     return stock.to(device), stock.module.config
 
 
+def attach_lora(model, rank: int, alpha: float, device: str) -> list[torch.nn.Parameter]:
+    """Freeze ``model`` and add a LoRA side path (``x A^T B^T * alpha / rank``: A [rank, in]
+    random, B [out, rank] zero, fp32 masters cast to the input's dtype) to every column- and
+    row-parallel linear layer but the output layer, through forward hooks; returns the
+    adapters' parameters."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    params: list[torch.nn.Parameter] = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        if name.endswith("output_layer"):
+            continue
+        out_f, in_f = mod.weight.shape
+        a = torch.nn.Parameter((torch.randn(rank, in_f, generator=g) / in_f**0.5).to(device))
+        b = torch.nn.Parameter(torch.zeros(out_f, rank, device=device))
+        mod.register_forward_hook(_lora_hook(a, b, alpha / rank))
+        params += [a, b]
+    if not params:
+        raise RuntimeError("the stock model has no linear layer to adapt")
+    return params
+
+
+def _lora_hook(a, b, scale: float):
+    def hook(_mod, inputs, output):
+        out, bias = output
+        x = inputs[0]
+        return out + (x @ a.to(x.dtype).t() @ b.to(x.dtype).t()) * scale, bias
+
+    return hook
+
+
 def token_logprobs(model, seqs: list[list[int]], starts: list[int], device: str):
     """Per sequence, the model's log-probability of each token from ``starts[i]`` on (fp32)."""
     out = []
@@ -96,9 +134,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=8, help="completions per prompt")
     ap.add_argument("--tokens", type=int, default=256, help="sampled tokens per completion")
+    ap.add_argument("--rank", type=int, default=16,
+                    help="the LoRA rank trained (0: every parameter)")  # fmt: skip
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.rank < 0:
+        ap.error(f"--rank: {args.rank}; give 0 (every parameter) or more")
     for name in ("prompts", "group", "tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name}: {getattr(args, name)}; give 1 or more")
@@ -166,7 +208,11 @@ def main(argv: list[str] | None = None) -> dict:
     cmp = compare(torch.cat(sampler_lp), torch.cat([x.cpu() for x in trainer_lp]))
 
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    if args.rank:
+        trained = attach_lora(model, args.rank, 2.0 * args.rank, args.device)
+    else:
+        trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-6)
     rewards = torch.tensor([float(sum(s[st:]) % 2) for s, st in zip(seqs, starts, strict=True)])
     r = rewards.view(args.prompts, args.group)
     adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1)
@@ -190,6 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
         "sample_s": round(sample_s, 3),
         "recompute_s": round(recompute_s, 3),
         "forward_backward_adamw_s": round(update_s, 3),
+        "trained": f"LoRA rank {args.rank}" if args.rank else "every parameter",
+        "trained_parameters": int(sum(p.numel() for p in trained)),
         "k3_max": cmp.k3_max,
         "k3_mean": cmp.k3_mean,
         "exact": cmp.exact,
@@ -200,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"stock vLLM + Megatron's own model, {args.device}: {len(seqs)} completions, "
         f"{result['sampled_tokens']} sampled tokens\n"
         f"  sample {sample_s:.2f} s, recompute {recompute_s:.2f} s, forward + backward + AdamW "
-        f"(every parameter) {update_s:.2f} s\n  sampler vs trainer: {cmp}"
+        f"({result['trained']}) {update_s:.2f} s\n  sampler vs trainer: {cmp}"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
