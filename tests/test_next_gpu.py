@@ -11,7 +11,8 @@ asserted, each on raw bytes with a one-ulp negative control:
   decisions, batched, so prefills and decode steps cross the 64-token gdn chunk) is replayed
   by real megatron-core on cuda byte for byte, and a one-ulp move of one GDN ``in_proj``
   weight in the trainer is caught;
-- CUDA graphs are refused for this lane by name;
+- with CUDA graphs (decode steps captured, batches padded to a captured size) every request's
+  decisions are the eager engine's bytes, and no decode step runs the Python forward;
 - on cuda a request's decisions are the same bytes alone and inside a batch of 64, equal the
   composition run directly with the cuda programs (the cuda lane's contract; its bytes are not the
   cpu lane's), decode across the 64-token chunk equals one prefill of prompt + decisions, and a
@@ -24,8 +25,6 @@ asserted, each on raw bytes with a one-ulp negative control:
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -108,37 +107,6 @@ def test_megatron_on_cuda_replays_a_hybrid_trace_captured_from_vllm_026(next_dir
     with torch.no_grad():
         w.view(torch.int16).view(-1)[0] += 1
     assert not compare(torch.as_tensor(trace.logprobs), score(model, trace, control=True)).exact
-
-
-# An engine that fails to start is run in a child process (as the dense suite's V2 refusal):
-# a failed start in this process can leave its GPU state behind for the tests after it.
-_GRAPHS_CHILD = """
-import sys
-sys.path.insert(0, sys.argv[2])
-import serving_support
-if __name__ == "__main__":
-    try:
-        serving_support.start_engine(sys.argv[1], cuda_graphs=True, gpu_memory_utilization=0.2)
-        print("STARTED")
-    except Exception as err:
-        print("REFUSED:", type(err).__name__, err, err.__cause__ or "")
-"""
-
-
-def test_cuda_graphs_are_refused_for_the_hybrid_lane_by_name(next_dir):
-    tests = os.path.join(os.path.dirname(__file__), "..", "packages", "serving-plugin", "tests")
-    child = subprocess.run(
-        [sys.executable, "-c", _GRAPHS_CHILD, str(next_dir), os.path.abspath(tests)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0"},
-    )
-    print(child.stdout[-2000:])
-    out = child.stdout + child.stderr
-    assert "STARTED" not in child.stdout, out[-3000:]
-    refusal = "CUDA graphs (cudagraph_mode FULL_DECODE_ONLY) on the qwen3-next lane"
-    assert refusal in out, out[-3000:]
 
 
 def test_megatron_on_cuda_replays_vllm_cuda_lora_decisions_on_the_hybrid_lane(next_dir, tmp_path):
@@ -307,3 +275,41 @@ def test_on_cuda_a_chunked_prefill_equals_one_prefill(cuda_runs):
     # control: the long prompt with its last token changed, chunked, parts from one prefill
     _, long = _decisions(cuda_runs["greedy"][LONG])
     assert not same_bytes(long, _decisions(cuda_runs["chunked_moved"])[1])
+
+
+def test_on_cuda_graphs_give_the_eager_engines_bytes_and_replay_every_decode_step(
+    cuda_runs, next_dir
+):
+    """An engine with CUDA graphs (``FULL_DECODE_ONLY``): 61 of the 64 prompts (their decode
+    steps padded to a captured batch of 64, three padding rows) and the long prompt alone give
+    the eager engine's bytes (that engine ran the same requests in a batch of 64 and alone),
+    and every decode step was a graph replay (the Python forward ran none). Control: the eager
+    engine's run with another seed differs."""
+    from serving_support import start_engine, stop_engine
+    from vllm.inputs import TokensPrompt
+
+    from lockstep_exact.parity import same_bytes
+    from lockstep_serving.vllm.offline import python_decode_steps
+
+    asked = [TokensPrompt(prompt_token_ids=p) for p in cuda_runs["prompts"]]
+    llm = start_engine(next_dir, cuda_graphs=True, gpu_memory_utilization=GPU_MEMORY)
+    try:
+        before = sum(llm.apply_model(python_decode_steps))
+        batch = llm.generate(asked[:61], _params(), use_tqdm=False)
+        (alone,) = llm.generate([asked[LONG]], _params(), use_tqdm=False)
+        steps = sum(llm.apply_model(python_decode_steps)) - before
+    finally:
+        stop_engine(llm)
+    torch.cuda.empty_cache()
+    print(f"qwen3-next with CUDA graphs: {steps} decode steps ran the Python forward")
+    assert steps == 0, "a decode step ran eagerly in the engine with CUDA graphs"
+    for i, out in enumerate(batch):
+        want_tokens, want = _decisions(cuda_runs["batch"][i])
+        tokens, got = _decisions(out)
+        assert tokens == want_tokens, f"prompt {i}: graphs vs eager tokens"
+        _same_and_comparator(want, got, f"prompt {i}: CUDA graphs (61 padded to 64) vs eager")
+    want_tokens, want = _decisions(cuda_runs["alone"][LONG])
+    tokens, got = _decisions(alone)
+    assert tokens == want_tokens
+    _same_and_comparator(want, got, "the long prompt alone: CUDA graphs vs eager")
+    assert not same_bytes(got, _decisions(cuda_runs["alone_seed_8"])[1])

@@ -426,11 +426,6 @@ def _config(**changes):
     ("changes", "message"),
     [
         (
-            {"device": "cuda", "graphs": "FULL_DECODE_ONLY"},
-            r"CUDA graphs \(cudagraph_mode FULL_DECODE_ONLY\) on the qwen3-next lane: its steps "
-            r"run eagerly only",
-        ),
-        (
             {"tp": 2},
             r"the qwen3-next lane runs on one device so far \(tp 1, ep 1\); asked for tp 2",
         ),
@@ -456,16 +451,28 @@ def test_what_the_hybrid_lane_does_not_cover_is_refused_by_name(model_dir, chang
         check_hybrid(_config(**changes), geom)
 
 
-def test_graphs_are_refused_on_cuda_only():
-    """The cpu engine's cudagraph mode is not the lane's concern (vLLM captures nothing there);
-    on cuda anything but NONE is refused before the contract is read (checked at cuda eager on
-    the GPU: tests/test_next_gpu.py)."""
+def test_graphs_on_cuda_are_taken_and_refused_only_without_an_attention_layer(
+    model_dir, monkeypatch
+):
+    """On cuda the lane takes vLLM's CUDA graph modes (its decode steps are graph-safe; the
+    state and attention backends declare single-token decodes, so vLLM captures only those:
+    tests/test_next_gpu.py compares them with eager on the GPU); a model with no full
+    attention layer is refused by name (the captured step tells padding rows by an attention
+    layer's slot mapping). The cpu engine's mode is not the lane's concern. (The cuda contract
+    needs Triton, which this machine lacks: its check is skipped here.)"""
+    from lockstep_serving.vllm import next as nxt
     from lockstep_serving.vllm.next import check_hybrid
 
-    geom = SimpleNamespace()  # never read: the refusal comes first
-    for mode in ("PIECEWISE", "FULL", "FULL_AND_PIECEWISE"):
-        with pytest.raises(LaneRefused, match=rf"CUDA graphs \(cudagraph_mode {mode}\)"):
-            check_hybrid(_config(device="cuda", graphs=mode), geom)
+    monkeypatch.setattr(nxt, "geometry_contract", lambda *a, **k: None)
+    geom = N.Geometry.from_model_dir(model_dir)
+    assert N.FULL in geom.layer_types
+    for mode in ("FULL_DECODE_ONLY", "FULL", "FULL_AND_PIECEWISE", "PIECEWISE"):
+        check_hybrid(_config(device="cuda", graphs=mode), geom)
+    linear_only = SimpleNamespace(layer_types=(N.LINEAR, N.LINEAR))  # refused before it is read
+    with pytest.raises(LaneRefused, match=r"CUDA graphs \(cudagraph_mode FULL_DECODE_ONLY\) on "
+                       r"a qwen3-next model without a full attention layer"):  # fmt: skip
+        check_hybrid(_config(device="cuda", graphs="FULL_DECODE_ONLY"), linear_only)
+    check_hybrid(_config(device="cpu", graphs="FULL_DECODE_ONLY"), geom)
 
 
 def test_the_state_backend_takes_the_custom_mamba_slot_where_names_cannot_be_added(monkeypatch):
@@ -645,6 +652,7 @@ def _bare_model(model_dir, by_layer, monkeypatch):
     model = V.LockstepQwen3NextForCausalLM.__new__(V.LockstepQwen3NextForCausalLM)
     nn.Module.__init__(model)
     model.geom, model.gdn_layers, model.attn_layers = geom, [0], [1]
+    model.device = torch.device("cpu")
     model.layer_names = {1: V.ATTN_PREFIX.format(1)}
     pages = _fake_pages(geom)
     model.state = [SimpleNamespace(pages=lambda: pages[0])]
@@ -662,6 +670,7 @@ def _state_md(qsl, seq_lens):
         query_start_loc_cpu=torch.tensor(qsl),
         seq_lens_cpu=torch.tensor(seq_lens),
         state_slots=torch.arange(len(seq_lens)),
+        seq_lens=torch.tensor(seq_lens),
     )
 
 
@@ -757,3 +766,36 @@ def test_a_steps_positions_and_pages_are_checked_on_the_host_or_asserted_on_the_
         check_positions(torch.tensor([0, 1, 2, 3, 4, 6]), steps, on_device)
     with pytest.raises(refused, match=None if on_device else "holds position 7"):
         check_pages(geom, pages, slots, [(0, 0, 5, 5, 0), (1, 5, 6, 9, 8)], on_device)
+
+
+def test_a_decode_steps_checks_and_page_marks_run_on_the_device_and_skip_padding(model_dir):
+    """The graph-safe decode step's ``check_decode_pages`` (each live row its request's last
+    token, each continuing request's page at its position; asserted on the device, here on
+    cpu tensors where the assert raises at once) and ``advance_decode_metas`` (live pages to
+    the next position, padding entries' mark into the null page only). Padding rows (not
+    live) pass whatever their positions and pages hold."""
+    from lockstep_serving.vllm.next import advance_decode_metas, check_decode_pages, store_cache
+
+    geom = N.Geometry.from_model_dir(model_dir)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    pages = _fake_pages(geom, 5)
+    cache = N.NextCache.empty(geom)
+    N.forward_logprobs(weights, geom, torch.tensor(_prompts()[LONG][:7]), cache)
+    store_cache(geom, pages, 2, cache)  # page 2: position 7
+    slots = torch.tensor([2, 4, 0, 0])  # request 0 continues at 7, 1 starts, 2 and 3 padding
+    positions = torch.tensor([7, 0, 5, 0])
+    seq_lens = torch.tensor([8, 1, 0, 0])
+    live = torch.tensor([True, True, False, False])
+    check_decode_pages(geom, pages, slots, positions, seq_lens, live)
+    with pytest.raises(RuntimeError):  # a live row that is not its request's last token
+        check_decode_pages(geom, pages, slots, positions, torch.tensor([9, 1, 0, 0]), live)
+    with pytest.raises(RuntimeError):  # a page that holds another position
+        check_decode_pages(geom, pages, slots, torch.tensor([8, 0, 5, 0]),
+                           torch.tensor([9, 1, 0, 0]), live)  # fmt: skip
+    before = {i: p["meta"].clone() for i, p in pages.items()}
+    seqs = P.paged_decodes(positions, slots, live, chunk=geom.chunk)
+    advance_decode_metas(geom, pages, seqs, null_page=0)
+    for i, p in pages.items():
+        assert p["meta"][2].tolist() == [8, geom.chunk] and p["meta"][4].tolist() == [1, geom.chunk]
+        assert p["meta"][0].tolist() == [0, geom.chunk]  # the null page: padding's mark
+        assert torch.equal(p["meta"][[1, 3]], before[i][[1, 3]])  # no other page touched

@@ -184,6 +184,31 @@ def check_paged(out: dict) -> None:
         a, b = live_pages(book, slots, after, c), live_pages(mine, slots, after, c)
         equal = same(want, got) and same(want_x, got_x) and all(same(a[n], b[n]) for n in a)
         out[f"paged: {name}"] = {"equal": equal}
+    # A decode step padded to a captured batch size (paged_decodes: the table made from
+    # tensors): the live rows and pages as the definition's over the live step; padding
+    # entries, one naming a live page and two an unused one, write nothing.
+    from lockstep_exact.testing import padded_decode_case
+
+    heads, dims, c, kern, seqs = PAGED["decodes, GQA 2"]
+    decodes = [(p, page) for p, _, page in seqs]
+    padded, book, (positions, slots, live), (starts, pos, sl) = padded_decode_case(
+        heads, dims, c, decodes, [5, 3, 5], pages=8, kernel=kern, seed=9
+    )
+    q, k, v, g, beta, x, w = padded
+    n = len(decodes)
+    table = cpu_gdn.paged_seqs(starts, pos, sl, chunk=c)
+    want_book = pages_to(book, "cpu")
+    want = cpu_gdn.gdn_paged(q[:n], k[:n], v[:n], g[:n], beta[:n], want_book, table, chunk=c)
+    want_x = cpu_gdn.conv1d_paged(x[:n], w, want_book, table, kernel=kern)
+    mine = pages_to(book, "cpu")
+    decode_table = cpu_gdn.paged_decodes(positions, slots, live, chunk=c)
+    got = cuda_hybrid.paged(q, k, v, g, beta, mine, decode_table, chunk=c)
+    got_x = cuda_hybrid.conv1d_pages(x, w, mine, decode_table, kernel=kern)
+    after = [p + 1 for p in pos]
+    a, b = live_pages(want_book, sl, after, c), live_pages(mine, sl, after, c)
+    unused = all(same(getattr(mine, f)[5], getattr(book, f)[5]) for f in book.__dataclass_fields__)
+    equal = same(want, got[:n]) and same(want_x, got_x[:n]) and all(same(a[m], b[m]) for m in a)
+    out["paged: padded decodes"] = {"equal": equal and unused}
     # The control: one page's state moved (its largest element by 16 bf16 ulps, 2**20 fp32 ulps,
     # enough for the bf16 outputs to show it) moves that sequence's rows with the definition,
     # and no other sequence's.

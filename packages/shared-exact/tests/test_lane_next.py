@@ -353,3 +353,82 @@ def test_steps_over_state_pages_give_the_bytes_of_each_sequences_own_cache(nxt):
     others = [i for i in range(got.shape[0]) if i not in rows]
     assert not same_bytes(moved[rows], got[rows]), "sequence 0's rows did not move"
     assert same_bytes(moved[others], got[others]), "another sequence's rows moved"
+
+
+class RowSlots(PagedSlots):
+    """``PagedSlots`` for ``hidden_rows``: row r of a step is sequence r (a decode step), its
+    attention K/V in ``caches[r]``; rows past the sequences are padding and attend nothing."""
+
+    def __init__(self, weights, geom, books, caches):
+        super().__init__(weights, geom, books)
+        self.caches = caches
+
+    def attend(self, layer, q, k, v, segs, positions, core):
+        out = torch.zeros_like(q)
+        for r, cache in enumerate(self.caches):
+            cache.keys[layer] = torch.cat([cache.keys[layer], k[r : r + 1]])
+            cache.values[layer] = torch.cat([cache.values[layer], v[r : r + 1]])
+            out[r : r + 1] = core(q[r : r + 1], cache.keys[layer], cache.values[layer],
+                                  positions[r : r + 1])  # fmt: skip
+        return out
+
+
+def test_decode_steps_given_as_rows_with_padding_give_each_sequences_own_bytes(nxt):
+    """``hidden_rows`` over a table made from tensors (``P.paged_decodes``, as the CUDA graph
+    decode step makes it) with two padding rows, one naming a live sequence's page: each live
+    row has the bytes of its sequence's own cache, across a chunk boundary, and padding moves
+    no page. Control: one continuing sequence's page state moved moves its rows only."""
+    _, geom, w = nxt
+    g = geom
+    prompts = [tokens(g.chunk - 3, seed=21), tokens(17, seed=22), tokens(2 * g.chunk, seed=23)]
+    more = [tokens(6, seed=s) for s in (24, 25, 26)]
+    slots = [4, 1, 2]
+    pads = [0, 1]  # page 0 unused; page 1 is sequence 1's
+    gen = torch.Generator().manual_seed(27)
+    hk, hv = g.linear_key_heads, g.linear_value_heads
+    dk, dv = g.linear_key_dim, g.linear_value_dim
+
+    def run(moved: bool = False):
+        ops, dict_slots = N.default_ops(g), N.DictSlots(w, g)
+        own = [N.NextCache.empty(g) for _ in prompts]
+        rows = [N.NextCache.empty(g) for _ in prompts]
+        for t, a, b in zip(prompts, own, rows, strict=True):
+            N.forward(ops, g, dict_slots, [(t, a)])
+            N.forward(ops, g, dict_slots, [(t, b)])
+        books = {}
+        for i, kind in enumerate(g.layer_types):
+            if kind != N.LINEAR:
+                continue
+            books[i] = book = random_pages(5, (hk, hv), (dk, dv), g.chunk, g.conv_dim,
+                                           g.conv_kernel, gen)  # fmt: skip
+            for r, slot in enumerate(slots):
+                book.keep(slot, rows[r].gdn[i])
+                book.conv[slot] = rows[r].conv[i]
+            if moved:  # sequence 1's state at its chunk start, one element negated
+                book.s[slots[1], 0, 0, 0] = -book.s[slots[1], 0, 0, 0] - 1.0
+        untouched = {i: {f: getattr(b, f)[0].clone() for f in b.__dataclass_fields__}
+                     for i, b in books.items()}  # fmt: skip
+        rslots = RowSlots(w, g, books, rows)
+        want, got = [], []
+        for j in range(6):
+            step = [m[j : j + 1] for m in more]
+            want.append(N.hidden(ops, g, dict_slots, list(zip(step, own, strict=True))))
+            positions = torch.tensor([c.keys[g.layer_types.index(N.FULL)].shape[0]
+                                      for c in rows] + [7, 0])  # fmt: skip
+            live = torch.tensor([True] * 3 + [False] * 2)
+            rslots.seqs = P.paged_decodes(positions, torch.tensor(slots + pads), live,
+                                          chunk=g.chunk)  # fmt: skip
+            ids = torch.cat(step + [torch.tensor([5, 6])])
+            got.append(N.hidden_rows(ops, g, rslots, ids, positions)[:3])
+        for i, b in books.items():
+            for f, t in untouched[i].items():
+                assert torch.equal(getattr(b, f)[0], t), f"padding wrote page 0's {f}"
+        return torch.cat(want), torch.cat(got)
+
+    want, got = run()
+    assert_same_bytes(got, want, "decode rows against each sequence's own cache")
+    _, moved = run(moved=True)
+    mine = [3 * j + 1 for j in range(6)]
+    others = [i for i in range(got.shape[0]) if i not in mine]
+    assert not same_bytes(moved[mine], got[mine]), "sequence 1's rows did not move"
+    assert same_bytes(moved[others], got[others]), "another sequence's rows moved"

@@ -638,3 +638,56 @@ def test_a_step_table_over_an_engines_page_tensor_reads_nothing_of_it_on_the_hos
     assert dev.table.dtype == torch.int32 and dev.slots == (4, 0, 2)  # on cpu: known
     with pytest.raises(RuntimeError):
         P.paged_seqs([0, 1, 2], [5, 9], torch.tensor([3, 3]), chunk=64)
+
+
+def test_a_padded_decode_table_is_made_on_the_device_and_padding_has_no_rows():
+    """``paged_decodes``: a step of one-row sequences whose positions and pages are tensors
+    (a CUDA graph's inputs): row r is sequence r, padding entries have no rows and position
+    0; live entries sharing a page stop the step on the device, padding may share any page."""
+    seqs = P.paged_decodes(
+        torch.tensor([63, 7, 130, 9]), torch.tensor([4, 0, 2, 4]),
+        torch.tensor([True, False, True, False]), chunk=64,
+    )  # fmt: skip
+    assert seqs.table.tolist() == [[0, 1, 63, 4], [1, 0, 0, 0], [2, 1, 130, 2], [3, 0, 0, 4]]
+    assert seqs.table.dtype == torch.int32 and seqs.rows == 4 and seqs.count == 4
+    assert seqs.positions is None and seqs.slots is None
+    assert seqs.host_rows() == [(0, 1, 63, 4), (2, 1, 130, 2)]
+    with pytest.raises(RuntimeError):
+        P.paged_decodes(torch.tensor([5, 9]), torch.tensor([3, 3]), torch.tensor([True, True]),
+                        chunk=64)  # fmt: skip
+    with pytest.raises(ValueError, match="live must be bool"):
+        P.paged_decodes(torch.tensor([5]), torch.tensor([3]), torch.tensor([1]), chunk=64)
+
+
+@pytest.mark.parametrize("pads", [[8, 9], [3, 0, 8]])
+def test_a_padded_decode_step_gives_the_live_steps_bytes_and_pages(pads):
+    """The definitions over a padded table (``paged_decodes``): the live rows' bytes and every
+    page as over the live step's own table (``paged_seqs``); padding entries, one naming a live
+    sequence's page, change nothing. The control: the same with one live page's state moved
+    gives other bytes."""
+    from lockstep_exact.testing import padded_decode_case, pages_to
+
+    decodes = [(5, 3), (15, 0), (16, 6), (1, 2), (31, 5)]
+    padded, book, (positions, slots, live), (starts, pos, sl) = padded_decode_case(
+        (2, 4), (12, 20), 16, decodes, pads, seed=4
+    )
+    q, k, v, g, beta, x, w = padded
+    n = len(decodes)
+    want_book = pages_to(book, "cpu")
+    live_seqs = P.paged_seqs(starts, pos, sl, chunk=16)
+    want = P.gdn_paged(q[:n], k[:n], v[:n], g[:n], beta[:n], want_book, live_seqs, chunk=16)
+    want_x = P.conv1d_paged(x[:n], w, want_book, live_seqs)
+    got_book = pages_to(book, "cpu")
+    seqs = P.paged_decodes(positions, slots, live, chunk=16)
+    got_x = P.conv1d_paged(x, w, got_book, seqs)
+    got = P.gdn_paged(q, k, v, g, beta, got_book, seqs, chunk=16)
+    assert_same_bytes(got[:n], want, "live rows")
+    assert_same_bytes(got_x[:n], want_x, "live conv rows")
+    for name in want_book.__dataclass_fields__:
+        assert_same_bytes(getattr(got_book, name), getattr(want_book, name), f"pages {name}")
+    moved = pages_to(book, "cpu")
+    s = moved.s[6]  # decode 2's state (position 16: the state after its first chunk)
+    s[0] = nudge_ulp(s[0], int(s[0].abs().argmax()), 1 << 20)
+    other = P.gdn_paged(q, k, v, g, beta, moved, seqs, chunk=16)
+    assert not same_bytes(other[2:3], got[2:3])
+    assert same_bytes(other[:2], got[:2]) and same_bytes(other[3:n], got[3:n])

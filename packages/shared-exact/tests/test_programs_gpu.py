@@ -1453,6 +1453,41 @@ def test_gdn_paged_gives_each_sequence_the_bytes_and_state_of_its_own_call(mix, 
     assert same_bytes(other[:lo], got[:lo]) and same_bytes(other[hi:], got[hi:])
 
 
+@pytest.mark.parametrize("heads,dims,chunk", [((16, 32), (128, 128), 64), ((2, 4), (5, 7), 8)])
+def test_a_padded_decode_step_gives_the_live_rows_and_pages_and_padding_writes_nothing(
+    heads, dims, chunk
+):
+    """The two paged launches over a decode step padded as a CUDA graph pads it
+    (``paged_decodes``: the table made on the device; padding entries naming an unused page
+    and a live one): the live rows and pages are the definition's over the live step, the
+    unused page keeps every byte."""
+    from lockstep_exact.testing import padded_decode_case
+
+    decodes = [(5, 3), (chunk - 1, 0), (chunk, 7), (2 * chunk - 1, 2), (1, 5)]
+    padded, book, (positions, slots, live), (starts, pos, sl) = padded_decode_case(
+        heads, dims, chunk, decodes, [9, 0, 9], seed=83
+    )
+    q, k, v, g, beta, x, w = padded
+    n = len(decodes)
+    want_book = pages_to(book, "cpu")
+    table = P.paged_seqs(starts, pos, sl, chunk=chunk)
+    want_x = P.conv1d_paged(x[:n], w, want_book, table)
+    want = P.gdn_paged(q[:n], k[:n], v[:n], g[:n], beta[:n], want_book, table, chunk=chunk)
+    on_gpu = pages_to(book, "cuda")
+    seqs = P.paged_decodes(positions.cuda(), slots.cuda(), live.cuda(), chunk=chunk)
+    got_x = P.conv1d_paged(x.cuda(), w.cuda(), on_gpu, seqs)
+    dev = [t.cuda() for t in (q, k, v, g, beta)]
+    got = P.gdn_paged(*dev, on_gpu, seqs, chunk=chunk)
+    assert_same_bytes(got[:n].cpu(), want, "live rows")
+    assert_same_bytes(got_x[:n].cpu(), want_x, "live conv rows")
+    after = [p + 1 for p in pos]
+    a, b = live_pages(want_book, sl, after, chunk), live_pages(on_gpu, sl, after, chunk)
+    for name in a:
+        assert_same_bytes(b[name], a[name], f"page {name}")
+    for f in book.__dataclass_fields__:
+        assert_same_bytes(getattr(on_gpu, f)[9].cpu(), getattr(book, f)[9], f"unused page {f}")
+
+
 @pytest.mark.parametrize("mix", sorted(PAGED_MIXES))
 @pytest.mark.parametrize("heads,dims,kernel", [((16, 32), (128, 128), 4), ((2, 4), (5, 7), 3)])
 def test_conv1d_paged_gives_each_sequence_the_bytes_and_window_of_its_own_call(

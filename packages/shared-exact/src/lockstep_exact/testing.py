@@ -284,6 +284,36 @@ def gdn_paged_case(
     return (*tokens(starts[-1]), x, weight), book, (starts, positions, slots)
 
 
+def padded_decode_case(
+    heads: tuple[int, int],
+    dims: tuple[int, int],
+    chunk: int,
+    decodes,
+    pads,
+    *,
+    pages: int = 10,
+    kernel: int = 4,
+    seed: int = 0,
+):
+    """A decode step padded as a CUDA graph of a larger batch pads it: ``decodes`` is
+    (position, page) of one-row sequences (``gdn_paged_case``'s pages), then one padding entry
+    per page of ``pads`` (padding may name any page, a live one too: it must write nothing).
+    Returns (inputs: ``gdn_paged_case``'s with one more row per padding entry, copies of live
+    rows; book; (positions, slots, live) tensors for ``P.paged_decodes``; the live step's
+    (starts, positions, slots) for ``P.paged_seqs``)."""
+    inputs, book, live_step = gdn_paged_case(
+        heads, dims, chunk, [(p, 1, page) for p, page in decodes], pages=pages, kernel=kernel,
+        seed=seed,
+    )  # fmt: skip
+    n = len(decodes)
+    pick = torch.randint(0, n, (len(pads),), generator=torch.Generator().manual_seed(seed + 1))
+    padded = tuple(torch.cat([t, t[pick]]) for t in inputs[:-1]) + (inputs[-1],)
+    positions = torch.tensor([p for p, _ in decodes] + [3 * i + 1 for i in range(len(pads))])
+    slots = torch.tensor([page for _, page in decodes] + list(pads))
+    live = torch.tensor([True] * n + [False] * len(pads))
+    return padded, book, (positions, slots, live), live_step
+
+
 def pages_to(book, device):
     """A copy of ``book`` (``P.GdnPages``) on ``device``."""
     return P.GdnPages(**{f: getattr(book, f).clone().to(device) for f in book.__dataclass_fields__})

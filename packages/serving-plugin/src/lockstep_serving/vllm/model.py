@@ -451,31 +451,43 @@ class DecodeSlots(WarmSlots):
         self.checked = False
 
     def attend(self, layer, q, k, v, positions, core):
-        from vllm.model_executor.layers.attention.attention import get_attention_context
-
-        from .attn_backend import LaneAttentionMetadata, kv_halves
-
-        md, _layer, kv_cache, slot_mapping = get_attention_context(self.model.layer_names[layer])
-        if not isinstance(md, LaneAttentionMetadata):
-            raise LaneRefused(
-                f"Lockstep exact lane: attention metadata of type {type(md).__name__}; the "
-                "lane's layers must run on its own backend (attn_backend.LaneAttentionBackend)"
-            )
-        n = q.shape[0]
-        slots = (slot_mapping if slot_mapping is not None else md.slot_mapping)[:n]
-        seq_lens = md.seq_lens[:n]
-        if not self.checked:
-            # vLLM's invariant, checked on the device (no host read): a row that writes a slot
-            # is its request's last token. Padding rows (slot < 0) attend nothing.
-            ok = (slots < 0) | ((seq_lens > 0) & (positions == seq_lens - 1))
-            torch._assert_async(ok.all())
-            self.checked = True
-        key_cache, value_cache = kv_halves(kv_cache, k)
-        P.write_pages(key_cache, value_cache, k, v, slots)
-        return self.model.ops.attention_decode_paged(
-            core.site, q, key_cache, value_cache, md.block_table, seq_lens, positions,
-            max_seq_len=md.max_seq_len,
+        out = decode_attention(
+            self.model.ops, self.model.layer_names[layer], q, k, v, positions, core,
+            check=not self.checked,
         )  # fmt: skip
+        self.checked = True
+        return out
+
+
+def decode_attention(ops, layer_name: str, q, k, v, positions, core, *, check: bool):
+    """Attention layer ``layer_name`` of a step of one-token decodes (row r is request r; a
+    batch vLLM padded to a captured size has padding rows, slot < 0, which attend nothing): the
+    rows' K/V written through the slot mapping, one paged-attention call over every request's
+    pages; nothing read on the host. ``check``: assert on the device (no host read) that each
+    row that writes a slot is its request's last token, vLLM's invariant the lane places
+    queries by (once a step is enough: every layer reads the same metadata)."""
+    from vllm.model_executor.layers.attention.attention import get_attention_context
+
+    from .attn_backend import LaneAttentionMetadata, kv_halves
+
+    md, _layer, kv_cache, slot_mapping = get_attention_context(layer_name)
+    if not isinstance(md, LaneAttentionMetadata):
+        raise LaneRefused(
+            f"Lockstep exact lane: attention metadata of type {type(md).__name__}; the "
+            "lane's layers must run on its own backend (attn_backend.LaneAttentionBackend)"
+        )
+    n = q.shape[0]
+    slots = (slot_mapping if slot_mapping is not None else md.slot_mapping)[:n]
+    seq_lens = md.seq_lens[:n]
+    if check:
+        ok = (slots < 0) | ((seq_lens > 0) & (positions == seq_lens - 1))
+        torch._assert_async(ok.all())
+    key_cache, value_cache = kv_halves(kv_cache, k)
+    P.write_pages(key_cache, value_cache, k, v, slots)
+    return ops.attention_decode_paged(
+        core.site, q, key_cache, value_cache, md.block_table, seq_lens, positions,
+        max_seq_len=md.max_seq_len,
+    )  # fmt: skip
 
 
 class LockstepQwen3MoeForCausalLM(LockstepQwen3ForCausalLM):

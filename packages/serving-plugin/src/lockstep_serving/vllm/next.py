@@ -26,9 +26,15 @@ inputs, bf16) and ``meta`` = (p, chunk) int32, which is checked before every rea
 that does not belong to the request at that position is refused, never read. A request at
 position 0 starts from the programs' zero state (vLLM does not clear a reused page).
 
-On cuda (vLLM 0.26.0) the lane runs eagerly: CUDA graphs are refused by name
-(``check_hybrid``). docs/vllm-0.26.md, section 5, compares every vLLM touch point of this
-module and ``next_state`` with 0.26.0.
+On cuda (vLLM 0.26.0) a step of one-token decodes with no adapter takes the graph-safe path
+(``_decode_step``): row r is request r, the state pages' table is made on the device from the
+step's positions and pages (``programs.paged_decodes``: padding rows of a batch vLLM padded
+to a captured size, slot mapping < 0, have no rows and write no page), the pages' marks are
+checked and advanced on the device, attention runs one paged-decode call a layer; nothing is
+read on the host, so vLLM captures these steps in CUDA graphs (``FULL_DECODE_ONLY``; the
+state backend declares single-token decodes). Every other step runs eagerly.
+docs/vllm-0.26.md, section 5, compares every vLLM touch point of this module and
+``next_state`` with 0.26.0.
 
 Refused at start, by name (``_validate``): prefix caching (vLLM resumes a hybrid request
 from states it checkpoints at its own block boundaries, a state the lane does not keep; the
@@ -57,6 +63,7 @@ from lockstep_exact.lanes import qwen3_next as N
 from lockstep_exact.lanes.config import UnsupportedModel
 from lockstep_exact.lanes.qwen3 import stack_experts
 from lockstep_exact.model import geometry_contract
+from lockstep_exact.programs.cpu.gdn import default_scale
 from lockstep_exact.sites import is_recording, paused
 
 from .._release import check as check_release
@@ -65,6 +72,7 @@ from ..common.lane import lane_weights
 from .model import (
     LIVE,
     _validate_config,
+    decode_attention,
     lane_backend,
     paged_attention,
     step_places,
@@ -269,6 +277,36 @@ def store_cache(geom: N.Geometry, pages: dict[int, dict[str, torch.Tensor]], slo
         p["meta"][slot, 1].fill_(geom.chunk)
 
 
+def check_decode_pages(geom: N.Geometry, pages, slots, positions, seq_lens, live) -> None:
+    """A decode step's checks, on the device (no host read; a CUDA graph replays them): each
+    live row r (``live``: its attention slot >= 0) is its request's last token (position =
+    sequence length - 1), and a continuing request's page (``slots[r]``) holds its state at
+    that position in every GDN layer (``meta`` = (position, chunk)). A failure stops the
+    engine with a device-side assert, as ``check_positions`` / ``check_pages`` on cuda."""
+    if not pages:
+        return
+    pos = positions.to(torch.int64)
+    ok = ~live | (pos == seq_lens.to(torch.int64) - 1)
+    at = torch.where(live, slots.to(torch.int64), 0)
+    held = torch.stack([p["meta"][at] for p in pages.values()]).to(torch.int64)  # [L, R, 2]
+    want = torch.stack([pos, torch.full_like(pos, geom.chunk)], dim=-1)
+    skip = ~live | (pos == 0)  # padding, and a request that starts here (its page unread)
+    torch._assert_async(ok.all() & ((held == want).all(-1) | skip).all())
+
+
+def advance_decode_metas(geom: N.Geometry, pages, seqs: P.PagedSeqs, null_page: int) -> None:
+    """Every page's ``meta`` after a decode step (``P.paged_decodes``'s ``seqs``): (the next
+    position, chunk) for each live entry, on the device. A padding entry writes (0, chunk)
+    into ``null_page`` (vLLM's null block: a page no request is given), the same bytes for
+    every padding entry, so the write order does not matter."""
+    t = seqs.table
+    live = t[:, 1] > 0
+    metas = torch.stack([t[:, 2] + t[:, 1], torch.full_like(t[:, 1], geom.chunk)], dim=1)
+    at = torch.where(live, seqs.slot_ids, null_page)
+    for p in pages.values():
+        p["meta"].index_copy_(0, at, metas.to(p["meta"].dtype))
+
+
 def _validate(vllm_config) -> tuple[N.Geometry, Path]:
     """``model._validate_config`` plus what the hybrid lane does not cover, by name."""
     geom, model_dir = _validate_config(vllm_config, ARCH)
@@ -278,21 +316,20 @@ def _validate(vllm_config) -> tuple[N.Geometry, Path]:
 
 def check_hybrid(vllm_config, geom: N.Geometry) -> None:
     """What the qwen3-next lane refuses beyond the other lanes' checks, by name. It runs on
-    cpu (vLLM 0.32) and, eagerly, on cuda (vLLM 0.26)."""
+    cpu (vLLM 0.32) and on cuda (vLLM 0.26; decode steps in CUDA graphs where vLLM captures
+    them)."""
     from vllm.config.compilation import CUDAGraphMode
 
     cc = vllm_config.cache_config
     par = vllm_config.parallel_config
     backend = lane_backend(vllm_config)
     graphs = vllm_config.compilation_config.cudagraph_mode if backend == "cuda" else None
-    if graphs not in (None, CUDAGraphMode.NONE):
-        # The state metadata builder declares no CUDA graph support, and a hybrid step reads
-        # the host (positions, state page meta) per request: nothing of it could be captured.
+    if graphs not in (None, CUDAGraphMode.NONE) and N.FULL not in geom.layer_types:
+        # A captured decode step tells its padding rows by the attention layers' slot mapping.
         _refuse(
-            f"CUDA graphs (cudagraph_mode {graphs.name}) on the qwen3-next "
-            "lane: its steps run eagerly only (its state pages are read and written per request "
-            "on the host's schedule); start the engine with enforce_eager=True "
-            "(lockstep_serving.vllm.offline.engine_args without cuda_graphs)"
+            f"CUDA graphs (cudagraph_mode {graphs.name}) on a qwen3-next model without a full "
+            "attention layer: the lane's captured decode step reads which rows are padding "
+            "from an attention layer's slot mapping; start the engine with enforce_eager=True"
         )
     try:
         geometry_contract(geom, backend=backend, tp=par.tensor_parallel_size)
@@ -383,6 +420,9 @@ class LockstepQwen3NextForCausalLM(nn.Module):
         self.contract = geometry_contract(g, backend=lane_backend(vllm_config))
         self.ops = N.NextOps(self.contract)  # every program call reads this contract
         self.device = torch.device(vllm_config.device_config.device)
+        # Every position vLLM schedules is below this: the bound of the graph-safe decode step.
+        self.max_positions = int(vllm_config.model_config.max_model_len)
+        self.decode_steps = 0  # decode steps the Python forward ran (a graph replay runs none)
         self.weights: dict[str, torch.Tensor] = {}
         self.gdn_layers = [i for i, k in enumerate(g.layer_types) if k == N.LINEAR]
         self.attn_layers = [i for i, k in enumerate(g.layer_types) if k == N.FULL]
@@ -420,7 +460,25 @@ class LockstepQwen3NextForCausalLM(nn.Module):
         # once here; each expert's own entry becomes a view of its stack.
         self._experts = stack_experts(self.weights, self.geom)
         self._slots = N.DictSlots(self.weights, self.geom)
+        if self.device.type == "cuda":
+            self._warm_tables()
         return set()  # no nn.Parameters: the weights live outside vLLM's parameter tracking
+
+    def _warm_tables(self) -> None:
+        """What the graph-safe decode step reads that is made on first use, made now, before
+        any CUDA graph capture (a capture cannot copy from the host): rope.partial's tables
+        under the engine's position bound and gdn.chunked's q scale."""
+        g = self.geom
+        if self.attn_layers:
+            site = f"layers.{self.attn_layers[0]}.self_attn.q_rope"
+            prog = self.ops.program(site, "rope.partial")
+            x = torch.zeros(1, 1, g.head_dim, dtype=torch.bfloat16, device=self.device)
+            with P.position_bound(self.max_positions):
+                P.rope_partial(x, torch.zeros(1, dtype=torch.int64, device=self.device),
+                               prog.param("base"), prog.param("rotary"))  # fmt: skip
+        if self.gdn_layers:  # made once per device name: both the engine's and the tensors'
+            for dev in (self.device, torch.empty(0, device=self.device).device):
+                default_scale(g.linear_key_dim, dev)
 
     # --- forward ---------------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -454,6 +512,8 @@ class LockstepQwen3NextForCausalLM(nn.Module):
         md = smd if smd is not None else amd
         if md is None:
             return out
+        if self._one_token_decodes(amd, smd, positions):
+            return self._decode_step(input_ids, positions, smd)
         qsl = md.query_start_loc_cpu.tolist()
         seq_lens = md.seq_lens_cpu.tolist()
         if amd is not None and smd is not None and amd.query_start_loc_cpu.tolist() != qsl:
@@ -519,6 +579,45 @@ class LockstepQwen3NextForCausalLM(nn.Module):
             self.ops.log_softmax("logprobs", logits)
         return out
 
+    def _one_token_decodes(self, amd, smd, positions) -> bool:
+        """A step of one-token decodes on cuda with no adapter, outside a recording: it takes
+        the graph-safe path (the only kind of step vLLM captures in a CUDA graph for the
+        lane). Row r is request r (a batch padded to a captured size included)."""
+        return (
+            self.device.type == "cuda"
+            and amd is not None
+            and smd is not None
+            and amd.max_query_len == 1
+            and amd.num_reqs == positions.shape[0] == smd.num_reqs
+            and not any(self._token_adapters)
+            and not is_recording()
+        )
+
+    def _decode_step(self, input_ids, positions, smd):
+        """Every row at once, shapes fixed by the batch, nothing read on the host: which rows
+        are live from the first attention layer's slot mapping (padding: < 0), the pages'
+        marks checked and advanced on the device, the GDN layers over their pages
+        (``programs.paged_decodes``), attention one paged-decode call a layer, the experts
+        grouped. Each row gets the bytes of the request-by-request path (the same programs)."""
+        from vllm.model_executor.layers.attention.attention import get_attention_context
+
+        from .next_state import NULL_PAGE
+
+        self.decode_steps += 1  # Python runs: a step replayed from a CUDA graph adds none
+        n = positions.shape[0]
+        first = self.layer_names[self.attn_layers[0]]
+        amd, _layer, _kv, slot_mapping = get_attention_context(first)
+        live = (slot_mapping if slot_mapping is not None else amd.slot_mapping)[:n] >= 0
+        pages = self._pages()
+        page_ids = smd.state_slots[:n]
+        check_decode_pages(self.geom, pages, page_ids, positions, smd.seq_lens[:n], live)
+        seqs = P.paged_decodes(positions, page_ids, live, chunk=self.geom.chunk)
+        slots = DecodeNextSlots(self, ({i: gdn_pages(p) for i, p in pages.items()}, seqs))
+        with P.position_bound(self.max_positions):
+            h = N.hidden_rows(self.ops, self.geom, slots, input_ids, positions)
+        advance_decode_metas(self.geom, pages, seqs, NULL_PAGE)
+        return h
+
     def _paged_seqs(self, reqs, batch, slots, pages):
         """The paged programs' pages (by GDN layer) and table for one adapter group."""
         starts = [0]
@@ -578,3 +677,31 @@ class PagedNextSlots(N.DictSlots):
         self.places = step_places(self.places, md, slot_mapping, self.rows, self.reqs,
                                   positions, kv_cache)  # fmt: skip
         return paged_attention(q, k, v, positions, md, kv_cache, self.places, core=core)
+
+
+class DecodeNextSlots(N.DictSlots):
+    """The composition's slots for a step of one-token decodes on cuda (``_decode_step``):
+    the engine's weights, no adapter, every GDN layer over the state pages (``paged``: pages
+    by layer and the step's ``P.paged_decodes`` table), attention one paged-decode call a
+    layer (``model.decode_attention``), the experts grouped."""
+
+    def __init__(self, model: LockstepQwen3NextForCausalLM, paged):
+        self.weights, self.per_layer = model._slots.weights, model._slots.per_layer
+        self.adapters = {}
+        self.model, self.paged = model, paged
+        self.checked = False
+
+    def gdn_pages(self, layer):
+        by_layer, seqs = self.paged
+        return by_layer[layer], seqs
+
+    def experts(self, layer):
+        return unadapted_experts(self.model, None, layer)
+
+    def attend(self, layer, q, k, v, segs, positions, core):
+        out = decode_attention(
+            self.model.ops, self.model.layer_names[layer], q, k, v, positions, core,
+            check=not self.checked,
+        )  # fmt: skip
+        self.checked = True
+        return out

@@ -23,16 +23,19 @@ checks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 from ..common.errors import LaneRefused
 from .attn_backend import claim_custom, host_seq_lens
@@ -42,6 +45,9 @@ BACKEND_PATH = f"{__name__}.LaneStateBackend"
 # backend take the CUSTOM member (register_backend(..., is_mamba=True)).
 NAMES_ADDED = hasattr(MambaAttentionBackendEnum, "register")
 BACKEND_NAME = "LOCKSTEP_GDN_STATE" if NAMES_ADDED else "CUSTOM"
+# vLLM's null block: the page its padded requests' block table rows name, given to no request
+# (a padded decode step's padding entries write their page mark there).
+NULL_PAGE = NULL_BLOCK_ID
 
 
 def _refuse(msg: str):
@@ -58,10 +64,21 @@ class LaneStateMetadata:
     query_start_loc_cpu: torch.Tensor  # [num_reqs + 1]
     seq_lens_cpu: torch.Tensor  # [num_reqs]
     state_slots: torch.Tensor  # [num_reqs] int64, on the engine's device (not read by the host)
+    seq_lens: torch.Tensor  # [num_reqs], on the engine's device (the decode step's checks)
 
 
 class LaneStateMetadataBuilder(AttentionMetadataBuilder[LaneStateMetadata]):
-    """Copies the batch's rows and each request's state page; plans nothing."""
+    """Copies the batch's rows and each request's state page; plans nothing.
+
+    CUDA graphs: a step of one-token decodes runs the lane's graph-safe path
+    (``next.LockstepQwen3NextForCausalLM._decode_step``), so vLLM may capture those. The
+    pages' indices go into one buffer made here, the same memory every step (a captured graph
+    reads the addresses it was captured with); vLLM's block table names the null block for a
+    padded batch's padding requests."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    )
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -71,6 +88,11 @@ class LaneStateMetadataBuilder(AttentionMetadataBuilder[LaneStateMetadata]):
                 f"mamba_cache_mode {mode!r}: the qwen3-next lane keeps one state page per "
                 "request (mode 'none'); vLLM's per-block state checkpoints are not part of it"
             )
+        size = max(
+            vllm_config.scheduler_config.max_num_seqs,
+            vllm_config.compilation_config.max_cudagraph_capture_size or 0,
+        )
+        self._slots = torch.zeros(size, dtype=torch.int64, device=device)
 
     def build(
         self,
@@ -80,14 +102,21 @@ class LaneStateMetadataBuilder(AttentionMetadataBuilder[LaneStateMetadata]):
     ) -> LaneStateMetadata:
         cm = common_attn_metadata
         n = cm.num_reqs
+        # Mode "none": one page per request, the first (only) entry of its block table; kept
+        # on the device (a copy to the host would wait for the GPU every step), in the
+        # builder's buffer where it holds the batch.
+        if n <= self._slots.shape[0]:
+            slots = self._slots[:n]
+            slots.copy_(cm.block_table_tensor[:n, 0])
+        else:
+            slots = cm.block_table_tensor[:n, 0].to(torch.int64)
         return LaneStateMetadata(
             num_reqs=n,
             num_actual_tokens=cm.num_actual_tokens,
             query_start_loc_cpu=cm.query_start_loc_cpu[: n + 1].clone(),
             seq_lens_cpu=host_seq_lens(cm)[:n],
-            # Mode "none": one page per request, the first (only) entry of its block table;
-            # kept on the device (a copy to the host would wait for the GPU every step).
-            state_slots=cm.block_table_tensor[:n, 0].to(torch.int64),
+            state_slots=slots,
+            seq_lens=cm.seq_lens[:n],
         )
 
 

@@ -626,6 +626,26 @@ def hidden(
     return h
 
 
+def hidden_rows(
+    ops: NextOps, geom: Geometry, slots: Slots, tokens: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """``hidden`` over a step given as rows, token ids and positions [T] on the device, whose
+    sequences all run over the engine's state pages and attention cache: ``slots.gdn_pages``
+    places every GDN layer's sequences (no ``NextCache``), ``slots.attend`` attends them.
+    Nothing of the step is read on the host, so a CUDA graph can capture it. Returns the
+    [T, hidden] bf16 rows; a row of no sequence (padding) carries no program's bytes."""
+    linear = [i for i, kind in enumerate(geom.layer_types) if kind == LINEAR]
+    if linear and (is_recording() or slots.gdn_pages(linear[0]) is None):
+        raise ValueError(
+            "hidden_rows: every GDN layer must run over the engine's state pages "
+            "(slots.gdn_pages), outside a recording"
+        )
+    h = ops.embed("embed_tokens", slots.weight(None, "model.embed_tokens.weight"), tokens)
+    for i in range(geom.layers):
+        h = Layer(geom, i, ops, slots)(h, (), positions)
+    return h
+
+
 def final_logits(ops: NextOps, geom: Geometry, slots: Slots, h: torch.Tensor) -> torch.Tensor:
     """fp32 logits of ``hidden``'s rows: the final norm and the LM head."""
     hn = ops.rmsnorm_zc("norm", h, slots.weight(None, "model.norm.weight"))

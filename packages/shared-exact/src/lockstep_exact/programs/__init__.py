@@ -471,6 +471,7 @@ def gdn_chunked(q, k, v, g, beta, state, *, position: int, chunk: int):
 GdnPages = cpu.GdnPages
 PagedSeqs = cpu.PagedSeqs
 paged_seqs = cpu.paged_seqs
+paged_decodes = cpu.paged_decodes
 
 
 def gdn_paged(q, k, v, g, beta, pages, seqs, *, chunk: int):
@@ -578,6 +579,7 @@ __all__ = [
     "GdnPages",
     "PagedSeqs",
     "paged_seqs",
+    "paged_decodes",
     "backend_module",
     "Gather",
     "LOCAL",

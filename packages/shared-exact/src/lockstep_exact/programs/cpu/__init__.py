@@ -15,6 +15,7 @@ from .gdn import (
     gdn_paged,
     gdn_state,
     l2norm,
+    paged_decodes,
     paged_seqs,
 )
 from .gemm import gemm, kpart_partial
@@ -30,6 +31,7 @@ __all__ = [
     "GdnPages",
     "GdnState",
     "PagedSeqs",
+    "paged_decodes",
     "conv1d_causal",
     "conv1d_paged",
     "conv1d_window",

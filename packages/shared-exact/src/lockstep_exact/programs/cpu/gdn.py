@@ -391,13 +391,15 @@ class GdnPages:
 class PagedSeqs:
     """The sequences of one step over state pages: sequence r has the rows
     ``starts[r]:starts[r+1]`` of the step, its first at ``positions[r]``, its state in page
-    ``slot_ids[r]`` (int64 on the pages' device). ``slots`` holds the same page indices on the
-    host where they are known there (the cpu programs read them; on cuda they stay on the
-    device). ``table`` is the same as int32 [R, 4] on the pages' device (row start, rows,
-    position, page): what the cuda kernels read. Made by ``paged_seqs``."""
+    ``slot_ids[r]`` (int64 on the pages' device). ``positions`` and ``slots`` hold the same on
+    the host where they are known there (the cpu programs read them; on cuda the pages stay on
+    the device; a step made on the device, ``paged_decodes``, knows neither: None).
+    ``table`` is the same as int32 [R, 4] on the pages' device (row start, rows, position,
+    page): what the cuda kernels read. A sequence of 0 rows is a padding entry: its page is
+    neither read nor written. Made by ``paged_seqs`` or ``paged_decodes``."""
 
     starts: tuple[int, ...]
-    positions: tuple[int, ...]
+    positions: tuple[int, ...] | None
     slots: tuple[int, ...] | None
     chunk: int
     table: torch.Tensor
@@ -406,6 +408,24 @@ class PagedSeqs:
     @property
     def rows(self) -> int:
         return self.starts[-1]
+
+    @property
+    def count(self) -> int:
+        """Sequences in the step (padding entries included)."""
+        return self.table.shape[0]
+
+    def host_rows(self) -> list[tuple[int, int, int, int]]:
+        """(row start, rows, position, page) of every sequence with rows, on the host (the
+        definition indexes them a sequence at a time; from the table where the host does not
+        hold them: one read)."""
+        if self.positions is not None and self.slots is not None:
+            rows = [
+                (self.starts[r], self.starts[r + 1] - self.starts[r], p, slot)
+                for r, (p, slot) in enumerate(zip(self.positions, self.slots, strict=True))
+            ]
+        else:
+            rows = [tuple(int(x) for x in row) for row in self.table.tolist()]
+        return [row for row in rows if row[1] > 0]
 
 
 def paged_seqs(starts, positions, slots, *, chunk: int, device=None, upload=None) -> PagedSeqs:
@@ -456,6 +476,39 @@ def paged_seqs(starts, positions, slots, *, chunk: int, device=None, upload=None
     )
 
 
+def paged_decodes(positions, slots, live, *, chunk: int) -> PagedSeqs:
+    """``PagedSeqs`` of a step of one-row sequences made on the pages' device, nothing read on
+    the host (a CUDA graph replays it with new values in the same tensors): row r is sequence
+    r, at ``positions[r]``, its state in page ``slots[r]``; ``live[r]`` False makes r a
+    padding entry (no rows: its page is neither read nor written; a batch padded to a captured
+    size). One row always stays inside its chunk; distinct pages of the live entries are
+    asserted on the device."""
+    n = positions.shape[0]
+    require(
+        n >= 1 and positions.dim() == 1 and slots.shape == (n,) and live.shape == (n,),
+        "gdn paged: positions, slots and live [R] of R >= 1 one-row sequences",
+    )
+    require(live.dtype == torch.bool, "gdn paged: live must be bool")
+    require(chunk >= 1 and chunk & (chunk - 1) == 0, f"gdn paged: chunk {chunk} not a power of 2")
+    ids = slots.to(torch.int64)
+    both = live[:, None] & live[None, :]
+    shared = (ids[:, None] == ids[None, :]) & both  # the diagonal: each live entry itself
+    torch._assert_async((shared.sum() == live.sum()) & ((ids >= 0) | ~live).all())
+    table = torch.stack(
+        [
+            torch.arange(n, device=ids.device),
+            live.to(torch.int64),
+            torch.where(live, positions.to(torch.int64), 0),
+            ids,
+        ],
+        dim=1,
+    ).to(torch.int32)
+    return PagedSeqs(
+        starts=tuple(range(n + 1)), positions=None, slots=None, chunk=chunk, table=table,
+        slot_ids=ids,
+    )  # fmt: skip
+
+
 def check_paged(q, k, v, g, beta, pages: GdnPages, seqs: PagedSeqs, chunk: int) -> None:
     """gdn.chunked's paged form's input checks (both backends): the step's table and rows,
     the dtypes and shapes of the tokens, and pages that hold this layer's state."""
@@ -487,21 +540,16 @@ def check_conv1d_paged(x, weight, pages: GdnPages, seqs: PagedSeqs, kernel: int)
     require(x.shape[0] == seqs.rows, f"conv1d paged: {x.shape[0]} rows, the table {seqs.rows}")
 
 
-def _host_slots(seqs: PagedSeqs) -> tuple[int, ...]:
-    """The pages as host integers: the definition indexes them a sequence at a time (on a
-    CUDA device's table, one read)."""
-    return seqs.slots if seqs.slots is not None else tuple(seqs.slot_ids.tolist())
-
-
 def gdn_paged(q, k, v, g, beta, pages: GdnPages, seqs: PagedSeqs, *, chunk: int, scale=None):
     """gdn.chunked for many sequences, each continued from its state page: the rows of
     sequence r (``seqs``) are ``gdn_chunked``'s call on its page's state, out [T, Hv, V] bf16
     their outputs, and each page holds the advanced state after. The definition: a call per
-    sequence (the cuda backend: one launch, the same bytes)."""
+    sequence (the cuda backend: one launch, the same bytes). Rows of no sequence (padding)
+    are zeros here; their bytes are no program's."""
     check_paged(q, k, v, g, beta, pages, seqs, chunk)
-    out = torch.empty(v.shape, dtype=BF16, device=v.device)
-    for r, (p, slot) in enumerate(zip(seqs.positions, _host_slots(seqs), strict=True)):
-        rows = slice(seqs.starts[r], seqs.starts[r + 1])
+    out = torch.zeros(v.shape, dtype=BF16, device=v.device)
+    for start, n, p, slot in seqs.host_rows():
+        rows = slice(start, start + n)
         if p == 0:
             state = gdn_state(k.shape[1], v.shape[1], k.shape[2], v.shape[2], chunk=chunk,
                               device=v.device)  # fmt: skip
@@ -520,11 +568,11 @@ def conv1d_paged(x, weight, pages: GdnPages, seqs: PagedSeqs, *, kernel: int = 4
     """conv1d.causal for many sequences, each continued from its page's window: the rows of
     sequence r are ``conv1d_causal``'s call on its window (zeros at position 0), out [T, D]
     bf16, and each page holds the advanced window after. The definition: a call per sequence
-    (the cuda backend: one launch, the same bytes)."""
+    (the cuda backend: one launch, the same bytes). Rows of no sequence are zeros here."""
     check_conv1d_paged(x, weight, pages, seqs, kernel)
-    out = torch.empty(x.shape, dtype=BF16, device=x.device)
-    for r, (p, slot) in enumerate(zip(seqs.positions, _host_slots(seqs), strict=True)):
-        rows = slice(seqs.starts[r], seqs.starts[r + 1])
+    out = torch.zeros(x.shape, dtype=BF16, device=x.device)
+    for start, n, p, slot in seqs.host_rows():
+        rows = slice(start, start + n)
         window = conv1d_window(x.shape[1], kernel=kernel, device=x.device)
         y, new = conv1d_causal(
             x[rows], weight, window if p == 0 else pages.conv[slot], kernel=kernel

@@ -190,7 +190,9 @@ def _chunk_kernel(
                 tl.debug_barrier()  # the row read by every thread before it is replaced
             tl.store(se_at + kk * V + vs, gam_last * s_row + upd, mask=vin)
     if PAGED:  # noqa: SIM102 (a compile-time branch around a run-time one)
-        if (m < C) & (p == 0):  # the zero state into the page of a sequence that starts here
+        # the zero state into the page of a sequence that starts here (a padding entry, no
+        # rows, writes nothing)
+        if (m < C) & (p == 0) & (n > 0):
             for kk in range(0, K):
                 tl.store(s_at + kk * V + vs, tl.zeros([BV], tl.float32), mask=vin)
 
@@ -268,7 +270,7 @@ def run_paged(q, k, v, g, beta, pages, seqs, scale):
     v = v.contiguous().view(torch.int16)
     out = torch.empty(t, h_v, d_v, dtype=torch.int16, device=v.device)
     kp = next_pow2(d_k)
-    _chunk_kernel[(h_v, triton.cdiv(d_v, _BV), len(seqs.positions))](
+    _chunk_kernel[(h_v, triton.cdiv(d_v, _BV), seqs.count)](
         pages.s, pages.k, k, v, g, beta, q, pages.u, pages.gcum,
         pages.u, pages.gcum, out, pages.s, seqs.table, scale, pages.v.view(torch.int16),
         pages.g, pages.beta,

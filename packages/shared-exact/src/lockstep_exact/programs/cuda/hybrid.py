@@ -135,7 +135,7 @@ def _conv1d_paged_kernel(
     rows, position and page from ``seq_ptr``): the taps before its first row from its page's
     window (``win_ptr``, page stride ``s_win``; zeros at position 0), then its advanced window
     written over the page's (each program owns its page's columns ``ds``; a barrier between
-    the last read and the first write)."""
+    the last read and the first write). A sequence of no rows (padding) writes nothing."""
     seq = tl.program_id(0)
     start = tl.load(seq_ptr + seq * 4).to(tl.int64)
     n = tl.load(seq_ptr + seq * 4 + 1)
@@ -156,7 +156,7 @@ def _conv1d_paged_kernel(
     keep = ws[None, :] < KERNEL - 1
     new = _window_or_rows(win, x_ptr, start, n + ws[None, :], D, ds, din & keep, live, KERNEL)
     tl.debug_barrier()
-    tl.store(win + ws[None, :] * D, new, mask=din & keep)
+    tl.store(win + ws[None, :] * D, new, mask=din & keep & (n > 0))  # padding: no window
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -306,7 +306,7 @@ def conv1d_pages(x, weight, pages, seqs, *, kernel: int = 4):
     out = torch.empty(x.shape, dtype=torch.int16, device=x.device)
     width = next_pow2(kernel)
     block = 128
-    _conv1d_paged_kernel[(len(seqs.positions), triton.cdiv(d, block))](
+    _conv1d_paged_kernel[(seqs.count, triton.cdiv(d, block))](
         bits16(x.contiguous()), win.view(torch.int16), bits16(weight), out, seqs.table, d,
         kernel, win.stride(0), BD=block, WP=width, LOG=width.bit_length() - 1, **EXACT,
     )  # fmt: skip
