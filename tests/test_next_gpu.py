@@ -282,12 +282,15 @@ def test_on_cuda_graphs_give_the_eager_engines_bytes_and_replay_every_decode_ste
 ):
     """An engine with CUDA graphs (``FULL_DECODE_ONLY``): 61 of the 64 prompts (their decode
     steps padded to a captured batch of 64, three padding rows) and the long prompt alone give
-    the eager engine's bytes (that engine ran the same requests in a batch of 64 and alone),
-    and every decode step was a graph replay (the Python forward ran none). Control: the eager
-    engine's run with another seed differs."""
-    from serving_support import start_engine, stop_engine
+    the eager engine's bytes (that engine ran the same requests in a batch of 64 and alone) and
+    the cuda composition's (no engine, no cache: the graph = eager comparison alone would hold
+    for a decode step both run wrong), and every decode step was a graph replay (the Python
+    forward ran none). Control: the eager engine's run with another seed differs."""
+    from safetensors.torch import load_file
+    from serving_support import assert_equals_composition, start_engine, stop_engine
     from vllm.inputs import TokensPrompt
 
+    from lockstep_exact.lanes import qwen3_next as N
     from lockstep_exact.parity import same_bytes
     from lockstep_serving.vllm.offline import python_decode_steps
 
@@ -313,3 +316,9 @@ def test_on_cuda_graphs_give_the_eager_engines_bytes_and_replay_every_decode_ste
     assert tokens == want_tokens
     _same_and_comparator(want, got, "the long prompt alone: CUDA graphs vs eager")
     assert not same_bytes(got, _decisions(cuda_runs["alone_seed_8"])[1])
+    n = len(LENGTHS)
+    assert_equals_composition(
+        batch[:n], cuda_runs["prompts"][:n], load_file(str(next_dir / "model.safetensors")),
+        N.Geometry.from_model_dir(next_dir), "vLLM cuda graphs vs the cuda composition",
+        backend="cuda",
+    )  # fmt: skip
