@@ -740,6 +740,20 @@ def test_a_steps_page_metas_are_read_once_and_checked_as_each_page_reads_its_own
     assert page_metas(pages, []) == {} and page_metas({}, [1]) == {}
 
 
+def _pages_with_one_at_seven(model_dir, n: int, page: int):
+    """(geometry, ``n`` state pages of random bytes by GDN layer) with page ``page`` holding the
+    long prompt's state after its first 7 tokens."""
+    from lockstep_serving.vllm.next import store_cache
+
+    geom = N.Geometry.from_model_dir(model_dir)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    pages = _fake_pages(geom, n)
+    cache = N.NextCache.empty(geom)
+    N.forward_logprobs(weights, geom, torch.tensor(_prompts()[LONG][:7]), cache)
+    store_cache(geom, pages, page, cache)
+    return geom, pages
+
+
 @pytest.mark.parametrize("on_device", [False, True])
 def test_a_steps_positions_and_pages_are_checked_on_the_host_or_asserted_on_the_device(
     model_dir, on_device
@@ -748,14 +762,9 @@ def test_a_steps_positions_and_pages_are_checked_on_the_host_or_asserted_on_the_
     each continuing request's page): on cpu refused by name, on cuda asserted on the device (no
     host read; here forced on cpu tensors, where the assert raises at once). Pages and
     positions that match pass either way."""
-    from lockstep_serving.vllm.next import check_pages, check_positions, store_cache
+    from lockstep_serving.vllm.next import check_pages, check_positions
 
-    geom = N.Geometry.from_model_dir(model_dir)
-    weights = load_file(str(model_dir / "model.safetensors"))
-    pages = _fake_pages(geom, 4)
-    cache = N.NextCache.empty(geom)
-    N.forward_logprobs(weights, geom, torch.tensor(_prompts()[LONG][:7]), cache)
-    store_cache(geom, pages, 1, cache)  # page 1: position 7
+    geom, pages = _pages_with_one_at_seven(model_dir, 4, 1)
     slots = torch.tensor([3, 1])  # request 0's page 3 (fresh), request 1's page 1
     steps = [(0, 0, 5, 5, 0), (1, 5, 6, 8, 7)]  # (r, start, end, seq_len, first)
     positions = torch.tensor([0, 1, 2, 3, 4, 7])
@@ -774,14 +783,9 @@ def test_a_decode_steps_checks_and_page_marks_run_on_the_device_and_skip_padding
     cpu tensors where the assert raises at once) and ``advance_decode_metas`` (live pages to
     the next position, padding entries' mark into the null page only). Padding rows (not
     live) pass whatever their positions and pages hold."""
-    from lockstep_serving.vllm.next import advance_decode_metas, check_decode_pages, store_cache
+    from lockstep_serving.vllm.next import advance_decode_metas, check_decode_pages
 
-    geom = N.Geometry.from_model_dir(model_dir)
-    weights = load_file(str(model_dir / "model.safetensors"))
-    pages = _fake_pages(geom, 5)
-    cache = N.NextCache.empty(geom)
-    N.forward_logprobs(weights, geom, torch.tensor(_prompts()[LONG][:7]), cache)
-    store_cache(geom, pages, 2, cache)  # page 2: position 7
+    geom, pages = _pages_with_one_at_seven(model_dir, 5, 2)
     slots = torch.tensor([2, 4, 0, 0])  # request 0 continues at 7, 1 starts, 2 and 3 padding
     positions = torch.tensor([7, 0, 5, 0])
     seq_lens = torch.tensor([8, 1, 0, 0])

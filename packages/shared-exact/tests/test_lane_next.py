@@ -281,6 +281,30 @@ def test_a_cache_of_another_chunk_or_position_is_refused(nxt):
         N.forward_logprobs(w, geom, toks, cache)
 
 
+def _prefilled(g, w, prompts, slots, pages: int, gen, *, extra: int = 0):
+    """Each prompt prefilled twice, on two caches of its own: (ops, slots, own, kept, books),
+    ``own`` the reference's caches, ``kept`` the second ones, whose GDN states and conv windows
+    also go into ``books`` (by GDN layer: ``pages`` state pages of random bytes, sequence r's in
+    page ``slots[r]``); ``extra`` fresh caches after the prompts' in both lists."""
+    ops, dict_slots = N.default_ops(g), N.DictSlots(w, g)
+    own = [N.NextCache.empty(g) for _ in range(len(prompts) + extra)]
+    kept = [N.NextCache.empty(g) for _ in range(len(prompts) + extra)]
+    for t, a, b in zip(prompts, own, kept, strict=False):
+        N.forward(ops, g, dict_slots, [(t, a)])
+        N.forward(ops, g, dict_slots, [(t, b)])
+    heads = (g.linear_key_heads, g.linear_value_heads)
+    dims = (g.linear_key_dim, g.linear_value_dim)
+    books = {}
+    for i, kind in enumerate(g.layer_types):
+        if kind != N.LINEAR:
+            continue
+        books[i] = book = random_pages(pages, heads, dims, g.chunk, g.conv_dim, g.conv_kernel, gen)
+        for r in range(len(prompts)):
+            book.keep(slots[r], kept[r].gdn[i])
+            book.conv[slots[r]] = kept[r].conv[i]
+    return ops, dict_slots, own, kept, books
+
+
 class PagedSlots(N.DictSlots):
     """The composition's slots with every GDN layer's states in pages (as a serving engine
     keeps them), the step's table set before each step; attention K/V stay in the caches."""
@@ -305,26 +329,10 @@ def test_steps_over_state_pages_give_the_bytes_of_each_sequences_own_cache(nxt):
     more = [tokens(12, seed=s) for s in (15, 16, 17, 18)]
     slots = [5, 0, 3, 1]  # each sequence's page, out of order; page 2 unused
     gen = torch.Generator().manual_seed(19)
-    dims = (g.linear_key_heads, g.linear_value_heads, g.linear_key_dim, g.linear_value_dim)
-    hk, hv, dk, dv = dims
 
     def run(moved: bool = False):
-        ops, dict_slots = N.default_ops(g), N.DictSlots(w, g)
-        own = [N.NextCache.empty(g) for _ in range(4)]
-        paged = [N.NextCache.empty(g) for _ in range(4)]
-        for t, a, b in zip(prompts, own, paged, strict=False):  # prefills, per sequence
-            N.forward(ops, g, dict_slots, [(t, a)])
-            N.forward(ops, g, dict_slots, [(t, b)])
-        books = {}
-        for i, kind in enumerate(g.layer_types):
-            if kind != N.LINEAR:
-                continue
-            books[i] = book = random_pages(
-                6, (hk, hv), (dk, dv), g.chunk, g.conv_dim, g.conv_kernel, gen
-            )
-            for r in range(3):
-                book.keep(slots[r], paged[r].gdn[i])
-                book.conv[slots[r]] = paged[r].conv[i]
+        ops, dict_slots, own, paged, books = _prefilled(g, w, prompts, slots, 6, gen, extra=1)
+        for book in books.values():
             if moved:  # sequence 0's last solved row (u) negated (a smaller move can round away)
                 book.u[slots[0], prompts[0].numel() % g.chunk - 1].neg_()
         pslots = PagedSlots(w, g, books)
@@ -385,25 +393,10 @@ def test_decode_steps_given_as_rows_with_padding_give_each_sequences_own_bytes(n
     slots = [4, 1, 2]
     pads = [0, 1]  # page 0 unused; page 1 is sequence 1's
     gen = torch.Generator().manual_seed(27)
-    hk, hv = g.linear_key_heads, g.linear_value_heads
-    dk, dv = g.linear_key_dim, g.linear_value_dim
 
     def run(moved: bool = False):
-        ops, dict_slots = N.default_ops(g), N.DictSlots(w, g)
-        own = [N.NextCache.empty(g) for _ in prompts]
-        rows = [N.NextCache.empty(g) for _ in prompts]
-        for t, a, b in zip(prompts, own, rows, strict=True):
-            N.forward(ops, g, dict_slots, [(t, a)])
-            N.forward(ops, g, dict_slots, [(t, b)])
-        books = {}
-        for i, kind in enumerate(g.layer_types):
-            if kind != N.LINEAR:
-                continue
-            books[i] = book = random_pages(5, (hk, hv), (dk, dv), g.chunk, g.conv_dim,
-                                           g.conv_kernel, gen)  # fmt: skip
-            for r, slot in enumerate(slots):
-                book.keep(slot, rows[r].gdn[i])
-                book.conv[slot] = rows[r].conv[i]
+        ops, dict_slots, own, rows, books = _prefilled(g, w, prompts, slots, 5, gen)
+        for book in books.values():
             if moved:  # sequence 1's state at its chunk start, one element negated
                 book.s[slots[1], 0, 0, 0] = -book.s[slots[1], 0, 0, 0] - 1.0
         untouched = {i: {f: getattr(b, f)[0].clone() for f in b.__dataclass_fields__}

@@ -448,13 +448,24 @@ class DecodeSlots(WarmSlots):
     def __init__(self, model: LockstepQwen3ForCausalLM, md):
         super().__init__(model)
         self.md = md
-        self.checked = False
+        self.attention = DecodeAttention(model.ops, model.layer_names)
 
     def attend(self, layer, q, k, v, positions, core):
+        return self.attention(layer, q, k, v, positions, core)
+
+
+class DecodeAttention:
+    """``decode_attention`` for the attention layers of one decode step (``layer_names``: by
+    layer index), vLLM's invariant checked at the step's first call only."""
+
+    def __init__(self, ops, layer_names):
+        self.ops, self.layer_names = ops, layer_names
+        self.checked = False
+
+    def __call__(self, layer: int, q, k, v, positions, core):
         out = decode_attention(
-            self.model.ops, self.model.layer_names[layer], q, k, v, positions, core,
-            check=not self.checked,
-        )  # fmt: skip
+            self.ops, self.layer_names[layer], q, k, v, positions, core, check=not self.checked
+        )
         self.checked = True
         return out
 

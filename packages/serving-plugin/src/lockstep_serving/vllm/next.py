@@ -71,8 +71,8 @@ from ..common.errors import LaneRefused, _refuse
 from ..common.lane import lane_weights
 from .model import (
     LIVE,
+    DecodeAttention,
     _validate_config,
-    decode_attention,
     lane_backend,
     paged_attention,
     step_places,
@@ -683,13 +683,13 @@ class DecodeNextSlots(N.DictSlots):
     """The composition's slots for a step of one-token decodes on cuda (``_decode_step``):
     the engine's weights, no adapter, every GDN layer over the state pages (``paged``: pages
     by layer and the step's ``P.paged_decodes`` table), attention one paged-decode call a
-    layer (``model.decode_attention``), the experts grouped."""
+    layer (``model.DecodeAttention``), the experts grouped."""
 
     def __init__(self, model: LockstepQwen3NextForCausalLM, paged):
         self.weights, self.per_layer = model._slots.weights, model._slots.per_layer
         self.adapters = {}
         self.model, self.paged = model, paged
-        self.checked = False
+        self.attention = DecodeAttention(model.ops, model.layer_names)
 
     def gdn_pages(self, layer):
         by_layer, seqs = self.paged
@@ -699,9 +699,4 @@ class DecodeNextSlots(N.DictSlots):
         return unadapted_experts(self.model, None, layer)
 
     def attend(self, layer, q, k, v, segs, positions, core):
-        out = decode_attention(
-            self.model.ops, self.model.layer_names[layer], q, k, v, positions, core,
-            check=not self.checked,
-        )  # fmt: skip
-        self.checked = True
-        return out
+        return self.attention(layer, q, k, v, positions, core)
