@@ -475,6 +475,37 @@ def test_graphs_on_cuda_are_taken_and_refused_only_without_an_attention_layer(
     check_hybrid(_config(device="cpu", graphs="FULL_DECODE_ONLY"), geom)
 
 
+def test_the_state_metadata_keeps_every_steps_pages_in_one_buffer():
+    """The state builder hands each step's pages (the block table's first column) in the same
+    memory every step, sized for any batch vLLM can build (a CUDA graph reads the addresses it
+    was captured with); a larger batch is refused by name."""
+    from lockstep_serving.vllm.next_state import LaneStateMetadataBuilder
+
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(mamba_cache_mode="none"),
+        scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=6),
+        compilation_config=SimpleNamespace(max_cudagraph_capture_size=5),
+    )
+    builder = LaneStateMetadataBuilder(None, [], config, torch.device("cpu"))
+
+    def step(pages):
+        n = len(pages)
+        cm = SimpleNamespace(
+            num_reqs=n, num_actual_tokens=n, query_start_loc_cpu=torch.arange(n + 1),
+            seq_lens=torch.full((n,), 3), _seq_lens_cpu=torch.full((n,), 3),
+            block_table_tensor=torch.tensor([[p, 99] for p in pages], dtype=torch.int32),
+        )  # fmt: skip
+        return builder.build(0, cm).state_slots
+
+    first = step([7, 3, 5])
+    assert first.tolist() == [7, 3, 5] and first.dtype == torch.int64
+    second = step([2, 9, 4, 8, 6, 1])  # six requests: max_num_batched_tokens' room
+    assert second.tolist() == [2, 9, 4, 8, 6, 1]
+    assert second.data_ptr() == first.data_ptr()
+    with pytest.raises(LaneRefused, match="a batch of 7 requests, more than the state metadata"):
+        step([1, 2, 3, 4, 5, 6, 7])
+
+
 def test_the_state_backend_takes_the_custom_mamba_slot_where_names_cannot_be_added(monkeypatch):
     """vLLM 0.26 has no MambaAttentionBackendEnum.register: the lane's state backend takes the
     CUSTOM member (register_backend(..., is_mamba=True)), and refuses it when another class

@@ -88,8 +88,12 @@ class LaneStateMetadataBuilder(AttentionMetadataBuilder[LaneStateMetadata]):
                 f"mamba_cache_mode {mode!r}: the qwen3-next lane keeps one state page per "
                 "request (mode 'none'); vLLM's per-block state checkpoints are not part of it"
             )
+        # Room for every batch vLLM can build: a padded batch has at most as many requests as
+        # tokens, and never more tokens than the scheduler's budget or a captured size.
+        sched = vllm_config.scheduler_config
         size = max(
-            vllm_config.scheduler_config.max_num_seqs,
+            sched.max_num_seqs,
+            sched.max_num_batched_tokens,
             vllm_config.compilation_config.max_cudagraph_capture_size or 0,
         )
         self._slots = torch.zeros(size, dtype=torch.int64, device=device)
@@ -103,13 +107,16 @@ class LaneStateMetadataBuilder(AttentionMetadataBuilder[LaneStateMetadata]):
         cm = common_attn_metadata
         n = cm.num_reqs
         # Mode "none": one page per request, the first (only) entry of its block table; kept
-        # on the device (a copy to the host would wait for the GPU every step), in the
-        # builder's buffer where it holds the batch.
-        if n <= self._slots.shape[0]:
-            slots = self._slots[:n]
-            slots.copy_(cm.block_table_tensor[:n, 0])
-        else:
-            slots = cm.block_table_tensor[:n, 0].to(torch.int64)
+        # on the device (a copy to the host would wait for the GPU every step), always in the
+        # builder's buffer (a captured graph reads the memory it was captured with).
+        if n > self._slots.shape[0]:
+            raise LaneRefused(
+                f"Lockstep exact lane: a batch of {n} requests, more than the state metadata's "
+                f"buffer of {self._slots.shape[0]} (the scheduler's max_num_seqs and "
+                "max_num_batched_tokens, the largest captured size)"
+            )
+        slots = self._slots[:n]
+        slots.copy_(cm.block_table_tensor[:n, 0])
         return LaneStateMetadata(
             num_reqs=n,
             num_actual_tokens=cm.num_actual_tokens,
