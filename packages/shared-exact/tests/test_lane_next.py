@@ -425,3 +425,12 @@ def test_decode_steps_given_as_rows_with_padding_give_each_sequences_own_bytes(n
     others = [i for i in range(got.shape[0]) if i not in mine]
     assert not same_bytes(moved[mine], got[mine]), "sequence 1's rows did not move"
     assert same_bytes(moved[others], got[others]), "another sequence's rows moved"
+
+
+def test_decode_rows_without_the_engines_state_pages_are_refused(nxt):
+    """``hidden_rows`` has no per-sequence caches to fall back to: slots whose GDN layers have
+    no state pages are refused by name, before any op runs."""
+    _, geom, w = nxt
+    with pytest.raises(ValueError, match="every GDN layer must run over the engine's state pages"):
+        N.hidden_rows(N.default_ops(geom), geom, N.DictSlots(w, geom), tokens(2, seed=1),
+                      torch.tensor([0, 0]))  # fmt: skip
