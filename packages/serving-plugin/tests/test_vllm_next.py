@@ -97,25 +97,25 @@ def _after_store(position: int, move):
     """Call ``move(pages, slot)`` right after the lane stores a request's state at
     ``position`` into page ``slot``: between that step and the next, which reads it. A step
     stores through ``store_cache`` (a request at a time) or, when it ran the paged programs,
-    ends in the model's ``_advance_metas``."""
+    ends in ``advance_metas``."""
     from lockstep_serving.vllm import next as V
 
-    original, advance = V.store_cache, V.LockstepQwen3NextForCausalLM._advance_metas
+    original, advance = V.store_cache, V.advance_metas
 
     def store_cache(geom, pages, slot, cache):
         original(geom, pages, slot, cache)
         if cache.position == position:
             move(pages, slot)
 
-    def advance_metas(model, pages, seqs, batch):
-        advance(model, pages, seqs, batch)
-        for slot, (_, cache) in zip(seqs.slots, batch, strict=True):
-            if cache.position == position:
+    def advance_metas(geom, pages, seqs, null_page):
+        advance(geom, pages, seqs, null_page)
+        for _start, n, first, slot in seqs.host_rows():
+            if first + n == position:
                 move(pages, slot)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(V, "store_cache", store_cache)
-        mp.setattr(V.LockstepQwen3NextForCausalLM, "_advance_metas", advance_metas)
+        mp.setattr(V, "advance_metas", advance_metas)
         yield
 
 
@@ -811,10 +811,10 @@ def test_a_steps_positions_and_pages_are_checked_on_the_host_or_asserted_on_the_
 def test_a_decode_steps_checks_and_page_marks_run_on_the_device_and_skip_padding(model_dir):
     """The graph-safe decode step's ``check_decode_pages`` (each live row its request's last
     token, each continuing request's page at its position; asserted on the device, here on
-    cpu tensors where the assert raises at once) and ``advance_decode_metas`` (live pages to
+    cpu tensors where the assert raises at once) and ``advance_metas`` (live pages to
     the next position, padding entries' mark into the null page only). Padding rows (not
     live) pass whatever their positions and pages hold."""
-    from lockstep_serving.vllm.next import advance_decode_metas, check_decode_pages
+    from lockstep_serving.vllm.next import advance_metas, check_decode_pages
 
     geom, pages = _pages_with_one_at_seven(model_dir, 5, 2)
     slots = torch.tensor([2, 4, 0, 0])  # request 0 continues at 7, 1 starts, 2 and 3 padding
@@ -829,7 +829,7 @@ def test_a_decode_steps_checks_and_page_marks_run_on_the_device_and_skip_padding
                            torch.tensor([9, 1, 0, 0]), live)  # fmt: skip
     before = {i: p["meta"].clone() for i, p in pages.items()}
     seqs = P.paged_decodes(positions, slots, live, chunk=geom.chunk)
-    advance_decode_metas(geom, pages, seqs, null_page=0)
+    advance_metas(geom, pages, seqs, null_page=0)
     for i, p in pages.items():
         assert p["meta"][2].tolist() == [8, geom.chunk] and p["meta"][4].tolist() == [1, geom.chunk]
         assert p["meta"][0].tolist() == [0, geom.chunk]  # the null page: padding's mark

@@ -168,6 +168,15 @@ def check_positions(positions: torch.Tensor, steps, on_device: bool) -> None:
             )
 
 
+def pages_hold(geom: N.Geometry, pages, ids, positions) -> torch.Tensor:
+    """[layers, R] bool on the pages' device: whether page ``ids[r]`` of each GDN layer holds
+    the state at ``positions[r]`` (``meta`` = (position, chunk)); nothing read on the host."""
+    held = torch.stack([p["meta"][ids] for p in pages.values()]).to(torch.int64)  # [L, R, 2]
+    pos = positions.to(torch.int64)
+    want = torch.stack([pos, torch.full_like(pos, geom.chunk)], dim=-1)
+    return (held == want).all(-1)
+
+
 def check_pages(geom: N.Geometry, pages, slots, steps, on_device: bool) -> None:
     """Every continuing request's state page holds its state at its position (``meta`` =
     (position, chunk) in every GDN layer): on cpu read once (``page_metas``) and a page that
@@ -178,10 +187,7 @@ def check_pages(geom: N.Geometry, pages, slots, steps, on_device: bool) -> None:
         return
     if on_device:
         which, firsts = up(torch.tensor([[r for r, _ in cont], [f for _, f in cont]]), slots.device)
-        ids = slots[which]
-        held = torch.stack([p["meta"][ids] for p in pages.values()])  # [layers, requests, 2]
-        want = torch.stack([firsts, torch.full_like(firsts, geom.chunk)], dim=-1)
-        torch._assert_async((held == want.to(held.dtype)).all())
+        torch._assert_async(pages_hold(geom, pages, slots[which], firsts).all())
         return
     host = slots.tolist()
     metas = page_metas(pages, [host[r] for r, _ in cont])
@@ -287,18 +293,17 @@ def check_decode_pages(geom: N.Geometry, pages, slots, positions, seq_lens, live
         return
     pos = positions.to(torch.int64)
     ok = ~live | (pos == seq_lens.to(torch.int64) - 1)
-    at = torch.where(live, slots.to(torch.int64), 0)
-    held = torch.stack([p["meta"][at] for p in pages.values()]).to(torch.int64)  # [L, R, 2]
-    want = torch.stack([pos, torch.full_like(pos, geom.chunk)], dim=-1)
+    held = pages_hold(geom, pages, torch.where(live, slots.to(torch.int64), 0), pos)
     skip = ~live | (pos == 0)  # padding, and a request that starts here (its page unread)
-    torch._assert_async(ok.all() & ((held == want).all(-1) | skip).all())
+    torch._assert_async(ok.all() & (held | skip).all())
 
 
-def advance_decode_metas(geom: N.Geometry, pages, seqs: P.PagedSeqs, null_page: int) -> None:
-    """Every page's ``meta`` after a decode step (``P.paged_decodes``'s ``seqs``): (the next
-    position, chunk) for each live entry, on the device. A padding entry writes (0, chunk)
-    into ``null_page`` (vLLM's null block: a page no request is given), the same bytes for
-    every padding entry, so the write order does not matter."""
+def advance_metas(geom: N.Geometry, pages, seqs: P.PagedSeqs, null_page: int) -> None:
+    """Every page's ``meta`` after a paged step (``seqs``: ``P.paged_seqs``' or
+    ``P.paged_decodes``' table): (the next position, chunk) for each sequence with rows, made
+    from the table on the device. A padding entry (``paged_decodes``) writes (0, chunk) into
+    ``null_page`` (vLLM's null block: a page no request is given), the same bytes for every
+    padding entry, so the write order does not matter."""
     t = seqs.table
     live = t[:, 1] > 0
     metas = torch.stack([t[:, 2] + t[:, 1], torch.full_like(t[:, 1], geom.chunk)], dim=1)
@@ -495,6 +500,8 @@ class LockstepQwen3NextForCausalLM(nn.Module):
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **_):
         from vllm.forward_context import get_forward_context, is_forward_context_available
 
+        from .next_state import NULL_PAGE
+
         n = positions.shape[0]
         out = torch.zeros(n, self.geom.hidden, dtype=torch.bfloat16, device=positions.device)
         if not is_forward_context_available():
@@ -566,7 +573,7 @@ class LockstepQwen3NextForCausalLM(nn.Module):
                 slots_.paged = self._paged_seqs(reqs, batch, page_ids, pages)
             h = N.hidden(self.ops, self.geom, slots_, batch)
             if paged:
-                self._advance_metas(pages, slots_.paged[1], batch)
+                advance_metas(self.geom, pages, slots_.paged[1], NULL_PAGE)
             else:
                 for slot, (_, cache) in zip(slots, batch, strict=True):
                     store_cache(self.geom, pages, slot, cache)
@@ -615,7 +622,7 @@ class LockstepQwen3NextForCausalLM(nn.Module):
         slots = DecodeNextSlots(self, ({i: gdn_pages(p) for i, p in pages.items()}, seqs))
         with P.position_bound(self.max_positions):
             h = N.hidden_rows(self.ops, self.geom, slots, input_ids, positions)
-        advance_decode_metas(self.geom, pages, seqs, NULL_PAGE)
+        advance_metas(self.geom, pages, seqs, NULL_PAGE)
         return h
 
     def _paged_seqs(self, reqs, batch, slots, pages):
@@ -631,16 +638,6 @@ class LockstepQwen3NextForCausalLM(nn.Module):
             upload=lambda t: up(t, self.device),
         )
         return {i: gdn_pages(p) for i, p in pages.items()}, seqs
-
-    def _advance_metas(self, pages, seqs, batch) -> None:
-        """Each page's meta after a paged step: (the next token's position, chunk), filled on
-        the device from one upload."""
-        metas = up(
-            torch.tensor([(c.position, self.geom.chunk) for _, c in batch], dtype=torch.int32),
-            self.device,
-        )
-        for p in pages.values():
-            p["meta"].index_copy_(0, seqs.slot_ids, metas)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the lane: the composition's final norm + LM head."""

@@ -616,11 +616,7 @@ def hidden(
         segs.append((lo, n, cache))
         pos.append(torch.arange(cache.position, cache.position + n, device=tokens.device))
         lo += n
-    tokens = torch.cat([t for t, _ in batch])
-    positions = torch.cat(pos)
-    h = ops.embed("embed_tokens", slots.weight(None, "model.embed_tokens.weight"), tokens)
-    for i in range(geom.layers):
-        h = Layer(geom, i, ops, slots)(h, segs, positions)
+    h = _layers(ops, geom, slots, torch.cat([t for t, _ in batch]), segs, torch.cat(pos))
     for _, n, cache in segs:
         cache.position += n
     return h
@@ -640,9 +636,14 @@ def hidden_rows(
             "hidden_rows: every GDN layer must run over the engine's state pages "
             "(slots.gdn_pages), outside a recording"
         )
+    return _layers(ops, geom, slots, tokens, (), positions)
+
+
+def _layers(ops: NextOps, geom: Geometry, slots: Slots, tokens, segs: Segments, positions):
+    """The embedding, then every layer in order: ``hidden``'s and ``hidden_rows``' body."""
     h = ops.embed("embed_tokens", slots.weight(None, "model.embed_tokens.weight"), tokens)
     for i in range(geom.layers):
-        h = Layer(geom, i, ops, slots)(h, (), positions)
+        h = Layer(geom, i, ops, slots)(h, segs, positions)
     return h
 
 
