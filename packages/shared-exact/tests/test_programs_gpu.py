@@ -1460,7 +1460,7 @@ def test_a_padded_decode_step_gives_the_live_rows_and_pages_and_padding_writes_n
     """The two paged launches over a decode step padded as a CUDA graph pads it
     (``paged_decodes``: the table made on the device; padding entries naming an unused page
     and a live one): the live rows and pages are the definition's over the live step, the
-    unused page keeps every byte."""
+    unused page keeps every byte; one live page's state moved moves that row only."""
     from lockstep_exact.testing import padded_decode_case
 
     decodes = [(5, 3), (chunk - 1, 0), (chunk, 7), (2 * chunk - 1, 2), (1, 5)]
@@ -1486,6 +1486,13 @@ def test_a_padded_decode_step_gives_the_live_rows_and_pages_and_padding_writes_n
         assert_same_bytes(b[name], a[name], f"page {name}")
     for f in book.__dataclass_fields__:
         assert_same_bytes(getattr(on_gpu, f)[9].cpu(), getattr(book, f)[9], f"unused page {f}")
+    # control: decode 2's state (page 7, after its first chunk) moved moves its row only
+    moved = pages_to(book, "cuda")
+    s = moved.s[7]
+    s[0] = nudge_ulp(s[0], int(s[0].abs().argmax()), 1 << 20)
+    other = P.gdn_paged(*dev, moved, seqs, chunk=chunk)
+    assert not same_bytes(other[2:3], got[2:3]), "decode 2's row did not follow its page"
+    assert same_bytes(other[:2], got[:2]) and same_bytes(other[3:n], got[3:n])
 
 
 @pytest.mark.parametrize("mix", sorted(PAGED_MIXES))

@@ -354,8 +354,10 @@ def test_the_trainer_contract_hook_answers_for_the_hybrid_lane(default_dir, tmp_
 def test_an_adapter_of_the_hybrid_lane_exports_and_loads_by_its_model_path(default_dir, tmp_path):
     """``export.export_peft`` / ``load_into`` take a Qwen3-Next model directory by path (the
     Megatron plugin runs the hybrid lane): the loaded adapter gives the exporting model's
-    log-probabilities byte for byte; an adapter of another model is refused by name."""
+    log-probabilities byte for byte, one with a factor moved does not; an adapter of another
+    model is refused by name."""
     from lockstep_exact.adapters import AdapterError
+    from lockstep_exact.testing import perturb_adapter
     from lockstep_megatron import adapters as AD
     from lockstep_megatron import export
 
@@ -371,6 +373,12 @@ def test_an_adapter_of_the_hybrid_lane_exports_and_loads_by_its_model_path(defau
     export.load_into(loaded, out, default_dir)
     with torch.no_grad():
         assert torch.equal(loaded(ids), want)
+    # control: the same adapter with one GDN factor moved by 2^-9 gives other bytes
+    key = "base_model.model.model.layers.0.linear_attn.in_proj_qkvz.lora_B.weight"
+    moved = build(default_dir)
+    export.load_into(moved, perturb_adapter(out, tmp_path / "moved", key), default_dir)
+    with torch.no_grad():
+        assert not torch.equal(moved(ids), want)
     other = make_tiny(tmp_path / "other", arch="qwen3-next", seed=1)
     with pytest.raises(AdapterError, match="model"):
         export.read_adapter(out, other)
