@@ -9,6 +9,7 @@ and an empty RECORD. ``python3 tools/gpu/dev_site.py SITE``; tools/gpu/env.sh ru
 
 from __future__ import annotations
 
+import os
 import sys
 import tomllib
 from pathlib import Path
@@ -29,6 +30,16 @@ def entry_points(project: dict) -> str:
     return "\n".join(lines)
 
 
+def _put(path: Path, text: str) -> None:
+    """Write ``text`` unless the file holds it already, through a rename: suite streams run
+    side by side on one machine, and a reader must never see a half-written entry-point file."""
+    if path.exists() and path.read_text() == text:
+        return
+    part = path.with_name(f".{path.name}.{os.getpid()}")
+    part.write_text(text)
+    os.replace(part, path)
+
+
 def write(site: Path) -> list[str]:
     site.mkdir(parents=True, exist_ok=True)
     written = []
@@ -38,9 +49,9 @@ def write(site: Path) -> list[str]:
         name, version = project["name"], project["version"]
         info = site / f"{name.replace('-', '_')}-{version}.dist-info"
         info.mkdir(exist_ok=True)
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-        (info / "entry_points.txt").write_text(entry_points(project))
-        (info / "RECORD").write_text("")
+        _put(info / "METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        _put(info / "entry_points.txt", entry_points(project))
+        _put(info / "RECORD", "")
         written.append(f"{name} {version}")
     return written
 
