@@ -656,7 +656,7 @@ def test_the_hopper_prefill_gives_the_triton_kernel_bytes(case, monkeypatch):
     strided = torch.stack([pos, pos], 1)[:, 1]
     if not H.usable(q, k, v, block):
         pytest.skip("needs an sm_90 GPU and triton's Gluon (the Hopper prefill)")
-    kw = {"block": block, "split": False}
+    kw = {"block": block, "segment": SEGMENT, "split": False}
     hopper = A.attention(q, k, v, strided, **kw)
     assert torch.isfinite(hopper.float()).all()
     monkeypatch.setattr(A, "_HOPPER_PREFILL", False)
@@ -1378,12 +1378,15 @@ def test_sample_without_the_check_marks_an_undrawable_row_and_waits_for_nothing(
 
 
 def test_the_kernel_record_names_the_form_each_call_ran():
-    """``programs.kernels``: a one-row gemm runs the pointer kernel, a 1024-row one the TMA-fed
-    persistent kernel, and each call's record says so (the forms' bytes are gated above); the
-    sampler's one-kernel form and the prefill attention's form are named too."""
+    """``programs.kernels``: a one-row gemm runs the pointer kernel, a 1024-row one of 4096
+    columns the TMA-fed persistent kernel (a narrow output keeps the tilings with more
+    programs: pick_tiling), and each call's record says so (the forms' bytes are gated above);
+    the sampler's one-kernel form and the prefill attention's form are named too."""
     from lockstep_exact.programs import kernels as K
+    from lockstep_exact.programs.cuda.gemm import TILINGS, pick_tiling
 
-    w = cuda_rand(512, 1024, seed=1)
+    w = cuda_rand(4096, 1024, seed=1)
+    assert TILINGS[pick_tiling(1024, 4096, 64)].persistent  # the shape below, K steps of 64
     with K.noting() as one:
         P.gemm(cuda_rand(1, 1024, seed=2), w, bk=BK)
     with K.noting() as many:

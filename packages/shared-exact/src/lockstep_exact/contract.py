@@ -21,15 +21,20 @@ class ContractMismatch(RuntimeError):
     """Two halves would not run the same byte programs."""
 
 
-def environment_pins(backend: str) -> dict[str, str]:
+def environment_pins(backend: str, machine: Mapping[str, str] | None = None) -> dict[str, str]:
     """What the bytes of ``backend`` depend on besides the programs themselves.
 
     The cpu backend is built from IEEE-exact operations only, so its bytes depend on the
     program definitions (pinned by the lockstep-exact version), not on torch or the CPU.
-    The cuda backend depends on the GPU architecture and the kernel compiler as well.
+    The cuda backend depends on the GPU architecture and the kernel compiler as well: this
+    machine's (``programs.cuda.environment``), or ``machine``, the same keys recorded
+    elsewhere (the contract lock's, so that a machine without the backend can still make
+    its contracts).
     """
     pins = {"lockstep_exact": __version__, "backend": backend}
-    if backend == "cuda":
+    if machine is not None:
+        pins.update(machine)
+    elif backend == "cuda":
         # The cuda backend needs triton, which a cpu-only install lacks: an optional backend,
         # imported only when asked for (as the programs' dispatch does).
         from .programs.cuda import environment
@@ -178,12 +183,20 @@ def _parse_value(text: str):
 
 
 def make_contract(
-    geom, sites: Mapping[str, Program], *, k_parts: int, backend: str, tp: int, ep: int
+    geom,
+    sites: Mapping[str, Program],
+    *,
+    k_parts: int,
+    backend: str,
+    tp: int,
+    ep: int,
+    machine: Mapping[str, str] | None = None,
 ) -> Contract:
     """A lane's contract: the lane of ``geom``'s family in bf16 on ``backend``, its op
     ``sites``, ``k_parts`` canonical K partitions and the environment pins; the layout
     (``tp``, ``ep``) is checked. Each lane (``lanes.qwen3``, ``lanes.qwen3_next``) states its
-    own sites through it; ``model.geometry_contract`` picks the lane of a geometry."""
+    own sites through it; ``model.geometry_contract`` picks the lane of a geometry. ``machine``:
+    recorded pins in place of this machine's (``environment_pins``)."""
     contract = Contract(
         lane=f"{geom.family}/bf16/{backend}",
         dtype="bf16",
@@ -191,7 +204,7 @@ def make_contract(
         layout={"k_parts": k_parts},
         geometry=geom.as_dict(),
         sites=sites,
-        pins=environment_pins(backend),
+        pins=environment_pins(backend, machine),
     )
     check_layout(contract, tp=tp, ep=ep)
     return contract

@@ -118,11 +118,14 @@ def geometry_of(config: dict[str, Any]):
     return Geometry.from_hf_config(config)
 
 
-def geometry_contract(geom, *, backend: str = "cpu", tp: int = 1, ep: int = 1) -> Contract:
+def geometry_contract(
+    geom, *, backend: str = "cpu", tp: int = 1, ep: int = 1, machine=None
+) -> Contract:
     """The contract of the Qwen3-family exact lane for a ``lanes.qwen3.Geometry`` (or the
-    qwen3-next lane for a ``lanes.qwen3_next.Geometry``)."""
+    qwen3-next lane for a ``lanes.qwen3_next.Geometry``); ``machine``: recorded environment
+    pins in place of this machine's (``contract.environment_pins``)."""
     lane = qwen3_next if geom.family == "qwen3-next" else qwen3
-    return lane.geometry_contract(geom, backend=backend, tp=tp, ep=ep)
+    return lane.geometry_contract(geom, backend=backend, tp=tp, ep=ep, machine=machine)
 
 
 def lane_contract(model_dir, *, backend: str = "cpu", tp: int = 1, ep: int = 1) -> Contract:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..contract import environment_pins
 from ..golden import case_hashes
 from ..model import geometry_contract, geometry_of
 from ..programs import CATALOG
@@ -20,6 +21,28 @@ LOCK_FORMAT = "lockstep.contracts-lock/1"
 LOCKED_ARCHES = ("qwen3", "qwen3-moe", "qwen3-next")
 
 
+def machine_pins(backend: str) -> dict[str, str]:
+    """The pins of ``backend`` on this machine that the code does not fix: the GPU
+    architecture and compilers for cuda (``contract.environment_pins`` without the version)."""
+    pins = environment_pins(backend)
+    pins.pop("lockstep_exact")
+    return pins
+
+
+def lane_fingerprints(backend: str, has_golden, machine: dict | None = None) -> dict[str, str]:
+    """The locked lanes' fingerprints on ``backend``, with ``machine``'s pins (this machine's
+    when None). A lane is pinned only where ``has_golden(program)`` holds for every one of
+    its programs (where the backend runs them all)."""
+    lanes = {}
+    for arch in LOCKED_ARCHES:
+        contract = geometry_contract(
+            geometry_of(tiny_config(arch)), backend=backend, machine=machine
+        )
+        if all(has_golden(prog.name) for prog in contract.sites.values()):
+            lanes[f"tiny-{arch}"] = contract.fingerprint
+    return lanes
+
+
 def build(backend: str = "cpu") -> dict:
     hashes = case_hashes(backend)
     programs = {}
@@ -29,14 +52,27 @@ def build(backend: str = "cpu") -> dict:
             "params": params,
             "golden": {backend: hashes.get(name, {})},
         }
-    lanes = {}
-    for arch in LOCKED_ARCHES:
-        contract = geometry_contract(geometry_of(tiny_config(arch)), backend=backend)
-        # A lane is pinned on a backend only where every one of its programs runs there (the
-        # hybrid lane has no cuda programs yet: no cuda lane to pin).
-        if all(prog.name in hashes for prog in contract.sites.values()):
-            lanes[f"tiny-{arch}"] = contract.fingerprint
-    return {"format": LOCK_FORMAT, "programs": programs, "lanes": {backend: lanes}}
+    return {
+        "format": LOCK_FORMAT,
+        "programs": programs,
+        "lanes": {backend: lane_fingerprints(backend, hashes.__contains__)},
+        # The machine the goldens were made on: with it, any machine recomputes this
+        # backend's lane fingerprints (the cpu check catches a contract change on cuda).
+        "machines": {backend: machine_pins(backend)},
+    }
+
+
+def _has_golden(lock: dict, backend: str):
+    return lambda name: bool(lock["programs"].get(name, {}).get("golden", {}).get(backend))
+
+
+def recorded_lanes(lock: dict, backend: str) -> dict[str, str] | None:
+    """``backend``'s lane fingerprints made with the machine the lock records for it (None
+    where it records none): what the lock's lanes must be, computable on any machine."""
+    machine = lock.get("machines", {}).get(backend)
+    if machine is None:
+        return None
+    return lane_fingerprints(backend, _has_golden(lock, backend), machine)
 
 
 def check(lock: dict, backend: str = "cpu") -> list[str]:
@@ -70,6 +106,13 @@ def check(lock: dict, backend: str = "cpu") -> list[str]:
                     f"{case!r} ({backend}) without a version bump: bump its version in "
                     "programs.CATALOG and regenerate the lock"
                 )
+    machine = lock.get("machines", {}).get(backend)
+    if machine is not None and machine != now["machines"][backend]:
+        problems.append(
+            f"the lock's {backend} goldens were made on {machine}, this machine is "
+            f"{now['machines'][backend]}: regenerate the lock here on purpose "
+            f"(python tools/contract_lock.py --backend {backend} --update)"
+        )
     locked_lanes = lock.get("lanes", {}).get(backend)
     if locked_lanes is not None:
         for lane, fp in sorted(now["lanes"][backend].items()):
@@ -77,6 +120,18 @@ def check(lock: dict, backend: str = "cpu") -> list[str]:
                 problems.append(
                     f"lane {lane} fingerprint is {fp} but the lock has "
                     f"{locked_lanes.get(lane)}: regenerate the lock"
+                )
+    # Other backends' lanes, from the machines the lock records: a change to a lane's
+    # contract shows here without that backend's hardware.
+    for other in sorted(set(lock.get("machines", {})) - {backend}):
+        want = recorded_lanes(lock, other)
+        have = lock.get("lanes", {}).get(other, {})
+        for lane in sorted(set(want) | set(have)):
+            if want.get(lane) != have.get(lane):
+                problems.append(
+                    f"lane {lane} on {other} (the lock's {other} machine) has fingerprint "
+                    f"{want.get(lane)} but the lock has {have.get(lane)}: regenerate the "
+                    f"lock (python tools/contract_lock.py --update refreshes {other}'s lanes)"
                 )
     return problems
 
@@ -93,6 +148,12 @@ def merge(lock: dict | None, fresh: dict, backend: str) -> dict:
                 entry["golden"].setdefault(other, hashes)
     for other, lanes in lock.get("lanes", {}).items():
         out["lanes"].setdefault(other, lanes)
+    for other, machine in lock.get("machines", {}).items():
+        out["machines"].setdefault(other, machine)
+    # Other backends' lanes follow the code's contracts: remade with their recorded machines
+    # (their goldens need their hardware and stay as they were).
+    for other in set(out["machines"]) - {backend}:
+        out["lanes"][other] = recorded_lanes(out, other)
     return out
 
 

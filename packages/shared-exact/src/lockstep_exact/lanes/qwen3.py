@@ -411,10 +411,12 @@ class DictSlots(Slots):
 
 
 def geometry_contract(
-    geom: Geometry, *, backend: str = "cpu", tp: int = 1, ep: int = 1
+    geom: Geometry, *, backend: str = "cpu", tp: int = 1, ep: int = 1, machine=None
 ) -> Contract:
     """This lane's contract for ``geom`` (``model.geometry_contract`` picks the lane)."""
-    return make_contract(geom, op_sites(geom), k_parts=K_PARTS, backend=backend, tp=tp, ep=ep)
+    return make_contract(
+        geom, op_sites(geom), k_parts=K_PARTS, backend=backend, tp=tp, ep=ep, machine=machine
+    )
 
 
 def default_ops(geom: Geometry, backend: str = "cpu"):

@@ -655,7 +655,7 @@ def final_logits(ops: NextOps, geom: Geometry, slots: Slots, h: torch.Tensor) ->
 
 
 def geometry_contract(
-    geom: Geometry, *, backend: str = "cpu", tp: int = 1, ep: int = 1
+    geom: Geometry, *, backend: str = "cpu", tp: int = 1, ep: int = 1, machine=None
 ) -> Contract:
     """This lane's contract for ``geom`` (``model.geometry_contract`` picks the lane): one
     device so far."""
@@ -664,7 +664,9 @@ def geometry_contract(
             f"layout: the qwen3-next lane runs on one device so far (tp 1, ep 1); asked for "
             f"tp {tp}, ep {ep}"
         )
-    return make_contract(geom, op_sites(geom), k_parts=K_PARTS, backend=backend, tp=tp, ep=ep)
+    return make_contract(
+        geom, op_sites(geom), k_parts=K_PARTS, backend=backend, tp=tp, ep=ep, machine=machine
+    )
 
 
 def default_ops(geom: Geometry, backend: str = "cpu") -> NextOps:

@@ -42,12 +42,16 @@ from .softmax import log_softmax, softmax
 
 
 def environment(device: torch.device | int | None = None) -> dict[str, str]:
-    """What the cuda bytes are a function of, besides the programs: for the contract's pins."""
+    """What the cuda bytes are a function of, besides the programs: for the contract's pins.
+
+    The architecture and the compilers, not the card's name: no program's bytes depend on
+    the card (the forms a program picks by the number of multiprocessors give the same
+    bytes, each gated), and every program's golden bytes made on an H200 are those an H100
+    makes. So a trace captured on one sm_90 card replays on another."""
     index = torch.cuda.current_device() if device is None else torch.device(device).index or 0
     major, minor = torch.cuda.get_device_capability(index)
     return {
         "backend": "cuda",
-        "gpu": torch.cuda.get_device_name(index),
         "capability": f"sm_{major}{minor}",
         "torch": torch.__version__,
         "triton": triton.__version__,
