@@ -4,7 +4,9 @@ summaries written by hand; no GPU needed)."""
 
 from __future__ import annotations
 
+import io
 import json
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -79,7 +81,42 @@ def test_a_chunk_found_twice_or_an_empty_run_is_not_ok(tmp_path, steps):
     assert not tool.summarize(tool.chunks_in([tmp_path / "empty"]), [])["ok"]
 
 
+def _marks_gpu(path: Path) -> bool:
+    """Whether the file's code (not its strings) names ``pytest.mark.gpu``."""
+    names = [
+        t.string
+        for t in tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+        if t.type in (tokenize.NAME, tokenize.OP)
+    ]
+    return any(names[i : i + 5] == ["pytest", ".", "mark", ".", "gpu"] for i in range(len(names)))
+
+
 def test_the_committed_suite_steps_name_the_chunks_summarize_expects():
-    names = _tool().step_names(ROOT / "tools/gpu/suite.steps")
+    steps = ROOT / "tools/gpu/suite.steps"
+    names = _tool().step_names(steps)
     assert names and len(names) == len(set(names))
-    assert {"programs", "vllm", "train", "next"} <= set(names)
+    assert {"programs", "vllm", "training", "next"} <= set(names)
+    # every file with GPU tests is in one of the calls, but the two that need other machines
+    # (SGLang's staged wheels, two GPUs)
+    text = steps.read_text()
+    elsewhere = {"test_sglang_gpu.py", "test_layout_gpu.py"}
+    for path in sorted([*ROOT.glob("tests/test_*.py"), *ROOT.glob("packages/*/tests/test_*.py")]):
+        marked = _marks_gpu(path)
+        if marked and path.name not in elsewhere:
+            assert str(path.relative_to(ROOT)) in text, f"{path.name} is in no call of {steps.name}"
+
+
+def test_a_side_by_side_step_expects_each_of_its_selections(tmp_path):
+    """A step running tools/gpu/side-by-side leaves one summary per selection, so those are
+    the chunks a whole run must hold."""
+    tool = _tool()
+    f = tmp_path / "together.steps"
+    f.write_text(
+        "one 500 bash tools/gpu/side-by-side 'x tests/a.py' 'y tests/b.py -k \"not slow\"'\n"
+        "two 500 bash tools/gpu/suite tests/c.py\n"
+    )
+    assert tool.step_names(f) == ["x", "y", "two"]
+    run = tmp_path / "run"
+    _chunk(run, "x")
+    _chunk(run, "two")
+    assert tool.summarize(tool.chunks_in([run]), tool.step_names(f))["missing"] == ["y"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -24,11 +25,19 @@ DEFAULT_STEPS = Path(__file__).with_name("suite.steps")
 
 
 def step_names(steps_file: Path) -> list[str]:
-    """The step names of a steps file (`NAME SECONDS COMMAND` lines), in order."""
+    """The chunk names of a steps file (`NAME SECONDS COMMAND` lines), in order: a step's
+    NAME, or where the step runs `tools/gpu/side-by-side`, the NAME of each of its
+    selections (each writes its own `NAME/summary.json`)."""
     names = []
     for line in steps_file.read_text().splitlines():
         if line.strip() and not line.startswith("#"):
-            names.append(line.split(maxsplit=1)[0])
+            name, _secs, command = line.split(maxsplit=2)
+            words = shlex.split(command)
+            tool = next((i for i, w in enumerate(words) if w.endswith("side-by-side")), None)
+            if tool is None:
+                names.append(name)
+            else:
+                names.extend(sel.split(maxsplit=1)[0] for sel in words[tool + 1 :])
     return names
 
 
