@@ -3,6 +3,11 @@
 uv run python tools/contract_lock.py            # check (exit 1 naming each problem)
 uv run python tools/contract_lock.py --update   # regenerate on purpose
 uv run python tools/contract_lock.py --backend cuda [--update]   # on a GPU machine
+
+The lock records the machine each backend's goldens were made on (for cuda: the architecture,
+torch, triton and CUDA versions). A check on one backend also remakes the other backends'
+lane fingerprints from those records, and an update brings them along, so a change to a lane's
+contract shows on a machine without a GPU; the cuda goldens themselves need a GPU.
 """
 
 from __future__ import annotations
