@@ -52,17 +52,20 @@ def build(backend: str = "cpu") -> dict:
             "params": params,
             "golden": {backend: hashes.get(name, {})},
         }
-    return {
+    lock = {
         "format": LOCK_FORMAT,
         "programs": programs,
-        "lanes": {backend: lane_fingerprints(backend, hashes.__contains__)},
         # The machine the goldens were made on: with it, any machine recomputes this
         # backend's lane fingerprints (the cpu check catches a contract change on cuda).
         "machines": {backend: machine_pins(backend)},
     }
+    lock["lanes"] = {backend: lane_fingerprints(backend, _has_golden(lock, backend))}
+    return lock
 
 
 def _has_golden(lock: dict, backend: str):
+    """Whether the lock holds golden bytes of a program on ``backend``: where a lane's
+    fingerprint is pinned (``lane_fingerprints``), as made and as recomputed."""
     return lambda name: bool(lock["programs"].get(name, {}).get("golden", {}).get(backend))
 
 
