@@ -95,11 +95,10 @@ def test_the_committed_suite_steps_name_the_chunks_summarize_expects():
     steps = ROOT / "tools/gpu/suite.steps"
     names = _tool().step_names(steps)
     assert names and len(names) == len(set(names))
-    assert {"programs", "vllm", "training", "next"} <= set(names)
-    # every file with GPU tests is in one of the calls, but the two that need other machines
-    # (SGLang's staged wheels, two GPUs)
+    assert {"programs", "vllm", "training", "next", "sglang-dense"} <= set(names)
+    # every file with GPU tests is in one of the calls, but the one that needs two GPUs
     text = steps.read_text()
-    elsewhere = {"test_sglang_gpu.py", "test_layout_gpu.py"}
+    elsewhere = {"test_layout_gpu.py"}
     for path in sorted([*ROOT.glob("tests/test_*.py"), *ROOT.glob("packages/*/tests/test_*.py")]):
         marked = _marks_gpu(path)
         if marked and path.name not in elsewhere:
