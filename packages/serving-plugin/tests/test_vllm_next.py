@@ -179,15 +179,17 @@ def _expert_paths():
 @contextlib.contextmanager
 def _gdn_paths():
     """Counts the GDN layers' two paths in the (in-process) engine: a step over the state
-    pages (``programs.gdn_paged``: every request at once) and a request's state read into
-    its cache (``next.load_cache``)."""
+    pages (``programs.gdn_paged``: every request at once; ``passes`` of them a pass per
+    chunk, ``programs.paged_passes``) and a request's state read into its cache
+    (``next.load_cache``)."""
     from lockstep_serving.vllm import next as V
 
-    counts = {"paged": 0, "per_request": 0}
+    counts = {"paged": 0, "passes": 0, "per_request": 0}
     paged, load = N.P.gdn_paged, V.load_cache
 
     def counted_paged(*a, **k):
         counts["paged"] += 1
+        counts["passes"] += isinstance(a[6], N.P.PagedPasses)
         return paged(*a, **k)
 
     def counted_load(*a, **k):
@@ -335,16 +337,18 @@ def test_the_routed_experts_run_grouped_and_give_the_per_expert_bytes(runs):
 
 @pytest.mark.engine
 def test_decode_steps_run_every_request_over_its_state_page_at_once(runs, model_dir):
-    """The batch's prefill step (prompts of 100 and 200 tokens cross gdn chunks) read each
-    request's state into its cache; its decode steps (one row a request, inside one chunk)
-    ran the paged programs, every request at once. The sampled tokens' bytes against the
-    composition (``test_sampled_logprobs_equal_the_composition_run_directly``) and decode
-    against one prefill hold the two paths to the same bytes."""
+    """Every step of the batch ran the paged programs, every request at once: its prefill
+    step (prompts of 100 and 200 tokens cross gdn chunks) a pass per chunk, its decode steps
+    (one row a request, inside one chunk) in one call; no request's state was read into a
+    cache. The sampled tokens' bytes against the composition run directly, a request at a
+    time (``test_sampled_logprobs_equal_the_composition_run_directly``), and decode against
+    one prefill hold the paged steps to the per-request bytes."""
     paths = runs["gdn_paths"]
     kinds = N.Geometry.from_model_dir(model_dir).layer_types
     gdn_layers = sum(kind == N.LINEAR for kind in kinds)
-    assert paths["per_request"] == len(LENGTHS), paths  # the prefill step: one load a request
-    assert paths["paged"] == gdn_layers * (DECISIONS - 1), paths  # every decode step, paged
+    assert paths["per_request"] == 0, paths
+    assert paths["passes"] == gdn_layers, paths  # the prefill step, in passes
+    assert paths["paged"] == gdn_layers * DECISIONS, paths  # and every decode step
 
 
 @pytest.mark.engine

@@ -184,6 +184,31 @@ def check_paged(out: dict) -> None:
         a, b = live_pages(book, slots, after, c), live_pages(mine, slots, after, c)
         equal = same(want, got) and same(want_x, got_x) and all(same(a[n], b[n]) for n in a)
         out[f"paged: {name}"] = {"equal": equal}
+    # A prefill as chunk passes (paged_passes: sequences across one, two and three chunk
+    # ends, from 0 and from inside a chunk, beside a decode): the launches a pass at a time
+    # give each sequence's own gdn_chunked and conv1d_causal call over all its rows.
+    from lockstep_exact.testing import own_calls
+
+    heads, dims, c, kern = (2, 4), (16, 33), 16, 4
+    mix = [(0, 53, 4), (8, 32, 1), (1, 1, 3), (22, 10, 0)]
+    inputs, book, (starts, positions, slots) = gdn_paged_case(
+        heads, dims, c, mix, pages=8, kernel=kern, seed=7
+    )
+    q, k, v, g, beta, x, w = inputs
+    want, want_x, want_book = own_calls(inputs, book, starts, positions, slots, chunk=c)
+    passes = cpu_gdn.paged_passes(starts, positions, slots, chunk=c)
+    mine = pages_to(book, "cpu")
+    got, got_x = torch.empty_like(want), torch.empty_like(want_x)
+    for rows, table in passes.passes:
+        got_x[rows] = cuda_hybrid.conv1d_pages(x[rows], w, mine, table, kernel=kern)
+    for rows, table in passes.passes:
+        got[rows] = cuda_hybrid.paged(
+            q[rows], k[rows], v[rows], g[rows], beta[rows], mine, table, chunk=c
+        )
+    after = [p + starts[r + 1] - starts[r] for r, p in enumerate(positions)]
+    a, b = live_pages(want_book, slots, after, c), live_pages(mine, slots, after, c)
+    equal = same(want, got) and same(want_x, got_x) and all(same(a[n], b[n]) for n in a)
+    out[f"paged: a prefill as {len(passes.passes)} chunk passes"] = {"equal": equal}
     # A decode step padded to a captured batch size (paged_decodes: the table made from
     # tensors): the live rows and pages as the definition's over the live step; padding
     # entries, one naming a live page and two an unused one, write nothing.

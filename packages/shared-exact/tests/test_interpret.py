@@ -51,7 +51,7 @@ COUNTS = {
     "chunk": 8,
     "gdn.chunked": 3,
     "varlen": 4,
-    "paged": 4,
+    "paged": 5,
 }
 
 

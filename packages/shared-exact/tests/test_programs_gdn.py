@@ -691,3 +691,85 @@ def test_a_padded_decode_step_gives_the_live_steps_bytes_and_pages(pads):
     other = P.gdn_paged(q, k, v, g, beta, moved, seqs, chunk=16)
     assert not same_bytes(other[2:3], got[2:3])
     assert same_bytes(other[:2], got[:2]) and same_bytes(other[3:n], got[3:n])
+
+
+# --- a step past a chunk's end (a prefill) as passes over the pages ------------------------------
+def test_a_step_past_a_chunk_end_is_cut_into_chunk_passes():
+    """``paged_passes``: sequence 0 (20 rows at 3) is 13 rows to its chunk's end, then 7;
+    sequence 1 (1 row at 17) is in the first pass only; each pass's table packs its rows and
+    names the pages; the whole step's table is what the pages hold after. A step inside one
+    chunk is ``paged_seqs``' table itself; pages given as a tensor give the same passes."""
+    host = P.paged_passes([0, 20, 21], [3, 17], [5, 2], chunk=16)
+    dev = P.paged_passes([0, 20, 21], [3, 17], torch.tensor([5, 2]), chunk=16)
+    for seqs in (host, dev):
+        assert isinstance(seqs, P.PagedPasses) and seqs.rows == 21 and seqs.count == 2
+        (rows0, p0), (rows1, p1) = seqs.passes
+        assert rows0.tolist() == [*range(13), 20] and rows1.tolist() == list(range(13, 20))
+        assert p0.table.tolist() == [[0, 13, 3, 5], [13, 1, 17, 2]] and p0.starts == (0, 13, 14)
+        assert p1.table.tolist() == [[0, 7, 16, 5]] and p1.positions == (16,)
+        assert p0.slot_ids.tolist() == [5, 2] and p1.slot_ids.tolist() == [5]
+        assert seqs.table.tolist() == [[0, 20, 3, 5], [20, 1, 17, 2]]
+        assert seqs.table.dtype == torch.int32
+    assert host.passes[0][1].slots == (5, 2) and dev.passes[0][1].slots is None
+    inside = P.paged_passes([0, 13, 14], [3, 17], [5, 2], chunk=16)
+    assert isinstance(inside, P.PagedSeqs) and inside.table.tolist() == [
+        [0, 13, 3, 5],
+        [13, 1, 17, 2],
+    ]
+    with pytest.raises(ValueError, match="share a state page"):
+        P.paged_passes([0, 20, 21], [3, 17], [5, 5], chunk=16)
+    with pytest.raises(ValueError, match="sequence 1 has 0 rows"):
+        P.paged_passes([0, 20, 20], [3, 17], [5, 2], chunk=16)
+    with pytest.raises(RuntimeError):
+        P.paged_passes([0, 20, 21], [3, 17], torch.tensor([5, 5]), chunk=16)
+
+
+# (position, rows, page): across one and two chunk ends, from 0 and from inside a chunk, a
+# one-row decode, a continuation that ends on a chunk's end, a whole chunk
+PASSES_MIX = [(3, 20, 0), (0, 40, 1), (17, 1, 2), (9, 7, 3), (32, 16, 4), (50, 33, 5)]
+
+
+def test_a_step_past_a_chunk_end_gives_each_sequences_own_call_bytes():
+    """The paged programs over ``paged_passes`` (a pass per chunk) against each sequence's own
+    gdn_chunked and conv1d_causal call over all its rows (``testing.own_calls``): every output
+    byte and what the pages hold after. The control: one bf16 ulp on sequence 1's row 37 (its
+    third chunk) moves its rows from 37 on and no row before them or of another sequence."""
+    from lockstep_exact.testing import gdn_paged_case, live_pages, own_calls, pages_to
+
+    inputs, book, (starts, positions, slots) = gdn_paged_case(
+        (2, 4), (12, 20), 16, PASSES_MIX, pages=8, seed=6
+    )
+    q, k, v, g, beta, x, w = inputs
+    want, want_x, want_book = own_calls(inputs, book, starts, positions, slots, chunk=16)
+    seqs = P.paged_passes(starts, positions, slots, chunk=16)
+    assert isinstance(seqs, P.PagedPasses) and len(seqs.passes) == 3
+    got_book = pages_to(book, "cpu")
+    got_x = P.conv1d_paged(x, w, got_book, seqs)
+    got = P.gdn_paged(q, k, v, g, beta, got_book, seqs, chunk=16)
+    assert_same_bytes(got, want, "outputs")
+    assert_same_bytes(got_x, want_x, "conv outputs")
+    after = [p + starts[r + 1] - starts[r] for r, p in enumerate(positions)]
+    a, b = live_pages(want_book, slots, after, 16), live_pages(got_book, slots, after, 16)
+    for name in a:
+        assert_same_bytes(b[name], a[name], f"page {name}")
+    row = starts[1] + 37
+    moved = v.clone()
+    moved[row] = (moved[row].view(torch.int16) + 1).view(torch.bfloat16)
+    other = P.gdn_paged(q, k, moved, g, beta, pages_to(book, "cpu"), seqs, chunk=16)
+    assert not same_bytes(other[row : starts[2]], got[row : starts[2]])
+    assert same_bytes(other[:row], got[:row]) and same_bytes(other[starts[2] :], got[starts[2] :])
+
+
+def test_the_paged_programs_refuse_passes_of_another_chunk_or_row_count():
+    from lockstep_exact.testing import gdn_paged_case
+
+    (q, k, v, g, beta, x, w), book, (starts, positions, slots) = gdn_paged_case(
+        (1, 2), (4, 4), 8, [(3, 10, 0), (9, 2, 1)], pages=2
+    )
+    seqs = P.paged_passes(starts, positions, slots, chunk=8)
+    with pytest.raises(ValueError, match="chunk 16, the step's table 8"):
+        P.gdn_paged(q, k, v, g, beta, book, seqs, chunk=16)
+    with pytest.raises(ValueError, match="11 rows, the step's table 12"):
+        P.gdn_paged(q[:11], k[:11], v[:11], g[:11], beta[:11], book, seqs, chunk=8)
+    with pytest.raises(ValueError, match="11 rows, the step's table 12"):
+        P.conv1d_paged(x[:11], w, book, seqs)

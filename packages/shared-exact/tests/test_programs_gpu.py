@@ -1498,6 +1498,43 @@ def test_a_padded_decode_step_gives_the_live_rows_and_pages_and_padding_writes_n
     assert same_bytes(other[:2], got[:2]) and same_bytes(other[3:n], got[3:n])
 
 
+@pytest.mark.parametrize("heads,dims,chunk", [((16, 32), (128, 128), 64), ((2, 4), (5, 7), 8)])
+def test_a_prefill_as_chunk_passes_gives_each_sequences_own_call_bytes(heads, dims, chunk):
+    """A step whose sequences cross chunk ends (``paged_passes``: one launch of each paged
+    program a pass) against each sequence's own gdn_chunked and conv1d_causal call over all
+    its rows, on cpu (``testing.own_calls``): every output byte and what the pages hold
+    after. The control: one bf16 ulp on a row of sequence 0's third chunk (every element of
+    v) moves its rows from there and no row before them or of another sequence."""
+    from lockstep_exact.testing import own_calls
+
+    c = chunk
+    mix = [(0, 3 * c + 5, 4), (c // 2, 2 * c, 1), (1, 1, 3), (c + 6, c - 6, 0),
+           (2 * c - 3, c + 10, 6)]  # fmt: skip
+    inputs, book, (starts, positions, slots) = gdn_paged_case(
+        heads, dims, c, mix, pages=10, seed=84
+    )
+    want, want_x, want_book = own_calls(inputs, book, starts, positions, slots, chunk=c)
+    seqs = P.paged_passes(starts, positions, torch.tensor(slots, device="cuda"), chunk=c)
+    assert isinstance(seqs, P.PagedPasses) and len(seqs.passes) == 4
+    on_gpu = pages_to(book, "cuda")
+    q, k, v, g, beta, x, w = (t.cuda() for t in inputs)
+    got_x = P.conv1d_paged(x, w, on_gpu, seqs)
+    got = P.gdn_paged(q, k, v, g, beta, on_gpu, seqs, chunk=c)
+    assert_same_bytes(got.cpu(), want, "outputs")
+    assert_same_bytes(got_x.cpu(), want_x, "conv outputs")
+    after = [p + starts[r + 1] - starts[r] for r, p in enumerate(positions)]
+    a, b = live_pages(want_book, slots, after, c), live_pages(on_gpu, slots, after, c)
+    for name in a:
+        assert_same_bytes(b[name], a[name], f"page {name}")
+    row = 2 * c + 1
+    moved = v.clone()
+    moved[row] = (moved[row].view(torch.int16) + 1).view(BF16)
+    other = P.gdn_paged(q, k, moved, g, beta, pages_to(book, "cuda"), seqs, chunk=c)
+    end = starts[1]
+    assert not same_bytes(other[row:end], got[row:end]), "the sequence's rows did not move"
+    assert same_bytes(other[:row], got[:row]) and same_bytes(other[end:], got[end:])
+
+
 @pytest.mark.parametrize("mix", sorted(PAGED_MIXES))
 @pytest.mark.parametrize("heads,dims,kernel", [((16, 32), (128, 128), 4), ((2, 4), (5, 7), 3)])
 def test_conv1d_paged_gives_each_sequence_the_bytes_and_window_of_its_own_call(

@@ -319,6 +319,32 @@ def pages_to(book, device):
     return P.GdnPages(**{f: getattr(book, f).clone().to(device) for f in book.__dataclass_fields__})
 
 
+def own_calls(inputs, book, starts, positions, slots, *, chunk: int, kernel: int = 4):
+    """What each sequence's own calls give, over all its rows at once on its page's state and
+    window (zeros at position 0), in a copy of ``book``: ``gdn_chunked`` and
+    ``conv1d_causal``, the definitions the paged programs must match however a step is cut.
+    ``inputs``: ``gdn_paged_case``'s. Returns (out, conv out, the copy advanced)."""
+    q, k, v, g, beta, x, weight = inputs
+    book = pages_to(book, "cpu")
+    hk, hv, dk, dv = k.shape[1], v.shape[1], k.shape[2], v.shape[2]
+    out = torch.zeros(v.shape, dtype=torch.bfloat16)
+    conv = torch.zeros(x.shape, dtype=torch.bfloat16)
+    for r, (p, slot) in enumerate(zip(positions, slots, strict=True)):
+        rows = slice(starts[r], starts[r + 1])
+        if p == 0:
+            state = P.gdn_state(hk, hv, dk, dv, chunk=chunk)
+            window = P.conv1d_window(x.shape[1], kernel=kernel)
+        else:
+            state, window = book.state(slot, p, chunk), book.conv[slot].clone()
+        o, new = P.gdn_chunked(
+            q[rows], k[rows], v[rows], g[rows], beta[rows], state, position=p, chunk=chunk
+        )
+        out[rows] = o
+        book.keep(slot, new)
+        conv[rows], book.conv[slot] = P.conv1d_causal(x[rows], weight, window, kernel=kernel)
+    return out, conv, book
+
+
 def live_pages(book, slots, positions, chunk: int) -> dict[str, torch.Tensor]:
     """What pages ``slots`` hold that a sequence at ``positions`` reads (s, the conv window
     and the first position mod chunk rows of the cached ones), by tensor, on cpu: two books

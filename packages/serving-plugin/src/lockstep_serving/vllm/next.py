@@ -8,14 +8,14 @@ head); this module only wires the composition into vLLM:
   backend (``attn_backend``), written and read per request by ``model.paged_attention``;
 - each Gated DeltaNet layer's per-request state lives in vLLM's hybrid state cache: one page
   per request (``mamba_cache_mode`` "none") holding ``state_layout``'s tensors, declared by a
-  ``next_state.LaneStateLayer``. At a step, ``load_cache`` turns each request's pages into the
-  composition's ``NextCache`` at the request's position, the composition advances it, and
-  ``store_cache`` writes it back: exact copies, fp32 where the programs keep fp32. A step
-  whose requests each keep their rows inside one gdn chunk (every decode step, prompts of up
-  to a chunk) skips that round trip: each GDN layer runs conv1d.causal and gdn.chunked once
-  for all requests, reading and advancing their pages in place (``programs.conv1d_paged``,
-  ``programs.gdn_paged``: each row the bytes of its request's own call; one launch each on
-  cuda).
+  ``next_state.LaneStateLayer``. At a step each GDN layer runs conv1d.causal and gdn.chunked
+  for all requests at once, reading and advancing their pages in place
+  (``programs.conv1d_paged``, ``programs.gdn_paged``: each row the bytes of its request's own
+  call; one launch each on cuda): once where every request's rows stay inside one gdn chunk
+  (every decode step), else a pass per chunk (``programs.paged_passes``: a prefill of 2048
+  tokens is 32 passes, each over every request's piece of one chunk). A recording (``lockstep
+  bisect``) instead reads each request's pages into the composition's ``NextCache``
+  (``load_cache``), advances it and writes it back (``store_cache``): the same bytes.
 
 What a page holds (``state_layout``), for a request whose next token is at position p, with
 c = p - p mod chunk the start of p's gdn chunk and w = p - c: the GdnState at c (``s``,
@@ -199,13 +199,6 @@ def check_pages(geom: N.Geometry, pages, slots, steps, on_device: bool) -> None:
 def gdn_pages(page: dict[str, torch.Tensor]) -> P.GdnPages:
     """A GDN layer's state page views (``LaneStateLayer.pages``) as the paged programs' pages."""
     return P.GdnPages(**{name: t for name, t in page.items() if name != "meta"})
-
-
-def paged_step(geom: N.Geometry, steps) -> bool:
-    """Whether every request of a step (``(r, start, end, seq_len, first)``) keeps its rows
-    inside one gdn chunk: then the step runs the paged programs, all requests at once."""
-    c = geom.chunk
-    return all(first % c + (end - start) <= c for _, start, end, _, first in steps)
 
 
 def load_cache(
@@ -543,10 +536,10 @@ class LockstepQwen3NextForCausalLM(nn.Module):
         slots_dev = smd.state_slots if smd is not None else None
         # what the continuing requests' pages hold: checked once for the step
         check_pages(self.geom, pages, slots_dev, steps, on_device)
-        # Every request's rows inside one gdn chunk (decode steps): the paged programs run
-        # all requests at once from and into their pages; else each request's state is read
-        # into a NextCache and written back (the same bytes either way).
-        paged = bool(pages) and not is_recording() and paged_step(self.geom, steps)
+        # The paged programs run all requests at once from and into their pages (a pass per
+        # chunk where a request's rows cross a chunk's end: a prefill); a recording reads each
+        # request's state into a NextCache and writes it back (the same bytes either way).
+        paged = bool(pages) and not is_recording()
         # the per-request path indexes pages on the host (one read of the slots, then)
         host_slots = None if paged or slots_dev is None else slots_dev.tolist()
         for r, start, end, seq_len, first in steps:
@@ -630,7 +623,7 @@ class LockstepQwen3NextForCausalLM(nn.Module):
         starts = [0]
         for _, start, end, _ in reqs:
             starts.append(starts[-1] + end - start)
-        seqs = P.paged_seqs(
+        seqs = P.paged_passes(
             starts,
             [cache.position for _, cache in batch],
             slots,

@@ -401,12 +401,13 @@ class Slots:
         same either way (``programs.gemm_grouped``)."""
         return None
 
-    def gdn_pages(self, layer: int) -> tuple[P.GdnPages, P.PagedSeqs] | None:
+    def gdn_pages(self, layer: int) -> tuple[P.GdnPages, P.PagedSeqs | P.PagedPasses] | None:
         """GDN layer ``layer``'s state pages and the step's sequences over them, where the
-        engine keeps every sequence's state in pages and each sequence's rows of this step stay
-        inside one chunk (``P.paged_seqs``): conv1d.causal and gdn.chunked then run once for
-        all sequences (``P.conv1d_paged``, ``P.gdn_paged``; each row the bytes of its
-        sequence's own call) and advance the pages. None: per sequence, on its ``NextCache``."""
+        engine keeps every sequence's state in pages: where each sequence's rows of this step
+        stay inside one chunk (``P.paged_seqs``) conv1d.causal and gdn.chunked run once for all
+        sequences (``P.conv1d_paged``, ``P.gdn_paged``; each row the bytes of its sequence's
+        own call), else a pass per chunk (``P.paged_passes``; the same programs take it), and
+        the pages advance. None: per sequence, on its ``NextCache``."""
         return None
 
     def attend(self, layer: int, q, k, v, segs: Segments, positions, core) -> torch.Tensor:

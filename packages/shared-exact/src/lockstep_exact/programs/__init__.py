@@ -470,25 +470,50 @@ def gdn_chunked(q, k, v, g, beta, state, *, position: int, chunk: int):
 
 GdnPages = cpu.GdnPages
 PagedSeqs = cpu.PagedSeqs
+PagedPasses = cpu.PagedPasses
 paged_seqs = cpu.paged_seqs
+paged_passes = cpu.paged_passes
 paged_decodes = cpu.paged_decodes
+
+
+def _by_passes(call, xs, passes):
+    """``call(*rows_of_xs, seqs)`` for each pass of ``passes`` (``PagedPasses``), in order, its
+    output rows put back where the pass's rows came from."""
+    if any(x.shape[0] != passes.rows for x in xs):
+        raise ValueError(f"paged passes: {xs[0].shape[0]} rows, the step's table {passes.rows}")
+    out = None
+    for rows, seqs in passes.passes:
+        part = call(*(x[rows] for x in xs), seqs)
+        if out is None:
+            out = torch.empty((passes.rows, *part.shape[1:]), dtype=part.dtype, device=part.device)
+        out[rows] = part
+    return out
 
 
 def gdn_paged(q, k, v, g, beta, pages, seqs, *, chunk: int):
     """gdn.chunked for many sequences at once, each continued from its state page
-    (``GdnPages``; ``seqs``: ``paged_seqs``, each sequence's rows inside one chunk): every row
-    has the bytes ``gdn_chunked`` gives on its sequence's state, and the pages are advanced
-    (cpu: a call per sequence; cuda: one launch)."""
-    return _impl("gdn_paged", q, k, v, g, beta, pages.s, pages.k)(
-        q, k, v, g, beta, pages, seqs, chunk=chunk
-    )
+    (``GdnPages``; ``seqs``: ``paged_seqs``, each sequence's rows inside one chunk, or
+    ``paged_passes``, a pass per chunk): every row has the bytes ``gdn_chunked`` gives on its
+    sequence's state, and the pages are advanced (cpu: a call per sequence; cuda: one launch
+    a pass)."""
+    run = _impl("gdn_paged", q, k, v, g, beta, pages.s, pages.k)
+    if isinstance(seqs, PagedPasses):
+        if chunk != seqs.chunk:
+            raise ValueError(f"gdn paged: chunk {chunk}, the step's table {seqs.chunk}")
+        return _by_passes(
+            lambda *xs: run(*xs[:5], pages, xs[5], chunk=chunk), (q, k, v, g, beta), seqs
+        )
+    return run(q, k, v, g, beta, pages, seqs, chunk=chunk)
 
 
 def conv1d_paged(x, weight, pages, seqs, *, kernel: int = 4):
     """conv1d.causal for many sequences at once, each continued from its page's window: every
     row has the bytes ``conv1d_causal`` gives on its sequence; the windows are advanced
-    (cpu: a call per sequence; cuda: one launch)."""
-    return _impl("conv1d_paged", x, weight, pages.conv)(x, weight, pages, seqs, kernel=kernel)
+    (cpu: a call per sequence; cuda: one launch a pass of ``paged_passes``)."""
+    run = _impl("conv1d_paged", x, weight, pages.conv)
+    if isinstance(seqs, PagedPasses):
+        return _by_passes(lambda rows, s: run(rows, weight, pages, s, kernel=kernel), (x,), seqs)
+    return run(x, weight, pages, seqs, kernel=kernel)
 
 
 def gdn_gating(a, b, a_log, dt_bias):
@@ -577,7 +602,9 @@ __all__ = [
     "conv1d_paged",
     "gdn_paged",
     "GdnPages",
+    "PagedPasses",
     "PagedSeqs",
+    "paged_passes",
     "paged_seqs",
     "paged_decodes",
     "backend_module",

@@ -6,6 +6,7 @@ from .attention import attention, attention_varlen, default_scale
 from .gdn import (
     GdnPages,
     GdnState,
+    PagedPasses,
     PagedSeqs,
     conv1d_causal,
     conv1d_paged,
@@ -16,6 +17,7 @@ from .gdn import (
     gdn_state,
     l2norm,
     paged_decodes,
+    paged_passes,
     paged_seqs,
 )
 from .gemm import gemm, kpart_partial
@@ -30,6 +32,7 @@ from .softmax import fold_tree_nodes, log_softmax, log_softmax_from_sum, shard_t
 __all__ = [
     "GdnPages",
     "GdnState",
+    "PagedPasses",
     "PagedSeqs",
     "paged_decodes",
     "conv1d_causal",
@@ -40,6 +43,7 @@ __all__ = [
     "gdn_paged",
     "gdn_state",
     "l2norm",
+    "paged_passes",
     "paged_seqs",
     "rmsnorm_gated",
     "rmsnorm_zero_centered",

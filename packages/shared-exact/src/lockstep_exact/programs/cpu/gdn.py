@@ -476,6 +476,122 @@ def paged_seqs(starts, positions, slots, *, chunk: int, device=None, upload=None
     )
 
 
+@dataclass(frozen=True)
+class PagedPasses:
+    """A step whose sequences run past a chunk boundary (a prefill), as passes over the state
+    pages: pass j holds the j-th chunk-aligned piece of every sequence that has one (the first
+    piece runs to its chunk's end, the next ones are whole chunks, the last the remainder), so
+    each pass is a ``PagedSeqs`` step (every sequence's rows inside one chunk) and the passes
+    in order advance each page as the sequence's one call would: a row gets the bytes of its
+    sequence's own ``gdn_chunked`` / ``conv1d_causal`` call. ``passes``: (rows, seqs) per pass,
+    ``rows`` int64 on the pages' device the step's rows of the pass in the pass's order (the
+    pass's inputs are those rows; its outputs go back to them). ``table`` and ``slot_ids``:
+    the whole step's, as ``PagedSeqs``' (row start, rows, position, page), what the pages
+    hold after it. Made by ``paged_passes``."""
+
+    passes: tuple[tuple[torch.Tensor, PagedSeqs], ...]
+    starts: tuple[int, ...]
+    chunk: int
+    table: torch.Tensor
+    slot_ids: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.starts[-1]
+
+    @property
+    def count(self) -> int:
+        return self.table.shape[0]
+
+
+def paged_passes(
+    starts, positions, slots, *, chunk: int, device=None, upload=None
+) -> PagedSeqs | PagedPasses:
+    """A step of sequences over state pages (as ``paged_seqs``: sequence r has the rows
+    ``starts[r]:starts[r+1]``, its first at ``positions[r]``, its state in page ``slots[r]``):
+    ``paged_seqs``' table where every sequence's rows stay inside one chunk, else the step as
+    ``PagedPasses``. Checked as ``paged_seqs`` checks (but for the chunk). Everything the
+    passes need of the host goes to the device in one upload."""
+    starts, positions = tuple(starts), tuple(positions)
+    n_seq = len(positions)
+    require(
+        len(starts) == n_seq + 1 and len(slots) == n_seq and n_seq > 0 and starts[0] == 0,
+        "gdn paged: starts [R + 1] from 0, positions [R] and slots [R] of R >= 1 sequences",
+    )
+    require(chunk >= 1 and chunk & (chunk - 1) == 0, f"gdn paged: chunk {chunk} not a power of 2")
+    sizes = [starts[r + 1] - starts[r] for r in range(n_seq)]
+    for r, (n, p) in enumerate(zip(sizes, positions, strict=True)):
+        require(n >= 1 and p >= 0, f"gdn paged: sequence {r} has {n} rows at position {p}")
+    if all(p % chunk + n <= chunk for n, p in zip(sizes, positions, strict=True)):
+        return paged_seqs(starts, positions, slots, chunk=chunk, device=device, upload=upload)
+    on_host = not isinstance(slots, torch.Tensor)
+    if on_host:
+        slots = tuple(int(x) for x in slots)
+        require(len(set(slots)) == n_seq, "gdn paged: two sequences share a state page")
+        require(min(slots) >= 0, "gdn paged: a negative page index")
+    else:
+        device = slots.device
+    # pieces[j]: (sequence, first row, rows, position) of each sequence's j-th piece
+    pieces: list[list[tuple[int, int, int, int]]] = []
+    for r, (n, p) in enumerate(zip(sizes, positions, strict=True)):
+        done, j = 0, 0
+        while done < n:
+            take = min(n - done, chunk - (p + done) % chunk)
+            if j == len(pieces):
+                pieces.append([])
+            pieces[j].append((r, starts[r] + done, take, p + done))
+            done, j = done + take, j + 1
+    # one host tensor: each pass's rows, then each pass's (row start, rows, position) and
+    # sequences, then the whole step's (row start, rows, position)
+    flat: list[int] = []
+    for piece in pieces:
+        for _, lo, n, _ in piece:
+            flat.extend(range(lo, lo + n))
+    heads_at = len(flat)
+    for piece in pieces:
+        at = 0
+        for r, _, n, p in piece:
+            flat += (at, n, p, r)
+            at += n
+    whole_at = len(flat)
+    for r in range(n_seq):
+        flat += (starts[r], sizes[r], positions[r])
+    move = upload or (lambda t: t.to(device))
+    up = move(torch.tensor(flat + (list(slots) if on_host else []), dtype=torch.int64))
+    ids = up[whole_at + 3 * n_seq :] if on_host else slots.to(torch.int64)
+    if not on_host:  # the engine's pages: distinct, asserted where they live
+        order = ids.sort().values
+        torch._assert_async(((order[1:] != order[:-1]).all()) & (order[0] >= 0))
+    passes = []
+    row_at, head_at = 0, heads_at
+    for piece in pieces:
+        n_rows = sum(n for _, _, n, _ in piece)
+        head = up[head_at : head_at + 4 * len(piece)].view(len(piece), 4)
+        sel = ids[head[:, 3]]
+        table = torch.cat([head[:, :3], sel[:, None]], dim=1).to(torch.int32)
+        pass_starts = [0]
+        for _, _, n, _ in piece:
+            pass_starts.append(pass_starts[-1] + n)
+        seqs = PagedSeqs(
+            starts=tuple(pass_starts),
+            positions=tuple(p for *_, p in piece),
+            slots=tuple(slots[r] for r, *_ in piece) if on_host else None,
+            chunk=chunk,
+            table=table,
+            slot_ids=sel,
+        )
+        passes.append((up[row_at : row_at + n_rows], seqs))
+        row_at, head_at = row_at + n_rows, head_at + 4 * len(piece)
+    whole = up[whole_at : whole_at + 3 * n_seq].view(n_seq, 3)
+    return PagedPasses(
+        passes=tuple(passes),
+        starts=starts,
+        chunk=chunk,
+        table=torch.cat([whole, ids[:, None]], dim=1).to(torch.int32),
+        slot_ids=ids,
+    )
+
+
 def paged_decodes(positions, slots, live, *, chunk: int) -> PagedSeqs:
     """``PagedSeqs`` of a step of one-row sequences made on the pages' device, nothing read on
     the host (a CUDA graph replays it with new values in the same tensors): row r is sequence
