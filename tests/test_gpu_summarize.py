@@ -95,7 +95,7 @@ def test_the_committed_suite_steps_name_the_chunks_summarize_expects():
     steps = ROOT / "tools/gpu/suite.steps"
     names = _tool().step_names(steps)
     assert names and len(names) == len(set(names))
-    assert {"programs", "vllm", "training", "next", "sglang-dense"} <= set(names)
+    assert {"programs", "vllm", "training", "next", "sglang-dense", "sglang-cross"} <= set(names)
     # every file with GPU tests is in one of the calls, but the one that needs two GPUs
     text = steps.read_text()
     elsewhere = {"test_layout_gpu.py"}
