@@ -387,8 +387,22 @@ class GdnPages:
             getattr(self, name)[slot, :w] = getattr(state, name)
 
 
+class _StepTable:
+    """What a step's table over state pages answers (``PagedSeqs``, ``PagedPasses``): its
+    rows and its sequences."""
+
+    @property
+    def rows(self) -> int:
+        return self.starts[-1]
+
+    @property
+    def count(self) -> int:
+        """Sequences in the step (padding entries included)."""
+        return self.table.shape[0]
+
+
 @dataclass(frozen=True)
-class PagedSeqs:
+class PagedSeqs(_StepTable):
     """The sequences of one step over state pages: sequence r has the rows
     ``starts[r]:starts[r+1]`` of the step, its first at ``positions[r]``, its state in page
     ``slot_ids[r]`` (int64 on the pages' device). ``positions`` and ``slots`` hold the same on
@@ -404,15 +418,6 @@ class PagedSeqs:
     chunk: int
     table: torch.Tensor
     slot_ids: torch.Tensor
-
-    @property
-    def rows(self) -> int:
-        return self.starts[-1]
-
-    @property
-    def count(self) -> int:
-        """Sequences in the step (padding entries included)."""
-        return self.table.shape[0]
 
     def host_rows(self) -> list[tuple[int, int, int, int]]:
         """(row start, rows, position, page) of every sequence with rows, on the host (the
@@ -477,7 +482,7 @@ def paged_seqs(starts, positions, slots, *, chunk: int, device=None, upload=None
 
 
 @dataclass(frozen=True)
-class PagedPasses:
+class PagedPasses(_StepTable):
     """A step whose sequences run past a chunk boundary (a prefill), as passes over the state
     pages: pass j holds the j-th chunk-aligned piece of every sequence that has one (the first
     piece runs to its chunk's end, the next ones are whole chunks, the last the remainder), so
@@ -494,14 +499,6 @@ class PagedPasses:
     chunk: int
     table: torch.Tensor
     slot_ids: torch.Tensor
-
-    @property
-    def rows(self) -> int:
-        return self.starts[-1]
-
-    @property
-    def count(self) -> int:
-        return self.table.shape[0]
 
 
 def paged_passes(
