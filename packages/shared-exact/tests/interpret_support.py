@@ -185,8 +185,10 @@ def check_paged(out: dict) -> None:
         equal = same(want, got) and same(want_x, got_x) and all(same(a[n], b[n]) for n in a)
         out[f"paged: {name}"] = {"equal": equal}
     # A prefill as chunk passes (paged_passes: sequences across one, two and three chunk
-    # ends, from 0 and from inside a chunk, beside a decode): the launches a pass at a time
-    # give each sequence's own gdn_chunked and conv1d_causal call over all its rows.
+    # ends, from 0 and from inside a chunk, beside a decode): the launches a pass at a time,
+    # as programs' dispatch runs them (_by_passes), give each sequence's own gdn_chunked and
+    # conv1d_causal call over all its rows.
+    from lockstep_exact.programs import _by_passes
     from lockstep_exact.testing import own_calls
 
     heads, dims, c, kern = (2, 4), (16, 33), 16, 4
@@ -198,13 +200,14 @@ def check_paged(out: dict) -> None:
     want, want_x, want_book = own_calls(inputs, book, starts, positions, slots, chunk=c)
     passes = cpu_gdn.paged_passes(starts, positions, slots, chunk=c)
     mine = pages_to(book, "cpu")
-    got, got_x = torch.empty_like(want), torch.empty_like(want_x)
-    for rows, table in passes.passes:
-        got_x[rows] = cuda_hybrid.conv1d_pages(x[rows], w, mine, table, kernel=kern)
-    for rows, table in passes.passes:
-        got[rows] = cuda_hybrid.paged(
-            q[rows], k[rows], v[rows], g[rows], beta[rows], mine, table, chunk=c
-        )
+    got_x = _by_passes(
+        lambda rows, table: cuda_hybrid.conv1d_pages(rows, w, mine, table, kernel=kern),
+        (x,),
+        passes,
+    )
+    got = _by_passes(
+        lambda *xs: cuda_hybrid.paged(*xs[:5], mine, xs[5], chunk=c), (q, k, v, g, beta), passes
+    )
     after = [p + starts[r + 1] - starts[r] for r, p in enumerate(positions)]
     a, b = live_pages(want_book, slots, after, c), live_pages(mine, slots, after, c)
     equal = same(want, got) and same(want_x, got_x) and all(same(a[n], b[n]) for n in a)

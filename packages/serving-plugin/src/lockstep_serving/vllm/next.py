@@ -563,7 +563,7 @@ class LockstepQwen3NextForCausalLM(nn.Module):
             slots_ = PagedNextSlots(self, reqs, rows, adapters)
             if paged:
                 page_ids = slots_dev[up(torch.tensor(slots), slots_dev.device)]
-                slots_.paged = self._paged_seqs(reqs, batch, page_ids, pages)
+                slots_.paged = self._paged_step(reqs, batch, page_ids, pages)
             h = N.hidden(self.ops, self.geom, slots_, batch)
             if paged:
                 advance_metas(self.geom, pages, slots_.paged[1], NULL_PAGE)
@@ -618,8 +618,9 @@ class LockstepQwen3NextForCausalLM(nn.Module):
         advance_metas(self.geom, pages, seqs, NULL_PAGE)
         return h
 
-    def _paged_seqs(self, reqs, batch, slots, pages):
-        """The paged programs' pages (by GDN layer) and table for one adapter group."""
+    def _paged_step(self, reqs, batch, slots, pages):
+        """The paged programs' pages (by GDN layer) and table for one adapter group: one
+        call where every request stays inside its chunk, else passes (``P.paged_passes``)."""
         starts = [0]
         for _, start, end, _ in reqs:
             starts.append(starts[-1] + end - start)

@@ -433,6 +433,38 @@ class PagedSeqs(_StepTable):
         return [row for row in rows if row[1] > 0]
 
 
+def _checked_step(starts, positions, slots, chunk: int):
+    """What both step tables check of a step (``paged_seqs``, ``paged_passes``): R >= 1
+    sequences, starts from 0, a power-of-2 chunk, and pages given on the host distinct and
+    >= 0. Returns (starts, positions, slots): tuples, ``slots`` as host integers or the
+    tensor it was given as (its pages are checked on its device, ``_page_ids``)."""
+    starts, positions = tuple(starts), tuple(positions)
+    n_seq = len(positions)
+    if not isinstance(slots, torch.Tensor):
+        slots = tuple(int(x) for x in slots)
+    require(
+        len(starts) == n_seq + 1 and len(slots) == n_seq and n_seq > 0 and starts[0] == 0,
+        "gdn paged: starts [R + 1] from 0, positions [R] and slots [R] of R >= 1 sequences",
+    )
+    require(chunk >= 1 and chunk & (chunk - 1) == 0, f"gdn paged: chunk {chunk} not a power of 2")
+    if isinstance(slots, tuple):
+        require(len(set(slots)) == n_seq, "gdn paged: two sequences share a state page")
+        require(min(slots) >= 0, "gdn paged: a negative page index")
+    return starts, positions, slots
+
+
+def _page_ids(uploaded: torch.Tensor, slots) -> torch.Tensor:
+    """A step's pages as int64 on their device: host pages are the tail of the step's one
+    upload; an engine's page tensor is used where it lives, its pages asserted distinct and
+    >= 0 there (no host read)."""
+    if isinstance(slots, tuple):
+        return uploaded[uploaded.shape[0] - len(slots) :]
+    ids = slots.to(torch.int64)
+    order = ids.sort().values
+    torch._assert_async(((order[1:] != order[:-1]).all()) & (order[0] >= 0))
+    return ids
+
+
 def paged_seqs(starts, positions, slots, *, chunk: int, device=None, upload=None) -> PagedSeqs:
     """``PagedSeqs`` of a step, checked: each sequence has rows and its rows stay inside the
     chunk of its first one (position mod chunk + rows <= chunk), its page is not another's.
@@ -440,21 +472,11 @@ def paged_seqs(starts, positions, slots, *, chunk: int, device=None, upload=None
     engine's block table: then nothing of it is read on the host, and distinct pages are
     asserted on the device). ``upload(host_tensor)``: how the host part reaches ``device``
     (default ``.to``; a tensor ``slots`` sets the device)."""
-    starts, positions = tuple(starts), tuple(positions)
+    starts, positions, slots = _checked_step(starts, positions, slots, chunk)
     n_seq = len(positions)
-    on_host = not isinstance(slots, torch.Tensor)
-    if on_host:
-        slots = tuple(int(x) for x in slots)
-    else:
+    on_host = isinstance(slots, tuple)
+    if not on_host:
         device = slots.device
-    require(
-        len(starts) == n_seq + 1 and len(slots) == n_seq and n_seq > 0 and starts[0] == 0,
-        "gdn paged: starts [R + 1] from 0, positions [R] and slots [R] of R >= 1 sequences",
-    )
-    require(chunk >= 1 and chunk & (chunk - 1) == 0, f"gdn paged: chunk {chunk} not a power of 2")
-    if on_host:
-        require(len(set(slots)) == n_seq, "gdn paged: two sequences share a state page")
-        require(min(slots) >= 0, "gdn paged: a negative page index")
     head = []
     for r, p in enumerate(positions):
         n = starts[r + 1] - starts[r]
@@ -466,10 +488,7 @@ def paged_seqs(starts, positions, slots, *, chunk: int, device=None, upload=None
         head += (starts[r], n, p)
     move = upload or (lambda t: t.to(device))
     up = move(torch.tensor(head + (list(slots) if on_host else []), dtype=torch.int64))
-    ids = up[3 * n_seq :] if on_host else slots.to(torch.int64)
-    if not on_host:  # the engine's pages: distinct, asserted where they live
-        order = ids.sort().values
-        torch._assert_async(((order[1:] != order[:-1]).all()) & (order[0] >= 0))
+    ids = _page_ids(up, slots)
     table = torch.cat([up[: 3 * n_seq].view(n_seq, 3), ids[:, None]], dim=1).to(torch.int32)
     return PagedSeqs(
         starts=starts,
@@ -509,24 +528,15 @@ def paged_passes(
     ``paged_seqs``' table where every sequence's rows stay inside one chunk, else the step as
     ``PagedPasses``. Checked as ``paged_seqs`` checks (but for the chunk). Everything the
     passes need of the host goes to the device in one upload."""
-    starts, positions = tuple(starts), tuple(positions)
+    starts, positions, slots = _checked_step(starts, positions, slots, chunk)
     n_seq = len(positions)
-    require(
-        len(starts) == n_seq + 1 and len(slots) == n_seq and n_seq > 0 and starts[0] == 0,
-        "gdn paged: starts [R + 1] from 0, positions [R] and slots [R] of R >= 1 sequences",
-    )
-    require(chunk >= 1 and chunk & (chunk - 1) == 0, f"gdn paged: chunk {chunk} not a power of 2")
     sizes = [starts[r + 1] - starts[r] for r in range(n_seq)]
     for r, (n, p) in enumerate(zip(sizes, positions, strict=True)):
         require(n >= 1 and p >= 0, f"gdn paged: sequence {r} has {n} rows at position {p}")
     if all(p % chunk + n <= chunk for n, p in zip(sizes, positions, strict=True)):
         return paged_seqs(starts, positions, slots, chunk=chunk, device=device, upload=upload)
-    on_host = not isinstance(slots, torch.Tensor)
-    if on_host:
-        slots = tuple(int(x) for x in slots)
-        require(len(set(slots)) == n_seq, "gdn paged: two sequences share a state page")
-        require(min(slots) >= 0, "gdn paged: a negative page index")
-    else:
+    on_host = isinstance(slots, tuple)
+    if not on_host:
         device = slots.device
     # pieces[j]: (sequence, first row, rows, position) of each sequence's j-th piece
     pieces: list[list[tuple[int, int, int, int]]] = []
@@ -555,10 +565,7 @@ def paged_passes(
         flat += (starts[r], sizes[r], positions[r])
     move = upload or (lambda t: t.to(device))
     up = move(torch.tensor(flat + (list(slots) if on_host else []), dtype=torch.int64))
-    ids = up[whole_at + 3 * n_seq :] if on_host else slots.to(torch.int64)
-    if not on_host:  # the engine's pages: distinct, asserted where they live
-        order = ids.sort().values
-        torch._assert_async(((order[1:] != order[:-1]).all()) & (order[0] >= 0))
+    ids = _page_ids(up, slots)
     passes = []
     row_at, head_at = 0, heads_at
     for piece in pieces:
